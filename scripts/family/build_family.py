@@ -1,0 +1,339 @@
+"""Build kvferry's shipped model family: corpus, shared tokenizer, and the S / T / T64 models.
+
+Everything is offline and seeded. The corpus is the running interpreter's standard-library
+sources (PSF License); its file list and sha256 are recorded in data/corpus.json so a rebuild
+can be checked. Steps (each writes under --out, default the repo root):
+
+    python scripts/family/build_family.py corpus
+    python scripts/family/build_family.py tokenizer
+    KVF_THREADS=1 python scripts/family/build_family.py train --model S --steps 1400 --lr 1.5e-3
+    KVF_THREADS=1 python scripts/family/build_family.py train --model T --steps 1600
+    KVF_THREADS=1 python scripts/family/build_family.py train --model T64 --steps 1200
+
+Training mixes, in every batch and for the whole run: natural code (50%), key->value recall
+documents whose queries repeat the definition line (25%), and copy sequences of random tokens
+drawn from the whole vocabulary with the loss on the repeated span only (25%). A copy probe
+and the recall probe are evaluated during training and logged to models/<name>/curve.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "mappings"))
+import recall  # noqa: E402  (the package's own probe, importable without installing)
+
+VOCAB = 4096
+SEQ = 512
+SPECIALS = ["<|endoftext|>", "<|pad|>"]
+
+FAMILY = {
+    # name: (layers, hidden, heads, kv_heads, head_dim, intermediate)
+    "S": (4, 128, 4, 2, 32, 384),
+    "T": (6, 256, 8, 4, 32, 512),
+    "T64": (6, 256, 4, 2, 64, 512),
+}
+
+
+def _stdlib_files() -> list[Path]:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+    files = [p for p in lib.rglob("*.py") if not (set(p.relative_to(lib).parts[:-1]) & skip)]
+    return sorted(files, key=lambda p: str(p.relative_to(lib)))
+
+
+def _split(rel: str) -> str:
+    h = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100
+    return "heldout" if h < 3 else "calib" if h < 6 else "train"
+
+
+def cmd_corpus(out: Path) -> None:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    splits: dict[str, list[dict]] = {"train": [], "calib": [], "heldout": []}
+    for p in _stdlib_files():
+        rel = str(p.relative_to(lib))
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if len(text) < 200:
+            continue
+        splits[_split(rel)].append({"path": rel, "text": text})
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "source": f"CPython {sys.version.split()[0]} standard library sources ({lib})",
+        "license": "PSF License Agreement (Python Software Foundation License Version 2)",
+        "split_rule": "sha256(relative path) % 100: <3 heldout, <6 calib, else train",
+        "splits": {},
+    }
+    for name, docs in splits.items():
+        blob = "\n".join(d["path"] + "\0" + d["text"] for d in docs).encode()
+        manifest["splits"][name] = {
+            "files": len(docs),
+            "chars": sum(len(d["text"]) for d in docs),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+            "paths": [d["path"] for d in docs],
+        }
+        if name != "train":  # small splits ship in the repo; train is rebuilt and checked
+            with open(data / f"{name}.jsonl", "w", encoding="utf-8") as f:
+                for d in docs:
+                    f.write(json.dumps(d) + "\n")
+    (data / "corpus.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print({k: (v["files"], v["chars"]) for k, v in manifest["splits"].items()})
+
+
+def _train_texts() -> list[str]:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for p in _stdlib_files():
+        rel = str(p.relative_to(lib))
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if len(text) >= 200 and _split(rel) == "train":
+            out.append(text)
+    return out
+
+
+def cmd_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_train_texts(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1], bos_token=SPECIALS[0])
+    fast.model_max_length = 8192
+    dest = out / "models" / "tokenizer"
+    fast.save_pretrained(dest)
+    print("tokenizer", len(fast), "->", dest)
+
+
+def _load_tokenizer(out: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(out / "models" / "tokenizer")
+
+
+def make_config(name: str):
+    from transformers import LlamaConfig
+
+    layers, hidden, heads, kv, hd, inter = FAMILY[name]
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=hd, intermediate_size=inter, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=1, rms_norm_eps=1e-5,
+    )
+
+
+class Mix:
+    """Samples 512-token training rows: code, recall documents, copy sequences."""
+
+    def __init__(self, tok, texts: list[str], seed: int):
+        self.rng = random.Random(seed)
+        self.tok = tok
+        self.texts = texts
+        ids: list[int] = []
+        for enc in tok(texts, add_special_tokens=False)["input_ids"]:
+            ids.extend(enc + [tok.eos_token_id])
+        self.stream = torch.tensor(ids, dtype=torch.long)
+        self.low = len(SPECIALS)
+
+    def filler(self, lo: int = 300, hi: int = 1400) -> str:
+        text = self.rng.choice(self.texts)
+        start = self.rng.randrange(0, max(1, len(text) - hi))
+        start = text.find("\n", start) + 1
+        return text[start : start + self.rng.randint(lo, hi)]
+
+    def code(self, n: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.rng.randrange(0, len(self.stream) - n - 1)
+        return self.stream[i : i + n].clone(), torch.ones(n, dtype=torch.bool)
+
+    def recall_doc(self) -> tuple[torch.Tensor, torch.Tensor]:
+        doc = recall.make_document(self.rng, self.filler(), entries=self.rng.randint(4, 14), queries=self.rng.randint(2, 6))
+        ids = self.tok(doc, add_special_tokens=False)["input_ids"][:SEQ]
+        row = torch.tensor(ids, dtype=torch.long)
+        mask = torch.ones(len(row), dtype=torch.bool)
+        if len(row) < SEQ:
+            pad, pmask = self.code(SEQ - len(row))
+            row, mask = torch.cat([row, pad]), torch.cat([mask, pmask])
+        return row, mask
+
+    def copy_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        span = self.rng.randint(16, 200)
+        gap = self.rng.randint(0, SEQ - 2 * span - 1) if SEQ - 2 * span - 1 > 0 else 0
+        start = self.rng.randint(0, SEQ - 2 * span - gap)
+        row, mask = self.code(SEQ)
+        g = torch.Generator().manual_seed(self.rng.randrange(1 << 30))
+        s = torch.randint(self.low, VOCAB, (span,), generator=g)
+        row[start : start + span] = s
+        row[start + span + gap : start + 2 * span + gap] = s
+        mask[:] = False
+        mask[start + span + gap + 1 : start + 2 * span + gap] = True
+        return row, mask
+
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, masks = [], []
+        for _ in range(size):
+            r = self.rng.random()
+            row, mask = self.code() if r < 0.5 else self.recall_doc() if r < 0.75 else self.copy_row()
+            rows.append(row)
+            masks.append(mask)
+        return torch.stack(rows), torch.stack(masks)
+
+
+def lm_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    target = ids[:, 1:]
+    m = mask[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    return (nll * m.reshape(-1)).sum() / m.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def heldout_nll(model, tok, out: Path, windows: int = 24) -> float:
+    docs = [json.loads(l)["text"] for l in open(out / "data" / "heldout.jsonl")]
+    ids: list[int] = []
+    for enc in tok(docs, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc + [tok.eos_token_id])
+    stream = torch.tensor(ids)
+    step = max(SEQ, (len(stream) - SEQ - 1) // windows)
+    rows = torch.stack([stream[i : i + SEQ] for i in range(0, step * windows, step)][:windows])
+    losses = [lm_loss(model, rows[i : i + 4], torch.ones_like(rows[i : i + 4], dtype=torch.bool)) for i in range(0, len(rows), 4)]
+    return float(torch.stack(losses).mean())
+
+
+@torch.no_grad()
+def copy_probe(model, seed: int = 99, n: int = 16, span: int = 100) -> float:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(len(SPECIALS), VOCAB, (n, span), generator=g)
+    ids = torch.cat([s, s], dim=1)
+    pred = model(input_ids=ids).logits[:, span:-1].argmax(-1)
+    return float((pred == ids[:, span + 1 :]).float().mean())
+
+
+def heldout_fillers(tok, out: Path, count: int = 50) -> list[str]:
+    docs = [json.loads(l)["text"] for l in open(out / "data" / "heldout.jsonl")]
+    rng = random.Random(7)
+    fillers = []
+    while len(fillers) < count:
+        text = rng.choice(docs)
+        if len(text) < 1500:
+            continue
+        start = text.find("\n", rng.randrange(0, len(text) - 1200)) + 1
+        chunk = text[start : start + rng.randint(400, 900)]
+        if len(tok(chunk)["input_ids"]) >= 80:
+            fillers.append(chunk)
+    return fillers
+
+
+@torch.no_grad()
+def recall_probe(model, tok, out: Path, n: int = 60, truncate: int | None = None) -> float:
+    examples = recall.make_probe(heldout_fillers(tok, out), count=n)
+    hits = 0
+    for ex in examples:
+        ids = tok(ex.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if truncate:
+            ids = ids[:, -truncate:]
+        gen = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        text = tok.decode(gen[0, ids.shape[1] :])
+        hits += text.split('"')[0] == ex.answer
+    return hits / n
+
+
+def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int, eval_every: int) -> None:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    tok = _load_tokenizer(out)
+    model = LlamaForCausalLM(make_config(name))
+    mix = Mix(tok, _train_texts(), seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    )
+    dest = out / "models" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    curve = open(dest / "curve.jsonl", "w")
+    t0 = time.time()
+    best = -1.0
+    for step in range(1, steps + 1):
+        model.train()
+        ids, mask = mix.batch(batch)
+        loss = lm_loss(model, ids, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % eval_every == 0 or step == steps:
+            model.eval()
+            rec = {
+                "step": step, "tokens": step * batch * SEQ, "minutes": round((time.time() - t0) / 60, 2),
+                "train_loss": round(float(loss), 4), "heldout_nll": round(heldout_nll(model, tok, out), 4),
+                "copy_acc": round(copy_probe(model), 4), "recall": round(recall_probe(model, tok, out, n=40), 4),
+            }
+            print(json.dumps(rec), flush=True)
+            curve.write(json.dumps(rec) + "\n")
+            curve.flush()
+            score = rec["recall"] + rec["copy_acc"] - rec["heldout_nll"] / 10
+            if step == steps or score >= best:
+                best = max(best, score)
+                _export(model, tok, dest, name, rec, seed, steps, batch, lr)
+
+
+def _export(model, tok, dest: Path, name: str, rec: dict, seed: int, steps: int, batch: int, lr: float) -> None:
+    import copy
+
+    half = copy.deepcopy(model).to(torch.float16)
+    half.config.dtype = "float32"
+    half.save_pretrained(dest, safe_serialization=True)
+    tok.save_pretrained(dest)
+    (dest / "training.json").write_text(json.dumps({
+        "name": name, "seed": seed, "steps": steps, "batch": batch, "seq_len": SEQ, "lr": lr,
+        "mix": {"code": 0.5, "recall_documents": 0.25, "copy_full_vocab": 0.25},
+        "checkpoint": rec,
+    }, indent=1) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=["corpus", "tokenizer", "train"])
+    ap.add_argument("--out", type=Path, default=ROOT)
+    ap.add_argument("--model", choices=sorted(FAMILY))
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("KVF_THREADS", "2")))
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    if a.step == "corpus":
+        cmd_corpus(a.out)
+    elif a.step == "tokenizer":
+        cmd_tokenizer(a.out)
+    else:
+        if not a.model:
+            ap.error("train needs --model")
+        cmd_train(a.out, a.model, a.steps, a.batch, a.lr, a.seed, a.eval_every)
+
+
+if __name__ == "__main__":
+    main()
