@@ -76,3 +76,21 @@ def make_probe(
         filler = fillers[i % len(fillers)].rstrip("\n") + "\n\n"
         out.append(RecallExample(render_table(name, table) + filler + query_line(key), value))
     return out
+
+
+def probe_fillers(texts: list[str], tokenizer, count: int = 50, min_tokens: int = 80, seed: int = 7) -> list[str]:
+    """Chunks of held-out code, each at least ``min_tokens`` long, to sit between table and query."""
+    rng = random.Random(seed)
+    docs = [t for t in texts if len(t) >= 1500]
+    if not docs:
+        raise ValueError("probe_fillers needs held-out texts of at least 1500 characters")
+    out: list[str] = []
+    for _ in range(count * 20):
+        if len(out) >= count:
+            break
+        text = rng.choice(docs)
+        start = text.find("\n", rng.randrange(0, len(text) - 1200)) + 1
+        chunk = text[start : start + rng.randint(400, 900)]
+        if len(tokenizer(chunk, add_special_tokens=False)["input_ids"]) >= min_tokens:
+            out.append(chunk)
+    return out

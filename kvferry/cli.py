@@ -1,0 +1,134 @@
+"""The ``kvferry`` command: fit, eval, demo (and more as subsystems land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvferry import paths
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _threads(n: int | None) -> None:
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+
+
+def cmd_fit(a: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from kvferry.mappings.artifact import save
+    from kvferry.mappings.capture import load_model
+    from kvferry.mappings.fit import FitSettings, fit_pair
+
+    _quiet_transformers()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    settings = FitSettings(k=a.k, seq_len=a.seq_len, max_tokens=a.max_tokens, subsample=a.subsample, seed=a.seed)
+    src, tgt = load_model(a.source, a.source_name), load_model(a.target, a.target_name)
+    ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet)
+    if ms is not None:
+        dest = save(ms, a.out, overwrite=a.overwrite)
+        print(f"wrote {dest}")
+        for (t, kind), m in sorted(ms.maps.items()):
+            print(f"  layer {t} {kind.upper()}: sources {list(m.source_layers)}  lambda {m.lam:g}  held-out R² {m.heldout_r2:.4f}")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from kvferry.mappings.artifact import load, write_evidence
+    from kvferry.mappings.capture import load_model
+    from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
+
+    _quiet_transformers()
+    ms = load(a.map)
+    src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
+    settings = EvalSettings(prompts=a.prompts, refresh=a.refresh, sinks=a.sinks, recall_prompts=a.recall_prompts,
+                            greedy_prompts=a.greedy_prompts, min_len=a.min_len, max_len=a.max_len)
+    ev = evaluate(ms, src, tgt, a.heldout, settings, progress=not a.quiet)
+    print(format_table(ev, f"{ms.name} {ms.version} (r={a.refresh}, s={a.sinks}, {a.prompts} prompts)"))
+    if a.json:
+        Path(a.json).write_text(json.dumps(ev, indent=1) + "\n")
+    if a.write:
+        write_evidence(a.map, ev)
+        print(f"evidence written to {Path(a.map) / 'manifest.json'}")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from kvferry import demo
+
+    return demo.run(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvferry", description="Cross-model KV-cache translation.")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    f = sub.add_parser("fit", help="fit closed-form ridge maps source->target and write a versioned artifact")
+    f.add_argument("--source", type=Path, default=paths.model_dir("S"), help="source HF model directory")
+    f.add_argument("--target", type=Path, default=paths.model_dir("T"), help="target HF model directory")
+    f.add_argument("--source-name", default=None, help="name recorded for the source (default: folder name)")
+    f.add_argument("--target-name", default=None, help="name recorded for the target (default: folder name)")
+    f.add_argument("--corpus", nargs="+", default=[str(paths.data_file("calib.jsonl"))], help="text files, folders or JSONL")
+    f.add_argument("--out", type=Path, default=paths.maps_dir(), help="registry root to write <source>__<target>/<version>")
+    f.add_argument("--version", default="1.0.0")
+    f.add_argument("--k", type=int, default=4, help="source layers per target map")
+    f.add_argument("--seq-len", type=int, default=512)
+    f.add_argument("--max-tokens", type=int, default=None)
+    f.add_argument("--subsample", type=float, default=1.0, help="fraction of positions kept")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--overwrite", action="store_true")
+    f.add_argument("--quiet", action="store_true")
+    f.set_defaults(func=cmd_fit)
+
+    e = sub.add_parser("eval", help="measure a map's evidence on held-out text (JSON + table)")
+    e.add_argument("map", type=Path, help="artifact directory <root>/<source>__<target>/<version>")
+    e.add_argument("--source", type=Path, default=paths.model_dir("S"))
+    e.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    e.add_argument("--heldout", nargs="+", default=[str(paths.data_file("heldout.jsonl"))])
+    e.add_argument("--prompts", type=int, default=100)
+    e.add_argument("--min-len", type=int, default=128)
+    e.add_argument("--max-len", type=int, default=512)
+    e.add_argument("--refresh", type=int, default=16)
+    e.add_argument("--sinks", type=int, default=4)
+    e.add_argument("--greedy-prompts", type=int, default=16)
+    e.add_argument("--recall-prompts", type=int, default=50)
+    e.add_argument("--json", default=None, help="write the evidence JSON here")
+    e.add_argument("--write", action="store_true", help="record the evidence in the artifact's manifest")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    d = sub.add_parser("demo", help="the main job end to end on the shipped family")
+    d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")
+    d.add_argument("--prompts", type=int, default=60)
+    d.add_argument("--quiet", action="store_true")
+    d.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvferry.mappings.errors import KvferryError
+
+    a = build_parser().parse_args(argv)
+    _threads(a.threads)
+    try:
+        sys.exit(a.func(a))
+    except KvferryError as e:
+        print(f"kvferry: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,266 @@
+"""The versioned map artifact: ``<root>/<source>__<target>/<version>/{maps.safetensors,manifest.json}``.
+
+``maps.safetensors`` holds per target layer and K/V a weight, a bias and the source-layer
+indices; its header metadata names the format, map and fingerprints. ``manifest.json`` holds
+the identities of both models, the fit settings, the calibration corpus digest, the measured
+evidence, and two checksums: ``content_sha256`` of the tensor file and ``manifest_sha256`` of
+the manifest's other fields. Loading checks all of it and refuses what does not add up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .errors import ArtifactError, Incompatible
+from .geometry import ModelIdentity, check_pair, digest
+
+FORMAT = "kvferry.maps"
+FORMAT_VERSION = 1
+KINDS = ("k", "v")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?$")
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise ArtifactError(f"invalid map or model name {name!r}: use letters, digits, '.', '_' or '-' (no path separators)")
+    return name
+
+
+def check_version(version: str) -> str:
+    if not isinstance(version, str) or not _SEMVER.match(version):
+        raise ArtifactError(f"invalid map version {version!r}: use a semantic version such as 1.0.0")
+    return version
+
+
+def version_key(version: str) -> tuple:
+    major, minor, patch = re.match(r"(\d+)\.(\d+)\.(\d+)", version).groups()
+    pre = version.partition("-")[2]
+    return (int(major), int(minor), int(patch), pre == "", pre)
+
+
+@dataclass
+class LayerMap:
+    """One target layer's K or V map: y = concat(x[s] for s in source_layers) @ weight + bias."""
+
+    target_layer: int
+    kind: str
+    source_layers: tuple[int, ...]
+    weight: torch.Tensor  # [len(source_layers) * source_width, target_width]
+    bias: torch.Tensor  # [target_width]
+    lam: float = 0.0
+    heldout_r2: float = float("nan")
+
+
+@dataclass
+class MapSet:
+    """All maps from one source model to one target model, with their provenance and evidence."""
+
+    source: ModelIdentity
+    target: ModelIdentity
+    maps: dict[tuple[int, str], LayerMap]
+    version: str = "1.0.0"
+    fit: dict = field(default_factory=dict)  # k, lambdas, seq_len, subsample...
+    calibration: dict = field(default_factory=dict)  # corpus digest, tokens, sequences
+    evidence: dict | None = None
+    created_at: str = ""
+    kvferry_version: str = ""
+    content_sha256: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.name}__{self.target.name}"
+
+    def layer(self, target_layer: int, kind: str) -> LayerMap:
+        return self.maps[(target_layer, kind)]
+
+    def to(self, device=None, dtype=torch.float32) -> "MapSet":
+        for m in self.maps.values():
+            m.weight = m.weight.to(device=device, dtype=dtype)
+            m.bias = m.bias.to(device=device, dtype=dtype)
+        return self
+
+    def validate(self) -> None:
+        check_name(self.source.name), check_name(self.target.name), check_version(self.version)
+        check_pair(self.source, self.target)
+        sg, tg = self.source.geometry, self.target.geometry
+        for t in range(tg.layers):
+            for kind in KINDS:
+                m = self.maps.get((t, kind))
+                if m is None:
+                    raise ArtifactError(f"map for target layer {t} {kind.upper()} is missing; refit the map")
+                if not m.source_layers or any(not 0 <= s < sg.layers for s in m.source_layers):
+                    raise ArtifactError(f"layer {t}{kind}: source layers {m.source_layers} outside 0..{sg.layers - 1}")
+                want = (len(m.source_layers) * sg.kv_width, tg.kv_width)
+                if tuple(m.weight.shape) != want or tuple(m.bias.shape) != (tg.kv_width,):
+                    raise ArtifactError(f"layer {t}{kind}: weight {tuple(m.weight.shape)} / bias {tuple(m.bias.shape)}, "
+                                        f"expected {want} / ({tg.kv_width},) for these geometries")
+                if not (torch.isfinite(m.weight).all() and torch.isfinite(m.bias).all()):
+                    raise ArtifactError(f"layer {t}{kind}: weights contain NaN or Inf")
+
+
+def _tensors(ms: MapSet) -> dict[str, torch.Tensor]:
+    out = {}
+    for (t, kind), m in sorted(ms.maps.items()):
+        out[f"layer.{t}.{kind}.weight"] = m.weight.detach().float().cpu().contiguous()
+        out[f"layer.{t}.{kind}.bias"] = m.bias.detach().float().cpu().contiguous()
+        out[f"layer.{t}.{kind}.sources"] = torch.tensor(m.source_layers, dtype=torch.int64)
+    return out
+
+
+def _manifest(ms: MapSet) -> dict:
+    body = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "name": ms.name, "version": ms.version,
+        "content_sha256": ms.content_sha256, "source": ms.source.as_dict(), "target": ms.target.as_dict(),
+        "maps": [{"target_layer": t, "kind": k, "source_layers": list(m.source_layers), "lambda": m.lam,
+                  "heldout_r2": None if m.heldout_r2 != m.heldout_r2 else round(m.heldout_r2, 6)}
+                 for (t, k), m in sorted(ms.maps.items())],
+        "fit": ms.fit, "calibration": ms.calibration, "evidence": ms.evidence,
+        "created_at": ms.created_at, "kvferry_version": ms.kvferry_version,
+    }
+    body["manifest_sha256"] = digest(body)
+    return body
+
+
+def artifact_dir(root: str | Path, ms_or_name, version: str | None = None) -> Path:
+    name = ms_or_name.name if isinstance(ms_or_name, MapSet) else ms_or_name
+    version = version or ms_or_name.version
+    return Path(root) / check_name(name) / check_version(version)
+
+
+def save(ms: MapSet, root: str | Path, overwrite: bool = False) -> Path:
+    """Write the artifact atomically (a temp dir renamed into place); returns its directory."""
+    from kvferry import __version__
+
+    ms.validate()
+    ms.created_at = ms.created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    ms.kvferry_version = ms.kvferry_version or __version__
+    dest = artifact_dir(root, ms)
+    if dest.exists() and not overwrite:
+        raise ArtifactError(f"{dest} exists; bump the version (artifacts are immutable) or pass overwrite=True")
+    meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "name": ms.name, "version": ms.version,
+            "source_geometry": ms.source.geometry.fingerprint, "target_geometry": ms.target.geometry.fingerprint,
+            "tokenizer": ms.source.tokenizer}
+    blob = _canonical(st_save(_tensors(ms), metadata=meta))
+    ms.content_sha256 = hashlib.sha256(blob).hexdigest()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{ms.version}.", dir=dest.parent))
+    (tmp / "maps.safetensors").write_bytes(blob)
+    (tmp / "manifest.json").write_text(json.dumps(_manifest(ms), indent=1, sort_keys=True) + "\n")
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    return dest
+
+
+def write_evidence(path: str | Path, evidence: dict) -> None:
+    """Record evaluation evidence in an artifact's manifest (atomic replace; tensors untouched)."""
+    path = Path(path)
+    ms = load(path)
+    ms.evidence = evidence
+    tmp = path / ".manifest.json.tmp"
+    tmp.write_text(json.dumps(_manifest(ms), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path / "manifest.json")
+
+
+def read_manifest(path: str | Path) -> dict:
+    f = Path(path) / "manifest.json"
+    try:
+        man = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{f} is missing: a map directory needs manifest.json beside maps.safetensors") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{f} is not valid JSON ({e}); restore it from the map's source") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise ArtifactError(f"{f} is not a kvferry map manifest (format != {FORMAT!r})")
+    if man.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{f}: format_version {man.get('format_version')!r} is not supported by this kvferry "
+                            f"(reads {FORMAT_VERSION}); upgrade kvferry or re-export the map")
+    claimed = man.pop("manifest_sha256", None)
+    if claimed != digest(man):
+        raise ArtifactError(f"{f}: manifest_sha256 does not match its contents; the manifest was edited or corrupted")
+    return man
+
+
+def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_target: ModelIdentity | None = None) -> MapSet:
+    """Load and verify an artifact directory; optionally check it fits the given models."""
+    path = Path(path)
+    man = read_manifest(path)
+    try:
+        blob = (path / "maps.safetensors").read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path / 'maps.safetensors'} is missing") from None
+    if hashlib.sha256(blob).hexdigest() != man.get("content_sha256"):
+        raise ArtifactError(f"{path / 'maps.safetensors'}: sha256 does not match manifest content_sha256; "
+                            "the tensors were modified or truncated. Re-copy the artifact.")
+    try:
+        tensors = st_load(blob)
+        meta = _metadata(blob)
+    except (SafetensorError, ValueError) as e:
+        raise ArtifactError(f"{path / 'maps.safetensors'} is not readable safetensors: {e}") from None
+    try:
+        source, target = ModelIdentity.from_dict(man["source"]), ModelIdentity.from_dict(man["target"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"{path}: manifest model identity is malformed ({e})") from None
+    for key, want in (("format", FORMAT), ("name", man["name"]), ("version", man["version"]),
+                      ("source_geometry", source.geometry.fingerprint), ("target_geometry", target.geometry.fingerprint)):
+        if meta.get(key) != want:
+            raise ArtifactError(f"{path}: safetensors header {key}={meta.get(key)!r} disagrees with the manifest ({want!r})")
+    maps = {}
+    for entry in man["maps"]:
+        t, kind = int(entry["target_layer"]), entry["kind"]
+        try:
+            w, b = tensors[f"layer.{t}.{kind}.weight"], tensors[f"layer.{t}.{kind}.bias"]
+            srcs = tuple(int(s) for s in tensors[f"layer.{t}.{kind}.sources"].tolist())
+        except KeyError as e:
+            raise ArtifactError(f"{path}: tensor {e} is missing from maps.safetensors") from None
+        if list(srcs) != entry["source_layers"]:
+            raise ArtifactError(f"{path}: layer {t}{kind} source layers disagree between tensors and manifest")
+        r2 = entry.get("heldout_r2")
+        maps[(t, kind)] = LayerMap(t, kind, srcs, w, b, float(entry.get("lambda", 0.0)), float("nan") if r2 is None else r2)
+    ms = MapSet(source, target, maps, man["version"], man.get("fit", {}), man.get("calibration", {}), man.get("evidence"),
+                man.get("created_at", ""), man.get("kvferry_version", ""), man["content_sha256"])
+    if ms.name != man["name"]:
+        raise ArtifactError(f"{path}: manifest name {man['name']!r} does not match its models ({ms.name!r})")
+    ms.validate()
+    for want, got, role in ((expect_source, source, "source"), (expect_target, target, "target")):
+        if want is not None:
+            check_identity(want, got, role)
+    return ms
+
+
+def check_identity(model: ModelIdentity, in_map: ModelIdentity, role: str) -> None:
+    if model.geometry.fingerprint != in_map.geometry.fingerprint:
+        raise Incompatible(f"{role} geometry fingerprint {model.geometry.fingerprint[:12]}… does not match the map's "
+                           f"{in_map.geometry.fingerprint[:12]}… ({in_map.name}); use the map fitted for this model")
+    if model.tokenizer != in_map.tokenizer:
+        raise Incompatible(f"{role} tokenizer fingerprint does not match the map's ({in_map.name}); "
+                           "the model tokenizes differently from the one the map was fitted on")
+
+
+def _canonical(blob: bytes) -> bytes:
+    """Re-emit the safetensors header with sorted keys, so equal maps give byte-identical files."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.dumps(json.loads(blob[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # keep the data section 8-byte aligned, as safetensors does
+    return len(header).to_bytes(8, "little") + header + blob[8 + n :]
+
+
+def _metadata(blob: bytes) -> dict:
+    n = int.from_bytes(blob[:8], "little")
+    if n <= 0 or n > len(blob) - 8:
+        raise ValueError("bad header length")
+    return json.loads(blob[8 : 8 + n]).get("__metadata__", {}) or {}

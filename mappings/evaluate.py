@@ -1,0 +1,276 @@
+"""Measured evidence for a map: how close the target's behaviour from a mapped cache is to gold.
+
+Arms, all scored against the target's own full prefill (gold) at the next-token position:
+  no_context      the target sees only the last token
+  truncate        the target recomputes only the last r tokens (no earlier cache)
+  mapped          the mapped cache for all but the last token; the target computes the last token
+  mapped_refresh  the mapped cache for all but the last r tokens; the target recomputes those r
+  mapped_sinks    like mapped, with the first s tokens' KV exact (the target computes them)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .apply import apply
+from .artifact import MapSet
+from .capture import LayerKV, LoadedModel, capture_kv, read_corpus, token_windows
+from .errors import InvalidInput
+from .features import to_features
+from .recall import make_probe, probe_fillers
+
+ARMS = ("gold", "no_context", "truncate", "mapped", "mapped_refresh", "mapped_sinks")
+
+
+@dataclass
+class EvalSettings:
+    """What ``kvferry eval`` measures and on how much data."""
+
+    prompts: int = 100
+    """Held-out prompts for next-token metrics."""
+    min_len: int = 128
+    """Shortest prompt, in tokens."""
+    max_len: int = 512
+    """Longest prompt, in tokens (keep within the models' trained length)."""
+    refresh: int = 16
+    """r: tokens the target recomputes in the truncate and mapped_refresh arms."""
+    sinks: int = 4
+    """s: leading tokens kept exact in the mapped_sinks arm."""
+    greedy_prompts: int = 16
+    """Prompts on which 32-token greedy continuations are compared."""
+    greedy_tokens: int = 32
+    """Length of those greedy continuations."""
+    recall_prompts: int = 50
+    """Long-range recall probe prompts (0 to skip)."""
+    seed: int = 0
+    """Seed for prompt sampling."""
+
+    def __post_init__(self) -> None:
+        if self.prompts < 1 or self.min_len < 2 or self.max_len < self.min_len:
+            raise InvalidInput("need prompts >= 1 and 2 <= min_len <= max_len")
+        if not 1 <= self.refresh < self.min_len:
+            raise InvalidInput(f"refresh must be in [1, min_len); got {self.refresh}")
+        if not 0 <= self.sinks < self.min_len - 1:
+            raise InvalidInput("sinks must be smaller than min_len - 1")
+
+
+def to_cache(model, kv: list[LayerKV]):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    return cache
+
+
+def _slice(kv: list[LayerKV], start: int, stop: int) -> list[LayerKV]:
+    return [(k[:, :, start:stop], v[:, :, start:stop]) for k, v in kv]
+
+
+def _splice(head: list[LayerKV], tail: list[LayerKV]) -> list[LayerKV]:
+    return [(torch.cat([hk, tk], 2), torch.cat([hv, tv], 2)) for (hk, hv), (tk, tv) in zip(head, tail)]
+
+
+class _AttnTap:
+    """Captures each attention block's output at the last position."""
+
+    def __init__(self, model):
+        self.out: list[torch.Tensor] = []
+        layers = model.model.layers
+        self.handles = [l.self_attn.register_forward_hook(self._hook) for l in layers]
+
+    def _hook(self, module, args, output):
+        o = output[0] if isinstance(output, tuple) else output
+        self.out.append(o[0, -1].detach().float())
+
+    def take(self) -> torch.Tensor:
+        out, self.out = torch.stack(self.out), []
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _Scores:
+    def __init__(self):
+        self.n = 0
+        self.top1 = self.top10 = self.kl = self.cos = 0.0
+
+    def add(self, gold: torch.Tensor, logits: torch.Tensor, attn_gold=None, attn=None) -> None:
+        lp_g, lp = gold.log_softmax(-1), logits.log_softmax(-1)
+        self.n += 1
+        self.top1 += float(gold.argmax() == logits.argmax())
+        a, b = set(gold.topk(10).indices.tolist()), set(logits.topk(10).indices.tolist())
+        self.top10 += len(a & b) / 10
+        self.kl += float((lp_g.exp() * (lp_g - lp)).sum())
+        if attn is not None:
+            self.cos += float(torch.nn.functional.cosine_similarity(attn_gold, attn, dim=-1).mean())
+
+    def result(self, with_cos: bool) -> dict:
+        n = max(self.n, 1)
+        out = {"top1": self.top1 / n, "top10": self.top10 / n, "kl": self.kl / n}
+        if with_cos:
+            out["attn_cos"] = self.cos / n
+        return out
+
+
+class _LayerError:
+    """Per target layer and K/V: relative error and R² of mapped vs true position-free features."""
+
+    def __init__(self, layers: int):
+        self.acc = {(l, k): [0.0, 0.0, None, 0] for l in range(layers) for k in "kv"}  # sse, sum y², sum y, n
+
+    def add(self, mapped: list[LayerKV], true: list[LayerKV], ms: MapSet, pos: torch.Tensor) -> None:
+        spec = ms.target.geometry.rope
+        for l, ((mk, mv), (tk, tv)) in enumerate(zip(mapped, true)):
+            for kind, m, t in (("k", mk, tk), ("v", mv, tv)):
+                sp = spec if kind == "k" else None
+                fm, ft = to_features(m, sp, pos)[0].double(), to_features(t, sp, pos)[0].double()
+                a = self.acc[(l, kind)]
+                a[0] += float(((fm - ft) ** 2).sum())
+                a[1] += float((ft ** 2).sum())
+                a[2] = ft.sum(0) if a[2] is None else a[2] + ft.sum(0)
+                a[3] += ft.shape[0]
+
+    def result(self) -> list[dict]:
+        out = []
+        for (l, kind), (sse, yy, sy, n) in sorted(self.acc.items()):
+            sst = yy - float((sy ** 2).sum()) / n
+            out.append({"layer": l, "kind": kind, "rel_err": (sse / yy) ** 0.5, "r2": 1 - sse / sst})
+        return out
+
+
+@torch.no_grad()
+def _greedy(model, ids: torch.Tensor, kv: list[LayerKV] | None, tokens: int, pad: int) -> list[int]:
+    """Greedy continuation of ``ids``; with ``kv`` the target reuses it for the first positions."""
+    cache = to_cache(model, kv) if kv is not None else None
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+
+
+@torch.no_grad()
+def _arm_caches(ms: MapSet, source: LoadedModel, target: LoadedModel, ids: torch.Tensor, s: EvalSettings):
+    """Per arm: (kv to reuse or None, ids the target still computes)."""
+    n = ids.shape[1]
+    r = s.refresh
+    gold = capture_kv(target.model, ids[:, : n - 1])
+    mapped = apply(ms, capture_kv(source.model, ids[:, : n - 1]), 0)
+    return gold, mapped, {
+        "gold": (gold, ids[:, n - 1 :]),
+        "no_context": (None, ids[:, n - 1 :]),
+        "truncate": (None, ids[:, n - r :]),
+        "mapped": (mapped, ids[:, n - 1 :]),
+        "mapped_refresh": (_slice(mapped, 0, n - r), ids[:, n - r :]),
+        "mapped_sinks": (_splice(_slice(gold, 0, s.sinks), _slice(mapped, s.sinks, n - 1)), ids[:, n - 1 :]),
+    }
+
+
+@torch.no_grad()
+def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list[str], settings: EvalSettings | None = None,
+             progress: bool = True) -> dict:
+    """Run every arm on held-out text and the recall probe; returns the evidence dict."""
+    s = settings or EvalSettings()
+    from .artifact import check_identity
+
+    check_identity(source.identity, ms.source, "source")
+    check_identity(target.identity, ms.target, "target")
+    texts = list(read_corpus(heldout))
+    windows = token_windows(target.tokenizer, texts, s.max_len)
+    if not windows:
+        raise InvalidInput(f"held-out text is shorter than one {s.max_len}-token prompt")
+    rng = random.Random(s.seed)
+    prompts = [windows[i % len(windows)][: rng.randint(s.min_len, s.max_len)][None] for i in range(s.prompts)]
+    scores = {arm: _Scores() for arm in ARMS if arm != "gold"}
+    layer_err = _LayerError(ms.target.geometry.layers)
+    greedy = {arm: [] for arm in ("truncate", "mapped", "mapped_refresh", "mapped_sinks")}
+    tap = _AttnTap(target.model)
+    iterator = prompts
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(prompts, desc="eval", unit="prompt")
+    try:
+        for pi, ids in enumerate(iterator):
+            gold_kv, mapped, arms = _arm_caches(ms, source, target, ids, s)
+            tap.out.clear()
+            layer_err.add(mapped, gold_kv, ms, torch.arange(ids.shape[1] - 1))
+            logits, attn = {}, {}
+            for arm, (kv, tail) in arms.items():
+                cache = to_cache(target.model, kv) if kv is not None else None
+                logits[arm] = target.model(input_ids=tail, past_key_values=cache).logits[0, -1].float()
+                attn[arm] = tap.take()
+            for arm, sc in scores.items():
+                sc.add(logits["gold"], logits[arm], attn["gold"], attn[arm])
+            if pi < s.greedy_prompts:
+                pad = target.tokenizer.pad_token_id
+                ref = _greedy(target.model, ids, None, s.greedy_tokens, pad)
+                tap.out.clear()
+                for arm in greedy:
+                    kv, tail = arms[arm]
+                    if kv is None:
+                        got = _greedy(target.model, tail, None, s.greedy_tokens, pad)
+                    else:
+                        got = _greedy(target.model, ids, kv, s.greedy_tokens, pad)
+                    greedy[arm].append(_agreement(ref, got))
+                    tap.out.clear()
+    finally:
+        tap.close()
+    arms_out = {arm: sc.result(arm not in ("no_context", "truncate")) for arm, sc in scores.items()}
+    for arm in arms_out:
+        if arm in greedy and greedy[arm]:
+            arms_out[arm]["greedy_agree"] = sum(greedy[arm]) / len(greedy[arm])
+    if s.recall_prompts:
+        for arm, acc in recall_accuracy(ms, source, target, texts, s).items():
+            arms_out.setdefault(arm, {})["recall"] = acc
+    return {
+        "settings": {k: getattr(s, k) for k in s.__dataclass_fields__},
+        "arms": arms_out,
+        "layers": layer_err.result(),
+        "recommended_refresh": s.refresh,
+    }
+
+
+@torch.no_grad()
+def recall_accuracy(ms: MapSet, source: LoadedModel, target: LoadedModel, texts: list[str], s: EvalSettings) -> dict:
+    """Exact-match accuracy of the recall probe under each arm (answers > 64 tokens back)."""
+    tok = target.tokenizer
+    probe = make_probe(probe_fillers(texts, tok, count=s.recall_prompts), count=s.recall_prompts)
+    hits = {arm: 0 for arm in ARMS}
+    hits["truncate_64"] = 0
+    pad = tok.pad_token_id
+    for ex in probe:
+        ids = tok(ex.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        _, _, arms = _arm_caches(ms, source, target, ids, s)
+        arms["truncate_64"] = (None, ids[:, -64:])
+        for arm, (kv, tail) in arms.items():
+            if arm == "gold":
+                gen = _greedy(target.model, ids, None, 6, pad)
+            elif kv is None:
+                gen = _greedy(target.model, tail, None, 6, pad)
+            else:
+                gen = _greedy(target.model, ids, kv, 6, pad)
+            hits[arm] += tok.decode(gen).split('"')[0] == ex.answer
+    return {arm: h / len(probe) for arm, h in hits.items()}
+
+
+def format_table(evidence: dict, title: str = "") -> str:
+    """A plain-text table of the arms, for the terminal and README."""
+    cols = ("top1", "top10", "kl", "attn_cos", "greedy_agree", "recall")
+    lines = [title] if title else []
+    lines.append(f"| {'arm':<16} | " + " | ".join(f"{c:>12}" for c in cols) + " |")
+    lines.append("|" + "-" * 18 + "|" + "|".join("-" * 14 for _ in cols) + "|")
+    for arm in ("no_context", "truncate", "truncate_64", "mapped", "mapped_refresh", "mapped_sinks", "gold"):
+        row = evidence["arms"].get(arm)
+        if row is None:
+            continue
+        cells = [f"{row[c]:>12.3f}" if c in row else f"{'':>12}" for c in cols]
+        lines.append(f"| {arm:<16} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

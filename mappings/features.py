@@ -1,0 +1,21 @@
+"""Position-free per-token features of a cache layer: what the maps read and write."""
+
+from __future__ import annotations
+
+import torch
+
+from .rope import RopeSpec, rotate, unrotate
+
+
+def to_features(kv: torch.Tensor, spec: RopeSpec | None, positions: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] cache tensor -> [B, T, H*D] float32; keys (spec given) are un-rotated first."""
+    x = unrotate(kv, spec, positions) if spec is not None else kv.float()
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)
+
+
+def from_features(x: torch.Tensor, heads: int, spec: RopeSpec | None, positions: torch.Tensor) -> torch.Tensor:
+    """[B, T, H*D] -> [B, H, T, D]; keys (spec given) are rotated at ``positions``."""
+    b, t, w = x.shape
+    kv = x.reshape(b, t, heads, w // heads).transpose(1, 2)
+    return rotate(kv, spec, positions) if spec is not None else kv

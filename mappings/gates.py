@@ -1,0 +1,52 @@
+"""Serving gates: a map serves only with measured evidence at or above these thresholds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .artifact import MapSet
+from .errors import GateFailed, InvalidInput
+
+
+@dataclass(frozen=True)
+class Gates:
+    """Thresholds on the evidence of the arm a deployment serves (by default mapped + refresh)."""
+
+    arm: str = "mapped_refresh"
+    """Which evaluated arm the gates apply to: the path serving will actually take."""
+    min_top10: float = 0.8
+    """Minimum next-token top-10 overlap with the target's full prefill."""
+    min_top1: float = 0.0
+    """Minimum next-token top-1 agreement."""
+    max_kl: float = float("inf")
+    """Maximum mean KL(full prefill || mapped)."""
+    min_attn_cos: float = 0.0
+    """Minimum mean attention-output cosine."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.min_top10 <= 1 and 0 <= self.min_top1 <= 1 and -1 <= self.min_attn_cos <= 1):
+            raise InvalidInput("gate fractions must lie in [0, 1] (attention cosine in [-1, 1])")
+        if self.max_kl < 0:
+            raise InvalidInput("max_kl must be >= 0")
+
+    def failures(self, evidence: dict | None) -> list[str]:
+        """Reasons the evidence fails; empty when it passes."""
+        if not evidence or "arms" not in evidence:
+            return ["the map has no evaluation evidence; run `kvferry eval` on it first"]
+        row = evidence["arms"].get(self.arm)
+        if row is None:
+            return [f"the evidence has no {self.arm!r} arm; re-run `kvferry eval`"]
+        out = []
+        for key, bound, ok in (("top10", self.min_top10, lambda v, b: v >= b), ("top1", self.min_top1, lambda v, b: v >= b),
+                               ("kl", self.max_kl, lambda v, b: v <= b), ("attn_cos", self.min_attn_cos, lambda v, b: v >= b)):
+            value = row.get(key)
+            if value is None or not ok(value, bound):
+                out.append(f"{self.arm} {key}={value} fails the gate ({'<=' if key == 'kl' else '>='} {bound})")
+        return out
+
+    def check(self, ms: MapSet, force: bool = False) -> None:
+        """Raise GateFailed for a map that may not serve, unless ``force``."""
+        problems = self.failures(ms.evidence)
+        if problems and not force:
+            raise GateFailed(f"map {ms.name} {ms.version} is gated off: " + "; ".join(problems) +
+                             ". Improve the map, lower the gates deliberately, or force it for testing.")

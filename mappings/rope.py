@@ -1,0 +1,111 @@
+"""Rotary position embeddings: strip the source's rotation, re-apply the target's.
+
+Keys are cached after RoPE. Maps are fitted and applied in position-free space, so a key is
+un-rotated with the source's RoPE and rotated again with the target's at the same absolute
+positions. Frequencies come from transformers' own RoPE initialisers, so every supported
+``rope_type`` matches the model code exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import Incompatible
+
+# Position-independent RoPE types: cos/sin depend only on the absolute position.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Everything that determines a model's rotary embedding for one head."""
+
+    rope_type: str
+    theta: float
+    head_dim: int
+    params: tuple[tuple[str, object], ...] = ()  # remaining rope_parameters, sorted
+    max_position_embeddings: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "rope_type": self.rope_type, "theta": self.theta, "head_dim": self.head_dim,
+            "params": dict(self.params), "max_position_embeddings": self.max_position_embeddings,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RopeSpec":
+        return cls(d["rope_type"], float(d["theta"]), int(d["head_dim"]),
+                   tuple(sorted(d.get("params", {}).items())), int(d.get("max_position_embeddings", 0)))
+
+    def check_supported(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise Incompatible(
+                f"RoPE type {self.rope_type!r} is not supported: its rotation depends on the sequence length, "
+                f"so cached keys cannot be un-rotated position by position. Supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+            )
+
+
+def _config_for(spec: RopeSpec):
+    from transformers import PretrainedConfig
+
+    params = {"rope_type": spec.rope_type, "rope_theta": spec.theta, **dict(spec.params)}
+    cfg = PretrainedConfig()
+    cfg.rope_parameters = params
+    cfg.head_dim = spec.head_dim
+    cfg.hidden_size = spec.head_dim
+    cfg.num_attention_heads = 1
+    cfg.max_position_embeddings = spec.max_position_embeddings or 8192
+    return cfg
+
+
+_CACHE: dict[RopeSpec, tuple[torch.Tensor, float]] = {}
+
+
+def inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim/2], attention scaling) for a spec, cached."""
+    spec.check_supported()
+    if spec not in _CACHE:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        cfg = _config_for(spec)
+        if spec.rope_type == "default":
+            freqs = 1.0 / (spec.theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float) / spec.head_dim))
+            scale = 1.0
+        else:
+            freqs, scale = ROPE_INIT_FUNCTIONS[spec.rope_type](cfg, "cpu")
+        if freqs.numel() * 2 != spec.head_dim:
+            raise Incompatible("partial rotary embeddings are not supported: rotary dim != head_dim")
+        _CACHE[spec] = (freqs.float(), float(scale))
+    return _CACHE[spec]
+
+
+def cos_sin(spec: RopeSpec, positions: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [..., T, head_dim] (float32), as the model's rotary embedding computes them."""
+    freqs, scale = inv_freq(spec)
+    ang = positions.to(device=device, dtype=torch.float32)[..., None] * freqs.to(device)
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def rotate(k: torch.Tensor, spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to position-free keys ``k`` [..., heads, T, head_dim] (computed in float32)."""
+    cos, sin = cos_sin(spec, positions, k.device)
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
+    kf = k.float()
+    return kf * cos + _rotate_half(kf) * sin
+
+
+def unrotate(k: torch.Tensor, spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
+    """Invert :func:`rotate` exactly (RoPE is orthogonal up to the attention scaling)."""
+    cos, sin = cos_sin(spec, positions, k.device)
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+    _, scale = inv_freq(spec)
+    kf = k.float()
+    return (kf * cos - _rotate_half(kf) * sin) / (scale * scale)

@@ -1,0 +1,79 @@
+"""Shared fixtures: the shipped family, tiny random models of each supported class, KV builders."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+DATA = ROOT / "data"
+
+torch.set_num_threads(2)
+
+
+def pytest_configure(config):
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def tiny_config(arch: str, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, **rope):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        arch, vocab_size=4096, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=2 * hidden, max_position_embeddings=8192,
+        tie_word_embeddings=True, eos_token_id=0, pad_token_id=1, bos_token_id=0,
+    )
+    if rope:
+        cfg.rope_parameters = {"rope_theta": 10000.0, **rope}
+    return cfg
+
+
+def save_tiny(dest: Path, cfg, seed: int = 0) -> Path:
+    """A randomly initialised model of a real transformers class, saved with the shipped tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(dest)
+    for f in (MODELS / "tokenizer").iterdir():
+        shutil.copy(f, dest / f.name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for arch in ("llama", "mistral", "qwen2", "qwen3"):
+        out[arch] = save_tiny(root / arch, tiny_config(arch))
+    out["llama_wide"] = save_tiny(root / "llama_wide", tiny_config("llama", layers=3, hidden=96, heads=6, kv_heads=3), seed=1)
+    return out
+
+
+class _Family(dict):
+    """The shipped models, loaded on first use."""
+
+    def __missing__(self, name):
+        from kvferry.mappings.capture import load_model
+
+        self[name] = load_model(MODELS / name)
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def family():
+    return _Family()
+
+
+def make_kv(layers: int = 2, tokens: int = 16, heads: int = 2, head_dim: int = 16, batch: int = 1, seed: int = 0,
+            dtype=torch.float32):
+    """A random cache: ``layers`` x (K, V), each [batch, heads, tokens, head_dim]."""
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(batch, heads, tokens, head_dim, generator=g).to(dtype) for _ in range(2)) for _ in range(layers)]

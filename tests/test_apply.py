@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from kvferry.mappings.apply import StreamingApplier, apply
+from kvferry.mappings.artifact import LayerMap, MapSet
+from kvferry.mappings.capture import load_model
+from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.fit import identity_mapset
+
+from conftest import make_kv
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return load_model(tiny_models["llama"])
+
+
+def test_identity_map_reproduces_its_input(llama):
+    kv = make_kv(layers=2, tokens=24, heads=2, head_dim=16, batch=3)
+    out = apply(identity_mapset(llama.identity), kv, positions=100)
+    for (k, v), (ok, ov) in zip(kv, out):
+        torch.testing.assert_close(ok, k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ov, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtype_is_preserved(llama, dtype):
+    kv = make_kv(layers=2, tokens=8, heads=2, head_dim=16, dtype=dtype)
+    out = apply(identity_mapset(llama.identity), kv)
+    assert all(k.dtype == dtype and v.dtype == dtype for k, v in out)
+    torch.testing.assert_close(out[1][0].float(), kv[1][0].float(), rtol=2e-2, atol=2e-2)
+
+
+def _two_layer_shift_map(ident):
+    """Target layer 0 reads source layer 0 only; target layer 1 reads source layers 0 and 1."""
+    w = ident.geometry.kv_width
+    maps = {}
+    for kind in "kv":
+        maps[(0, kind)] = LayerMap(0, kind, (0,), torch.eye(w), torch.zeros(w))
+        maps[(1, kind)] = LayerMap(1, kind, (0, 1), torch.cat([torch.zeros(w, w), torch.eye(w)]), torch.zeros(w))
+    return MapSet(ident, ident, maps)
+
+
+def test_streaming_emits_a_target_layer_as_soon_as_its_sources_arrive(llama):
+    ms = _two_layer_shift_map(llama.identity)
+    kv = make_kv(layers=2, tokens=10, heads=2, head_dim=16)
+    app = StreamingApplier(ms, positions=0)
+    assert list(app.push(0, "k", kv[0][0])) == []
+    ready = list(app.push(0, "v", kv[0][1]))
+    assert [t for t, _, _ in ready] == [0]  # layer 0 out before any of source layer 1 is sent
+    assert list(app.push(1, "k", kv[1][0])) == []
+    ready = list(app.push(1, "v", kv[1][1]))
+    assert [t for t, _, _ in ready] == [1] and app.done
+    torch.testing.assert_close(ready[0][2], kv[1][1])
+
+
+def test_bad_input_is_rejected_with_a_reason(llama):
+    ms = identity_mapset(llama.identity)
+    app = StreamingApplier(ms)
+    with pytest.raises(InvalidInput, match="expected"):
+        list(app.push(0, "k", torch.zeros(1, 3, 4, 16)))
+    with pytest.raises(InvalidInput, match="out of range"):
+        list(app.push(5, "k", torch.zeros(1, 2, 4, 16)))
+    list(app.push(0, "k", torch.zeros(1, 2, 4, 16)))
+    with pytest.raises(InvalidInput, match="sent twice"):
+        list(app.push(0, "k", torch.zeros(1, 2, 4, 16)))
+    with pytest.raises(InvalidInput, match="layers"):
+        apply(ms, make_kv(layers=3, heads=2, head_dim=16))

@@ -1,0 +1,65 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvferry.mappings.artifact import load, save
+from kvferry.mappings.errors import GateFailed, InvalidInput
+from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
+from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.gates import Gates
+
+from conftest import DATA, MODELS
+
+HELDOUT = [str(DATA / "heldout.jsonl")]
+
+
+def test_exact_map_scores_like_gold(family):
+    s = family["S"]
+    ms = identity_mapset(s.identity)
+    ms.target = s.identity
+    ev = evaluate(ms, s, s, HELDOUT, EvalSettings(prompts=6, greedy_prompts=2, recall_prompts=4, min_len=64, max_len=256), progress=False)
+    for arm in ("mapped", "mapped_refresh", "mapped_sinks"):
+        row = ev["arms"][arm]
+        assert row["top1"] == 1.0 and row["top10"] == 1.0 and abs(row["kl"]) < 1e-4 and row["attn_cos"] > 0.9999
+        assert row["greedy_agree"] == 1.0 and row["recall"] == ev["arms"]["gold"]["recall"]
+    assert all(l["rel_err"] < 1e-5 for l in ev["layers"])
+    assert ev["arms"]["no_context"]["kl"] > ev["arms"]["mapped"]["kl"]
+    table = format_table(ev)
+    assert "mapped_refresh" in table and "truncate_64" in table
+    assert Gates().failures(ev) == []
+
+
+def test_gates():
+    g = Gates(min_top10=0.9, max_kl=0.1)
+    ok = {"arms": {"mapped_refresh": {"top1": 0.9, "top10": 0.95, "kl": 0.05, "attn_cos": 0.99}}}
+    assert g.failures(ok) == []
+    bad = {"arms": {"mapped_refresh": {"top1": 0.9, "top10": 0.85, "kl": 0.2, "attn_cos": 0.99}}}
+    assert len(g.failures(bad)) == 2
+    assert "no evaluation evidence" in g.failures(None)[0]
+    with pytest.raises(InvalidInput):
+        Gates(min_top10=2)
+
+
+def test_gate_check_refuses_unless_forced(family):
+    ms = identity_mapset(family["S"].identity)
+    with pytest.raises(GateFailed, match="gated off: the map has no evaluation evidence"):
+        Gates().check(ms)
+    Gates().check(ms, force=True)
+
+
+def test_cli_fit_then_eval_writes_evidence(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvferry", "--threads", "2", *a], capture_output=True, text=True, timeout=600)  # noqa: E731
+    fit = run("fit", "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--out", str(tmp_path),
+              "--seq-len", "256", "--max-tokens", "20000", "--k", "2", "--quiet")
+    assert fit.returncode == 0, fit.stderr
+    art = tmp_path / "S__T" / "1.0.0"
+    ev = run("eval", str(art), "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--prompts", "5",
+             "--recall-prompts", "3", "--greedy-prompts", "1", "--json", str(tmp_path / "ev.json"), "--write", "--quiet")
+    assert ev.returncode == 0, ev.stderr
+    assert "mapped_refresh" in ev.stdout
+    assert load(art).evidence == json.loads((tmp_path / "ev.json").read_text())
+    # a map used with the wrong model is refused with a clear error, not a crash
+    wrong = run("eval", str(art), "--source", str(MODELS / "T"), "--target", str(MODELS / "T"), "--prompts", "2", "--quiet")
+    assert wrong.returncode == 2 and "geometry fingerprint" in wrong.stderr

@@ -1,0 +1,69 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvferry.mappings.apply import apply
+from kvferry.mappings.artifact import load
+from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.evaluate import to_cache
+from kvferry.mappings.fit import FitSettings, fit_pair
+
+from conftest import DATA, MODELS
+
+CALIB = [str(DATA / "calib.jsonl")]
+
+
+def test_self_map_gives_the_models_own_logits(family):
+    s = family["S"]
+    ms = fit_pair(s, s, CALIB, FitSettings(k=2, seq_len=256, max_tokens=16384), progress=False)
+    for (t, kind), m in ms.maps.items():
+        assert t in m.source_layers and m.heldout_r2 > 0.9999
+    ids = torch.randint(2, 4096, (2, 200))
+    mapped = apply(ms, capture_kv(s.model, ids[:, :-1]))
+    with torch.no_grad():
+        got = s.model(input_ids=ids[:, -1:], past_key_values=to_cache(s.model, mapped)).logits[:, -1]
+        want = s.model(input_ids=ids).logits[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("pair", [("qwen3", "llama_wide"), ("mistral", "llama"), ("qwen2", "qwen2")])
+def test_cross_architecture_fit(tiny_models, pair):
+    src, tgt = load_model(tiny_models[pair[0]]), load_model(tiny_models[pair[1]])
+    ms = fit_pair(src, tgt, CALIB, FitSettings(k=2, seq_len=128, max_tokens=8192), progress=False)
+    assert len(ms.maps) == 2 * tgt.identity.geometry.layers
+    assert all(len(m.source_layers) == min(2, src.identity.geometry.layers) for m in ms.maps.values())
+    out = apply(ms, capture_kv(src.model, torch.randint(2, 4096, (1, 30))))
+    assert out[0][0].shape == (1, tgt.identity.geometry.kv_heads, 30, tgt.identity.geometry.head_dim)
+
+
+def test_subsampling_and_too_little_text(family, tmp_path):
+    s = family["S"]
+    ms = fit_pair(s, s, CALIB, FitSettings(k=1, seq_len=128, max_tokens=8192, subsample=0.5), progress=False)
+    assert ms.fit["subsample"] == 0.5 and ms.calibration["tokens"] == 8192
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x = 1\n")
+    with pytest.raises(InvalidInput, match="windows"):
+        fit_pair(s, s, [str(tiny)], FitSettings(seq_len=128), progress=False)
+    with pytest.raises(InvalidInput):
+        FitSettings(subsample=0)
+
+
+def test_torchrun_two_processes_match_one(tmp_path):
+    """Gram sums add: a 2-process gloo fit writes the same maps as a single process."""
+    common = ["fit", "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--k", "2", "--seq-len", "128",
+              "--max-tokens", "6400", "--quiet"]
+    one = subprocess.run([sys.executable, "-m", "kvferry", "--threads", "1", *common, "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "kvferry", "--threads", "1", *common, "--out", str(tmp_path / "two")], capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = load(tmp_path / "one" / "S__T" / "1.0.0"), load(tmp_path / "two" / "S__T" / "1.0.0")
+    assert b.calibration["processes"] == 2 and a.calibration["tokens"] == b.calibration["tokens"]
+    for key, m in a.maps.items():
+        assert b.maps[key].source_layers == m.source_layers
+        torch.testing.assert_close(b.maps[key].weight, m.weight, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b.maps[key].bias, m.bias, rtol=1e-4, atol=1e-5)

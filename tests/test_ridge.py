@@ -1,0 +1,68 @@
+import torch
+
+from kvferry.mappings.gram import GramStats
+from kvferry.mappings.ridge import cols, heldout_r2_path, select_and_fit, solve
+
+
+def _data(n, dx, dy, seed, noise=0.1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(dx, dy, generator=g, dtype=torch.float64)
+    x = torch.randn(n, dx, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3, dx, dtype=torch.float64) + 2.0
+    y = x @ w + 0.5 + noise * torch.randn(n, dy, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def test_streaming_gram_equals_one_shot_and_merges():
+    x, y = _data(600, 6, 3, 0)
+    one, a, b = GramStats(6, 3), GramStats(6, 3), GramStats(6, 3)
+    one.add(x, y)
+    for i in range(0, 300, 37):
+        a.add(x[i : min(i + 37, 300)], y[i : min(i + 37, 300)])
+    b.add(x[300:], y[300:])
+    m = a.merge(b)
+    assert m.n == one.n
+    for t1, t2 in zip(m.tensors(), one.tensors()):
+        torch.testing.assert_close(t1, t2)
+
+
+def test_closed_form_matches_direct_ridge():
+    x, y = _data(500, 5, 4, 1)
+    s = GramStats(5, 4)
+    s.add(x, y)
+    lam_rel = 1e-2
+    w, b = solve(s, torch.arange(5), torch.arange(4), lam_rel)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    gram = xc.T @ xc
+    lam = lam_rel * float(torch.linalg.eigvalsh(gram).clamp(min=0).mean())
+    w_ref = torch.linalg.solve(gram + lam * torch.eye(5, dtype=torch.float64), xc.T @ yc)
+    torch.testing.assert_close(w, w_ref)
+    torch.testing.assert_close(b, y.mean(0) - x.mean(0) @ w_ref)
+
+
+def test_heldout_r2_path_matches_explicit_residuals():
+    x, y = _data(800, 7, 3, 2, noise=0.5)
+    tr, ho = GramStats(7, 3), GramStats(7, 3)
+    tr.add(x[:600], y[:600])
+    ho.add(x[600:], y[600:])
+    lambdas = (1e-4, 1e-1, 3.0)
+    path = heldout_r2_path(tr, ho, torch.arange(7), torch.arange(3), lambdas)
+    for lam, r2 in zip(lambdas, path):
+        w, b = solve(tr, torch.arange(7), torch.arange(3), lam)
+        resid = y[600:] - (x[600:] @ w + b)
+        ref = 1 - (resid ** 2).sum() / ((y[600:] - y[600:].mean(0)) ** 2).sum()
+        torch.testing.assert_close(r2, ref)
+
+
+def test_greedy_selection_finds_the_informative_layers():
+    g = torch.Generator().manual_seed(3)
+    n, w = 1500, 4
+    layers = [torch.randn(n, w, generator=g, dtype=torch.float64) for _ in range(5)]
+    x = torch.cat(layers, 1)
+    y = layers[1] @ torch.randn(w, w, generator=g, dtype=torch.float64) + layers[3] @ torch.randn(w, w, generator=g, dtype=torch.float64)
+    tr, ho = GramStats(5 * w, w), GramStats(5 * w, w)
+    tr.add(x[:1200], y[:1200])
+    ho.add(x[1200:], y[1200:])
+    chosen, fit = select_and_fit(tr, ho, 0, w, w, 5, k=2)
+    assert chosen == [1, 3]
+    assert fit.heldout_r2 > 0.999
+    assert cols([1, 3], w).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
