@@ -69,6 +69,19 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from kvferry.sidecar.config import from_sources
+    from kvferry.sidecar.server import serve
+
+    config = from_sources(a)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from kvferry import demo
 
@@ -113,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--write", action="store_true", help="record the evidence in the artifact's manifest")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=cmd_eval)
+
+    from kvferry.sidecar.config import add_arguments
+
+    s = sub.add_parser("serve", help="run the gRPC translation sidecar")
+    add_arguments(s)
+    s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")

@@ -41,7 +41,8 @@ class StreamingApplier:
         self._uses: dict[tuple[int, str], int] = {}
         for (t, kind), m in ms.maps.items():
             for s in m.source_layers:
-                self._uses[(s, kind)] = self._uses.get((s, kind), 0) + 1
+                for c in m.inputs:
+                    self._uses[(s, c)] = self._uses.get((s, c), 0) + 1
         self._emitted: set[int] = set()
 
     def needed_by(self, source_layer: int) -> list[int]:
@@ -69,17 +70,18 @@ class StreamingApplier:
         tg = self.ms.target.geometry
         for t, kind in sorted(self._pending):
             m = self.ms.maps[(t, kind)]
-            if not all((s, kind) in self._feats for s in m.source_layers):
+            if not all((s, c) in self._feats for s in m.source_layers for c in m.inputs):
                 continue
-            x = torch.cat([self._feats[(s, kind)] for s in m.source_layers], dim=-1)
+            x = torch.cat([self._feats[(s, c)] for s in m.source_layers for c in m.inputs], dim=-1)
             w = m.weight.to(device=x.device)
             y = torch.addmm(m.bias.to(x.device), x.reshape(-1, x.shape[-1]), w).reshape(x.shape[0], x.shape[1], -1)
             out = from_features(y, tg.kv_heads, tg.rope if kind == "k" else None, pos).to(self.out_dtype)
             self._pending.discard((t, kind))
             for s in m.source_layers:
-                self._uses[(s, kind)] -= 1
-                if self._uses[(s, kind)] == 0:
-                    self._feats[(s, kind)] = self._feats[(s, kind)][:, :0]  # free, but remember it arrived
+                for c in m.inputs:
+                    self._uses[(s, c)] -= 1
+                    if self._uses[(s, c)] == 0:
+                        self._feats[(s, c)] = self._feats[(s, c)][:, :0]  # free, but remember it arrived
             part = self._partial.setdefault(t, {})
             part[kind] = out
             if len(part) == 2:

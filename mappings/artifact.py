@@ -54,15 +54,22 @@ def version_key(version: str) -> tuple:
 
 @dataclass
 class LayerMap:
-    """One target layer's K or V map: y = concat(x[s] for s in source_layers) @ weight + bias."""
+    """One target layer's K or V map: y = concat(x[s, c] for s in source_layers for c in inputs) @ weight + bias.
+
+    x[s, "k"] is source layer s's un-rotated keys and x[s, "v"] its values, heads side by side.
+    """
 
     target_layer: int
     kind: str
     source_layers: tuple[int, ...]
-    weight: torch.Tensor  # [len(source_layers) * source_width, target_width]
+    weight: torch.Tensor  # [len(source_layers) * len(inputs) * source_width, target_width]
     bias: torch.Tensor  # [target_width]
     lam: float = 0.0
     heldout_r2: float = float("nan")
+    inputs: tuple[str, ...] = ()  # source features read; () means (kind,)
+
+    def __post_init__(self) -> None:
+        self.inputs = tuple(self.inputs) or (self.kind,)
 
 
 @dataclass
@@ -104,7 +111,9 @@ class MapSet:
                     raise ArtifactError(f"map for target layer {t} {kind.upper()} is missing; refit the map")
                 if not m.source_layers or any(not 0 <= s < sg.layers for s in m.source_layers):
                     raise ArtifactError(f"layer {t}{kind}: source layers {m.source_layers} outside 0..{sg.layers - 1}")
-                want = (len(m.source_layers) * sg.kv_width, tg.kv_width)
+                if not m.inputs or any(c not in KINDS for c in m.inputs) or len(set(m.inputs)) != len(m.inputs):
+                    raise ArtifactError(f"layer {t}{kind}: inputs {m.inputs} must be distinct items of {KINDS}")
+                want = (len(m.source_layers) * len(m.inputs) * sg.kv_width, tg.kv_width)
                 if tuple(m.weight.shape) != want or tuple(m.bias.shape) != (tg.kv_width,):
                     raise ArtifactError(f"layer {t}{kind}: weight {tuple(m.weight.shape)} / bias {tuple(m.bias.shape)}, "
                                         f"expected {want} / ({tg.kv_width},) for these geometries")
@@ -125,7 +134,7 @@ def _manifest(ms: MapSet) -> dict:
     body = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "name": ms.name, "version": ms.version,
         "content_sha256": ms.content_sha256, "source": ms.source.as_dict(), "target": ms.target.as_dict(),
-        "maps": [{"target_layer": t, "kind": k, "source_layers": list(m.source_layers), "lambda": m.lam,
+        "maps": [{"target_layer": t, "kind": k, "source_layers": list(m.source_layers), "inputs": list(m.inputs), "lambda": m.lam,
                   "heldout_r2": None if m.heldout_r2 != m.heldout_r2 else round(m.heldout_r2, 6)}
                  for (t, k), m in sorted(ms.maps.items())],
         "fit": ms.fit, "calibration": ms.calibration, "evidence": ms.evidence,
@@ -230,7 +239,8 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
         if list(srcs) != entry["source_layers"]:
             raise ArtifactError(f"{path}: layer {t}{kind} source layers disagree between tensors and manifest")
         r2 = entry.get("heldout_r2")
-        maps[(t, kind)] = LayerMap(t, kind, srcs, w, b, float(entry.get("lambda", 0.0)), float("nan") if r2 is None else r2)
+        maps[(t, kind)] = LayerMap(t, kind, srcs, w, b, float(entry.get("lambda", 0.0)), float("nan") if r2 is None else r2,
+                                   tuple(entry.get("inputs") or (kind,)))
     ms = MapSet(source, target, maps, man["version"], man.get("fit", {}), man.get("calibration", {}), man.get("evidence"),
                 man.get("created_at", ""), man.get("kvferry_version", ""), man["content_sha256"])
     if ms.name != man["name"]:

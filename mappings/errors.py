@@ -27,3 +27,11 @@ class ArtifactError(KvferryError):
 
 class GateFailed(KvferryError):
     """A map's measured evidence is missing or below the serving gates."""
+
+
+class Unavailable(KvferryError):
+    """The service cannot take the request now (draining, a dependency down); retry elsewhere or later."""
+
+
+class Unsupported(KvferryError):
+    """The request asks for something this build does not implement."""

@@ -17,7 +17,7 @@ from .errors import InvalidInput
 from .features import to_features
 from .geometry import ModelIdentity, check_pair
 from .gram import GramStats, all_reduce
-from .ridge import DEFAULT_LAMBDAS, select_and_fit
+from .ridge import DEFAULT_LAMBDAS, heldout_r2_path, select_and_fit, solve
 
 DEFAULT_K = 4  # source layers per target map; see README "choosing k" for the measurement
 
@@ -42,6 +42,10 @@ class FitSettings:
     """Windows per forward pass."""
     seed: int = 0
     """Seed for position subsampling."""
+    inputs: str = "same"
+    """Which source features feed a map: "same" (K from source K, V from source V) or "kv" (both from both)."""
+    per_head: bool = False
+    """Block-diagonal maps: each target kv head reads only its corresponding source head."""
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -54,38 +58,52 @@ class FitSettings:
             raise InvalidInput("subsample must be in (0, 1]")
         if not self.lambdas or any(l <= 0 for l in self.lambdas):
             raise InvalidInput("lambdas must be positive")
+        if self.inputs not in ("same", "kv"):
+            raise InvalidInput(f"inputs must be 'same' or 'kv', got {self.inputs!r}")
+
+    def inputs_for(self, kind: str) -> tuple[str, ...]:
+        return (kind,) if self.inputs == "same" else KINDS
 
     def as_dict(self) -> dict:
         return {"k": self.k, "seq_len": self.seq_len, "max_tokens": self.max_tokens, "heldout_every": self.heldout_every,
-                "subsample": self.subsample, "lambdas": list(self.lambdas), "seed": self.seed}
+                "subsample": self.subsample, "lambdas": list(self.lambdas), "seed": self.seed,
+                "inputs": self.inputs, "per_head": self.per_head}
 
 
-def _layer_features(kv, geometry, kind: str, positions: torch.Tensor) -> torch.Tensor:
-    i = 0 if kind == "k" else 1
-    spec = geometry.rope if kind == "k" else None
-    return torch.cat([to_features(layer[i], spec, positions) for layer in kv], dim=-1)
+def _all_features(kv, geometry, positions: torch.Tensor) -> torch.Tensor:
+    """[B, T, 2*L*w]: every layer's position-free K, then every layer's V."""
+    ks = [to_features(k, geometry.rope, positions) for k, _ in kv]
+    vs = [to_features(v, None, positions) for _, v in kv]
+    return torch.cat(ks + vs, dim=-1)
+
+
+def feature_cols(geometry, layer: int, kind: str, head: int | None = None) -> torch.Tensor:
+    """Columns of (layer, kind[, head]) in the layout of :func:`_all_features`."""
+    start = (0 if kind == "k" else geometry.layers * geometry.kv_width) + layer * geometry.kv_width
+    if head is not None:
+        start += head * geometry.head_dim
+        return torch.arange(start, start + geometry.head_dim)
+    return torch.arange(start, start + geometry.kv_width)
 
 
 @dataclass
 class GramSet:
-    """Train and held-out sums for K and V."""
+    """Train and held-out sums over all source and target layers, K and V side by side."""
 
-    train: dict[str, GramStats] = field(default_factory=dict)
-    heldout: dict[str, GramStats] = field(default_factory=dict)
+    train: GramStats
+    heldout: GramStats
     tokens: int = 0
     windows: int = 0
 
     def all(self) -> list[GramStats]:
-        return [self.train[k] for k in KINDS] + [self.heldout[k] for k in KINDS]
+        return [self.train, self.heldout]
 
 
 def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Tensor], settings: FitSettings,
                rank: int = 0, world: int = 1, progress: bool = True) -> GramSet:
     sg, tg = source.identity.geometry, target.identity.geometry
-    gs = GramSet()
-    for kind in KINDS:
-        gs.train[kind] = GramStats(sg.layers * sg.kv_width, tg.layers * tg.kv_width)
-        gs.heldout[kind] = GramStats(sg.layers * sg.kv_width, tg.layers * tg.kv_width)
+    dx, dy = 2 * sg.layers * sg.kv_width, 2 * tg.layers * tg.kv_width
+    gs = GramSet(GramStats(dx, dy), GramStats(dx, dy))
     mine = list(range(rank, len(windows), world))
     gen = torch.Generator().manual_seed(settings.seed)
     bar = None
@@ -97,17 +115,12 @@ def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Ten
         idx = mine[start : start + settings.batch]
         ids = torch.stack([windows[i] for i in idx])
         pos = torch.arange(ids.shape[1])
-        skv, tkv = capture_kv(source.model, ids), capture_kv(target.model, ids)
-        keep = None
-        if settings.subsample < 1.0:
-            keep = torch.rand(ids.shape, generator=gen) < settings.subsample
-        for kind in KINDS:
-            x, y = _layer_features(skv, sg, kind, pos), _layer_features(tkv, tg, kind, pos)
-            for row, i in enumerate(idx):
-                xr, yr = x[row], y[row]
-                if keep is not None:
-                    xr, yr = xr[keep[row]], yr[keep[row]]
-                (gs.heldout if i % settings.heldout_every == 0 else gs.train)[kind].add(xr, yr)
+        x = _all_features(capture_kv(source.model, ids), sg, pos)
+        y = _all_features(capture_kv(target.model, ids), tg, pos)
+        keep = torch.rand(ids.shape, generator=gen) < settings.subsample if settings.subsample < 1.0 else None
+        for row, i in enumerate(idx):
+            xr, yr = (x[row], y[row]) if keep is None else (x[row][keep[row]], y[row][keep[row]])
+            (gs.heldout if i % settings.heldout_every == 0 else gs.train).add(xr, yr)
         gs.tokens += ids.numel()
         gs.windows += len(idx)
         if bar:
@@ -122,10 +135,35 @@ def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settin
     maps = {}
     for t in range(tg.layers):
         for kind in KINDS:
-            chosen, fit = select_and_fit(gs.train[kind], gs.heldout[kind], t, sg.kv_width, tg.kv_width,
-                                         sg.layers, settings.k, settings.lambdas)
-            maps[(t, kind)] = LayerMap(t, kind, tuple(chosen), fit.weight.float(), fit.bias.float(), fit.lam, fit.heldout_r2)
+            inputs = settings.inputs_for(kind)
+            blocks = {l: torch.cat([feature_cols(sg, l, c) for c in inputs]) for l in range(sg.layers)}
+            chosen, fit = select_and_fit(gs.train, gs.heldout, feature_cols(tg, t, kind), blocks, settings.k, settings.lambdas)
+            weight, bias, r2 = fit.weight, fit.bias, fit.heldout_r2
+            if settings.per_head:
+                weight, bias, r2 = _per_head(gs, sg, tg, t, kind, chosen, inputs, settings)
+            maps[(t, kind)] = LayerMap(t, kind, tuple(chosen), weight.float(), bias.float(), fit.lam, r2, inputs)
     return maps
+
+
+def _per_head(gs: GramSet, sg, tg, t: int, kind: str, chosen: list[int], inputs, settings: FitSettings):
+    """Block-diagonal variant: target head j reads source head j * Hs // Ht of the chosen layers."""
+    rows = [(l, c) for l in chosen for c in inputs]
+    weight = torch.zeros(len(rows) * sg.kv_width, tg.kv_width, dtype=torch.float64)
+    bias = torch.zeros(tg.kv_width, dtype=torch.float64)
+    r2s = []
+    for j in range(tg.kv_heads):
+        h = j * sg.kv_heads // tg.kv_heads
+        xi = torch.cat([feature_cols(sg, l, c, h) for l, c in rows])
+        yi = feature_cols(tg, t, kind, j)
+        path = heldout_r2_path(gs.train, gs.heldout, xi, yi, settings.lambdas)
+        best = int(torch.argmax(path))
+        w, b = solve(gs.train.merge(gs.heldout), xi, yi, settings.lambdas[best])
+        for r, _ in enumerate(rows):
+            weight[r * sg.kv_width + h * sg.head_dim : r * sg.kv_width + (h + 1) * sg.head_dim,
+                   j * tg.head_dim : (j + 1) * tg.head_dim] = w[r * sg.head_dim : (r + 1) * sg.head_dim]
+        bias[j * tg.head_dim : (j + 1) * tg.head_dim] = b
+        r2s.append(float(path[best]))
+    return weight, bias, sum(r2s) / len(r2s)
 
 
 def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings | None = None,
@@ -159,7 +197,7 @@ def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
 def identity_mapset(model: ModelIdentity, version: str = "0.0.1") -> MapSet:
     """An exact map from a model to itself (W = I, b = 0): for layout and plumbing checks."""
     g = model.geometry
-    maps = {(t, kind): LayerMap(t, kind, (t,), torch.eye(g.kv_width), torch.zeros(g.kv_width), 0.0, 1.0)
+    maps = {(t, kind): LayerMap(t, kind, (t,), torch.eye(g.kv_width), torch.zeros(g.kv_width), 0.0, 1.0, (kind,))
             for t in range(g.layers) for kind in KINDS}
     target = ModelIdentity(model.name + "-self", g, model.tokenizer, model.weights)
     return MapSet(model, target, maps, version, {"kind": "identity"}, {})

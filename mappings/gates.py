@@ -50,3 +50,12 @@ class Gates:
         if problems and not force:
             raise GateFailed(f"map {ms.name} {ms.version} is gated off: " + "; ".join(problems) +
                              ". Improve the map, lower the gates deliberately, or force it for testing.")
+
+
+def load_for_serving(path, gates: Gates | None = None, force: bool = False, expect_source=None, expect_target=None) -> MapSet:
+    """Load and verify an artifact, then refuse it unless its evidence passes ``gates`` (or ``force``)."""
+    from .artifact import load
+
+    ms = load(path, expect_source, expect_target)
+    (gates or Gates()).check(ms, force=force)
+    return ms

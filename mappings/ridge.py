@@ -71,23 +71,28 @@ def cols(layers: list[int] | tuple[int, ...], width: int) -> torch.Tensor:
     return torch.cat([torch.arange(l * width, (l + 1) * width) for l in layers])
 
 
-def select_and_fit(train: GramStats, heldout: GramStats, target_layer: int, src_width: int, tgt_width: int,
-                   src_layers: int, k: int, lambdas=DEFAULT_LAMBDAS) -> tuple[list[int], RidgeFit]:
-    """Greedy forward selection of k source layers by held-out R², then a refit on all rows."""
-    yi = cols([target_layer], tgt_width)
+def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, blocks: dict[int, torch.Tensor], k: int,
+                   lambdas=DEFAULT_LAMBDAS) -> tuple[list[int], RidgeFit]:
+    """Greedy forward selection of k candidate blocks (source layers) by held-out R², then a refit on all rows.
+
+    ``blocks`` maps a candidate (a source layer) to its x columns; the chosen blocks' columns are
+    concatenated in ascending candidate order.
+    """
     chosen: list[int] = []
-    best_r2, best_lam = -float("inf"), lambdas[0]
-    for _ in range(min(k, src_layers)):
+    best_lam = lambdas[0]
+    best_r2 = -float("inf")
+    for _ in range(min(k, len(blocks))):
         trial = {}
-        for cand in range(src_layers):
+        for cand in blocks:
             if cand in chosen:
                 continue
-            path = heldout_r2_path(train, heldout, cols(sorted(chosen + [cand]), src_width), yi, lambdas)
+            xi = torch.cat([blocks[c] for c in sorted(chosen + [cand])])
+            path = heldout_r2_path(train, heldout, xi, yi, lambdas)
             i = int(torch.argmax(path))
             trial[cand] = (float(path[i]), lambdas[i])
         cand, (r2, lam) = max(trial.items(), key=lambda kv: kv[1][0])
         chosen.append(cand)
         best_r2, best_lam = r2, lam
     chosen.sort()
-    w, b = solve(train.merge(heldout), cols(chosen, src_width), yi, best_lam)
+    w, b = solve(train.merge(heldout), torch.cat([blocks[c] for c in chosen]), yi, best_lam)
     return chosen, RidgeFit(w, b, best_lam, best_r2)

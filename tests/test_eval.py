@@ -63,3 +63,18 @@ def test_cli_fit_then_eval_writes_evidence(tmp_path):
     # a map used with the wrong model is refused with a clear error, not a crash
     wrong = run("eval", str(art), "--source", str(MODELS / "T"), "--target", str(MODELS / "T"), "--prompts", "2", "--quiet")
     assert wrong.returncode == 2 and "geometry fingerprint" in wrong.stderr
+
+
+def test_load_for_serving_checks_evidence(family, tmp_path):
+    from kvferry.mappings.artifact import write_evidence
+    from kvferry.mappings.gates import load_for_serving
+
+    ms = identity_mapset(family["S"].identity)
+    dest = save(ms, tmp_path)
+    with pytest.raises(GateFailed, match="no evaluation evidence"):
+        load_for_serving(dest)
+    assert load_for_serving(dest, force=True).name == ms.name
+    write_evidence(dest, {"arms": {"mapped_refresh": {"top1": 0.5, "top10": 0.7, "kl": 0.3, "attn_cos": 0.9}}})
+    with pytest.raises(GateFailed, match="top10=0.7 fails the gate"):
+        load_for_serving(dest)
+    assert load_for_serving(dest, Gates(min_top10=0.6)).evidence["arms"]["mapped_refresh"]["top10"] == 0.7

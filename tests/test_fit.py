@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvferry.mappings.apply import apply
-from kvferry.mappings.artifact import load
+from kvferry.mappings.artifact import load, save
 from kvferry.mappings.capture import capture_kv, load_model
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.evaluate import to_cache
@@ -67,3 +67,20 @@ def test_torchrun_two_processes_match_one(tmp_path):
         assert b.maps[key].source_layers == m.source_layers
         torch.testing.assert_close(b.maps[key].weight, m.weight, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(b.maps[key].bias, m.bias, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("inputs,per_head", [("kv", False), ("same", True), ("kv", True)])
+def test_joint_inputs_and_per_head_variants(family, tmp_path, inputs, per_head):
+    s, t = family["S"], family["T"]
+    ms = fit_pair(s, t, CALIB, FitSettings(k=2, seq_len=128, max_tokens=8192, inputs=inputs, per_head=per_head), progress=False)
+    sg, tg = s.identity.geometry, t.identity.geometry
+    m = ms.maps[(1, "k")]
+    assert m.inputs == (("k", "v") if inputs == "kv" else ("k",))
+    assert m.weight.shape == (2 * len(m.inputs) * sg.kv_width, tg.kv_width)
+    if per_head:  # target head j (of 4) reads source head j // 2 (of 2) only
+        w = m.weight.view(2 * len(m.inputs), sg.kv_heads, sg.head_dim, tg.kv_heads, tg.head_dim)
+        for j in range(tg.kv_heads):
+            assert w[:, 1 - j // 2, :, j].abs().max() == 0
+    back = load(save(ms, tmp_path))
+    out = apply(back, capture_kv(s.model, torch.randint(2, 4096, (1, 40))))
+    assert len(out) == tg.layers and out[0][0].shape == (1, tg.kv_heads, 40, tg.head_dim)

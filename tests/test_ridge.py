@@ -62,7 +62,7 @@ def test_greedy_selection_finds_the_informative_layers():
     tr, ho = GramStats(5 * w, w), GramStats(5 * w, w)
     tr.add(x[:1200], y[:1200])
     ho.add(x[1200:], y[1200:])
-    chosen, fit = select_and_fit(tr, ho, 0, w, w, 5, k=2)
+    chosen, fit = select_and_fit(tr, ho, torch.arange(w), {l: cols([l], w) for l in range(5)}, k=2)
     assert chosen == [1, 3]
     assert fit.heldout_r2 > 0.999
     assert cols([1, 3], w).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]

@@ -1,0 +1,226 @@
+"""TranslateClient (sync) and AsyncTranslateClient: stream a source cache in, get target KV back.
+
+Both share the request encoding and response decoding below; they differ only in the channel.
+UNAVAILABLE is retried with exponential backoff (a translation is idempotent); deadlines and TLS
+are options. Nothing here imports the sidecar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import torch
+
+from kvferry.v1 import translate_pb2 as pb
+from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+from . import wire
+from .importers import contiguous_layers
+from .messages import CONTIGUOUS, Block, Chunk, Stats, TargetInfo, TranslateSpec
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How to reach a sidecar."""
+
+    target: str = "127.0.0.1:50551"
+    """host:port of the sidecar."""
+    timeout: float | None = 30.0
+    """Deadline per Translate call, seconds (None: no deadline)."""
+    retries: int = 3
+    """Retries of UNAVAILABLE (and RESOURCE_EXHAUSTED from the stream cap) before giving up."""
+    backoff: float = 0.05
+    """First retry delay in seconds; doubles each retry, with jitter."""
+    max_message_bytes: int = 64 << 20
+    """gRPC max send/receive message size on the channel."""
+    chunk_tokens: int = 4096
+    """Tokens per source chunk (keep a chunk well under max_message_bytes)."""
+    tls_root_certs: str = ""
+    """PEM CA bundle to verify the server; enables TLS."""
+    tls_client_cert: str = ""
+    """PEM client certificate, for mutual TLS."""
+    tls_client_key: str = ""
+    """PEM client key, for mutual TLS."""
+    tls_server_name: str = ""
+    """Override the name checked against the server certificate."""
+
+    def channel_args(self) -> list[tuple[str, object]]:
+        opts: list[tuple[str, object]] = [("grpc.max_receive_message_length", self.max_message_bytes),
+                                          ("grpc.max_send_message_length", self.max_message_bytes)]
+        if self.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return opts
+
+    def credentials(self):
+        if not self.tls_root_certs:
+            return None
+        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.tls_root_certs), read(self.tls_client_key), read(self.tls_client_cert))
+
+
+@dataclass
+class TranslateResult:
+    info: TargetInfo
+    blocks: list[Block]
+    stats: Stats
+    first_block_seconds: float = 0.0
+    attempts: int = 1
+
+    def layers(self) -> list[LayerKV]:
+        """Contiguous layout: per target layer (K, V) [1, kv_heads, tokens, head_dim]."""
+        return contiguous_layers(self.blocks, self.info.layers)
+
+
+def _as_layers(cache) -> list[LayerKV]:
+    if hasattr(cache, "layers") and not isinstance(cache, list):
+        return [(l.keys, l.values) for l in cache.layers]
+    return list(cache)
+
+
+def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: int) -> Iterator[pb.TranslateRequest]:
+    """Header, then per layer K then V, in token chunks. Tensors are sliced, not copied, until encoding."""
+    yield wire.spec_to_pb(spec)
+    for layer, (k, v) in enumerate(layers):
+        for kind, t in (("k", k), ("v", v)):
+            t = t[0] if t.dim() == 4 else t  # [H, T, D]
+            for s in range(0, t.shape[1], chunk_tokens):
+                e = min(s + chunk_tokens, t.shape[1])
+                yield wire.chunk_to_pb(Chunk(layer, kind, s, e, t[:, s:e]))
+
+
+def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
+              start_position: int = 0, token_ids=(), layout: str = CONTIGUOUS, block_size: int = 16,
+              target_dtype: torch.dtype | None = None) -> TranslateSpec:
+    k0 = layers[0][0]
+    return TranslateSpec(map_name, version, source_geometry, tokenizer, int(k0.shape[-2]), start_position,
+                         tuple(int(t) for t in token_ids), k0.dtype, layout, block_size, target_dtype)
+
+
+class _Collector:
+    def __init__(self):
+        self.info = None
+        self.blocks: list[Block] = []
+        self.stats = None
+        self.t0 = time.perf_counter()
+        self.first_block = 0.0
+
+    def take(self, msg: pb.TranslateResponse) -> None:
+        which = msg.WhichOneof("msg")
+        if which == "header":
+            self.info = wire.info_from_pb(msg.header)
+        elif which == "block":
+            if not self.blocks:
+                self.first_block = time.perf_counter() - self.t0
+            self.blocks.append(wire.block_from_pb(msg.block))
+        elif which == "trailer":
+            self.stats = wire.stats_from_pb(msg.trailer)
+
+    def result(self, attempts: int) -> TranslateResult:
+        if self.info is None or self.stats is None:
+            raise ConnectionError("the sidecar closed the Translate stream without a header or trailer")
+        return TranslateResult(self.info, self.blocks, self.stats, self.first_block, attempts)
+
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def _retryable(err: grpc.RpcError) -> bool:
+    code = err.code() if hasattr(err, "code") else None
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # only the stream cap is transient, not a size limit
+        return "retry after" in (err.details() or "")
+    return code in _RETRYABLE
+
+
+def _delay(opts: ClientOptions, attempt: int) -> float:
+    return opts.backoff * (2 ** attempt) * (0.5 + random.random())
+
+
+class TranslateClient:
+    """Blocking client."""
+
+    def __init__(self, options: ClientOptions | str = ClientOptions()):
+        self.options = ClientOptions(target=options) if isinstance(options, str) else options
+        creds = self.options.credentials()
+        args = self.options.channel_args()
+        self.channel = (grpc.secure_channel(self.options.target, creds, args) if creds
+                        else grpc.insecure_channel(self.options.target, args))
+        self.stub = pb_grpc.TranslateServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def list_mappings(self, name_prefix: str = "") -> list[pb.MappingInfo]:
+        return list(self.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix), timeout=self.options.timeout).mappings)
+
+    def translate(self, cache, map_name: str, version: str = "", timeout: float | None = -1.0, **spec_kw) -> TranslateResult:
+        """Translate a source cache (HF cache or list of (K, V) [1, H, T, D]) through ``map_name``."""
+        layers = _as_layers(cache)
+        spec = make_spec(layers, map_name, version, **spec_kw)
+        timeout = self.options.timeout if timeout == -1.0 else timeout
+        for attempt in range(self.options.retries + 1):
+            col = _Collector()
+            try:
+                for msg in self.stub.Translate(encode_requests(spec, layers, self.options.chunk_tokens), timeout=timeout):
+                    col.take(msg)
+                return col.result(attempt + 1)
+            except grpc.RpcError as err:
+                if attempt >= self.options.retries or not _retryable(err):
+                    raise
+                time.sleep(_delay(self.options, attempt))
+        raise AssertionError("unreachable")
+
+
+class AsyncTranslateClient:
+    """asyncio client (grpc.aio)."""
+
+    def __init__(self, options: ClientOptions | str = ClientOptions()):
+        self.options = ClientOptions(target=options) if isinstance(options, str) else options
+        creds = self.options.credentials()
+        args = self.options.channel_args()
+        self.channel = (grpc.aio.secure_channel(self.options.target, creds, args) if creds
+                        else grpc.aio.insecure_channel(self.options.target, args))
+        self.stub = pb_grpc.TranslateServiceStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def list_mappings(self, name_prefix: str = "") -> list[pb.MappingInfo]:
+        resp = await self.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix), timeout=self.options.timeout)
+        return list(resp.mappings)
+
+    async def translate(self, cache, map_name: str, version: str = "", timeout: float | None = -1.0, **spec_kw) -> TranslateResult:
+        layers = _as_layers(cache)
+        spec = make_spec(layers, map_name, version, **spec_kw)
+        timeout = self.options.timeout if timeout == -1.0 else timeout
+        for attempt in range(self.options.retries + 1):
+            col = _Collector()
+            try:
+                call = self.stub.Translate(encode_requests(spec, layers, self.options.chunk_tokens), timeout=timeout)
+                async for msg in call:
+                    col.take(msg)
+                return col.result(attempt + 1)
+            except grpc.RpcError as err:
+                if attempt >= self.options.retries or not _retryable(err):
+                    raise
+                await asyncio.sleep(_delay(self.options, attempt))
+        raise AssertionError("unreachable")

@@ -1,0 +1,89 @@
+"""Engine importers: put translated target KV into an HF DynamicCache or a paged KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvferry.mappings.errors import InvalidInput, TooLarge
+
+from .messages import Block
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+def contiguous_layers(blocks: list[Block], layers: int) -> list[LayerKV]:
+    """Contiguous blocks -> per layer (K, V) [1, kv_heads, tokens, head_dim]."""
+    by_layer = {b.layer: b for b in blocks}
+    missing = [l for l in range(layers) if l not in by_layer]
+    if missing:
+        raise InvalidInput(f"translation is missing target layers {missing}")
+    return [(by_layer[l].key[None], by_layer[l].value[None]) for l in range(layers)]
+
+
+def to_dynamic_cache(layers: list[LayerKV], config, device=None, dtype=None):
+    """An HF transformers (5.x) DynamicCache holding ``layers``, ready for ``model(..., past_key_values=)``."""
+    from transformers import DynamicCache
+
+    if len(layers) != config.num_hidden_layers:
+        raise InvalidInput(f"{len(layers)} layers for a model with {config.num_hidden_layers}")
+    cache = DynamicCache(config=config)
+    for i, (k, v) in enumerate(layers):
+        if device is not None or dtype is not None:
+            k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
+        cache.update(k, v, i)
+    return cache
+
+
+@dataclass
+class PagedKVPool:
+    """A vLLM-style paged KV pool: per layer a tensor [num_blocks, 2, block_size, kv_heads, head_dim]."""
+
+    layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    pools: list[torch.Tensor] = field(init=False)
+    _free: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pools = [torch.zeros(self.num_blocks, 2, self.block_size, self.kv_heads, self.head_dim,
+                                  dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    def allocate(self, tokens: int) -> list[int]:
+        """A block table for ``tokens`` tokens (physical block ids, in logical order)."""
+        need = -(-tokens // self.block_size)
+        if need > len(self._free):
+            raise TooLarge(f"need {need} blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(need)]
+
+    def free(self, table: list[int]) -> None:
+        self._free.extend(reversed(table))
+
+    def write(self, blocks: list[Block], table: list[int]) -> None:
+        """Write paged blocks (block.index is logical) into the physical blocks of ``table``."""
+        for b in blocks:
+            if b.key.shape != (self.block_size, self.kv_heads, self.head_dim):
+                raise InvalidInput(f"block shape {tuple(b.key.shape)} does not fit pool blocks "
+                                   f"({self.block_size}, {self.kv_heads}, {self.head_dim}); request block_size={self.block_size}")
+            if not 0 <= b.index < len(table):
+                raise InvalidInput(f"block index {b.index} outside the block table ({len(table)} blocks)")
+            phys = table[b.index]
+            self.pools[b.layer][phys, 0].copy_(b.key)
+            self.pools[b.layer][phys, 1].copy_(b.value)
+
+    def gather(self, table: list[int], tokens: int) -> list[LayerKV]:
+        """Read the first ``tokens`` tokens back as per layer (K, V) [1, kv_heads, tokens, head_dim]."""
+        idx = torch.tensor(table, device=self.device)
+        out = []
+        for pool in self.pools:
+            kv = pool.index_select(0, idx)  # [n, 2, bs, H, D]
+            k = kv[:, 0].reshape(-1, self.kv_heads, self.head_dim)[:tokens].transpose(0, 1)[None]
+            v = kv[:, 1].reshape(-1, self.kv_heads, self.head_dim)[:tokens].transpose(0, 1)[None]
+            out.append((k, v))
+        return out

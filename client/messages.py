@@ -1,0 +1,91 @@
+"""Plain, typed messages of a translation: what crosses the wire, without protobuf in sight.
+
+Client and sidecar both build and read these; :mod:`kvferry.client.wire` converts them to and
+from the kvferry.v1 protobuf messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+CONTIGUOUS = "contiguous"
+PAGED = "paged"
+
+
+@dataclass(frozen=True)
+class TranslateSpec:
+    """The request header."""
+
+    map_name: str
+    map_version: str = ""  # empty: the newest servable version ("latest")
+    source_geometry: str = ""
+    tokenizer: str = ""
+    num_tokens: int = 0
+    start_position: int = 0
+    token_ids: tuple[int, ...] = ()
+    source_dtype: torch.dtype = torch.float32
+    layout: str = CONTIGUOUS
+    block_size: int = 16
+    target_dtype: torch.dtype | None = None
+    prefix_key: str = ""
+
+
+@dataclass
+class Chunk:
+    """One source layer's K or V for tokens [start, end): tensor [kv_heads, end - start, head_dim]."""
+
+    layer: int
+    kind: str  # "k" or "v"
+    start: int
+    end: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class Block:
+    """Target KV for one layer and token range.
+
+    Contiguous: key/value [kv_heads, tokens, head_dim]. Paged: [block_size, kv_heads, head_dim],
+    zero-padded past ``end``.
+    """
+
+    layer: int
+    start: int
+    end: int
+    index: int
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """The response header: what the request resolved to."""
+
+    map_name: str
+    map_version: str
+    architecture: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    geometry: str
+    layout: str
+    block_size: int
+    dtype: torch.dtype
+    num_tokens: int
+    start_position: int
+
+
+@dataclass
+class Stats:
+    """The response trailer."""
+
+    tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    compute_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    blocks: int = 0
+    cached_blocks: int = 0
+    extra: dict = field(default_factory=dict)

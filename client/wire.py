@@ -1,0 +1,157 @@
+"""The tensor wire codec shared by client and sidecar: torch tensors <-> kvferry.v1 messages.
+
+Encoding copies each tensor's bytes once (into the protobuf message); decoding wraps the
+received bytes without copying (torch.frombuffer) until a dtype or device change needs one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kvferry.mappings.errors import InvalidInput
+from kvferry.v1 import translate_pb2 as pb
+
+_TO_PB = {torch.float32: pb.DTYPE_FLOAT32, torch.float16: pb.DTYPE_FLOAT16, torch.bfloat16: pb.DTYPE_BFLOAT16}
+_FROM_PB = {v: k for k, v in _TO_PB.items()}
+_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+KIND_TO_PB = {"k": pb.KV_KIND_KEY, "v": pb.KV_KIND_VALUE}
+KIND_FROM_PB = {v: k for k, v in KIND_TO_PB.items()}
+
+
+def dtype_to_pb(dtype: torch.dtype) -> int:
+    try:
+        return _TO_PB[dtype]
+    except KeyError:
+        raise InvalidInput(f"dtype {dtype} is not supported on the wire; use float32, float16 or bfloat16") from None
+
+
+def dtype_from_pb(code: int) -> torch.dtype:
+    try:
+        return _FROM_PB[code]
+    except KeyError:
+        raise InvalidInput(f"dtype code {code} is not one of float32, float16, bfloat16") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _NAMES.get(dtype, str(dtype))
+
+
+def encode_tensor(t: torch.Tensor) -> pb.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return pb.Tensor(dtype=dtype_to_pb(t.dtype), shape=list(t.shape), data=t.view(torch.uint8).numpy().tobytes())
+
+
+def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, expect_dtype: torch.dtype | None = None,
+                  what: str = "tensor") -> torch.Tensor:
+    """Bytes -> tensor, checking dtype, shape and byte count before touching the data."""
+    dtype = dtype_from_pb(msg.dtype)
+    shape = tuple(int(s) for s in msg.shape)
+    if expect_dtype is not None and dtype != expect_dtype:
+        raise InvalidInput(f"{what}: dtype {dtype_name(dtype)} but the header declared {dtype_name(expect_dtype)}")
+    if expect_shape is not None and shape != tuple(expect_shape):
+        raise InvalidInput(f"{what}: shape {list(shape)}, expected {list(expect_shape)}")
+    numel = 1
+    for s in shape:
+        numel *= s
+    want = numel * torch.empty((), dtype=dtype).element_size()
+    if len(msg.data) != want:
+        raise InvalidInput(f"{what}: {len(msg.data)} bytes for shape {list(shape)} {dtype_name(dtype)}; expected {want}")
+    if want == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffer: we never write into it
+        return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+
+
+# ---- messages <-> protobuf -------------------------------------------------------------------
+from kvferry.client.messages import CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec  # noqa: E402
+
+_LAYOUT_TO_PB = {CONTIGUOUS: pb.LAYOUT_CONTIGUOUS, PAGED: pb.LAYOUT_PAGED}
+_LAYOUT_FROM_PB = {v: k for k, v in _LAYOUT_TO_PB.items()}
+
+
+def spec_to_pb(s: TranslateSpec) -> pb.TranslateRequest:
+    ref = pb.MapRef(name=s.map_name)
+    if s.map_version:
+        ref.version = s.map_version
+    else:
+        ref.latest = True
+    h = pb.TranslateHeader(
+        map=ref, source_geometry_fingerprint=s.source_geometry, tokenizer_fingerprint=s.tokenizer,
+        num_tokens=s.num_tokens, start_position=s.start_position, token_ids=list(s.token_ids),
+        source_dtype=dtype_to_pb(s.source_dtype), layout=_LAYOUT_TO_PB[s.layout], block_size=s.block_size,
+        target_dtype=dtype_to_pb(s.target_dtype) if s.target_dtype is not None else pb.DTYPE_UNSPECIFIED,
+        prefix_key=s.prefix_key,
+    )
+    return pb.TranslateRequest(header=h)
+
+
+def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
+    if not h.map.name:
+        raise InvalidInput("header.map.name is empty: name the map to use (see ListMappings)")
+    if h.map.WhichOneof("selector") == "version" and not h.map.version:
+        raise InvalidInput("header.map.version is empty; set a version or latest=true")
+    if h.layout not in _LAYOUT_FROM_PB:
+        raise InvalidInput("header.layout must be LAYOUT_CONTIGUOUS or LAYOUT_PAGED")
+    return TranslateSpec(
+        map_name=h.map.name, map_version=h.map.version if h.map.WhichOneof("selector") == "version" else "",
+        source_geometry=h.source_geometry_fingerprint, tokenizer=h.tokenizer_fingerprint, num_tokens=h.num_tokens,
+        start_position=h.start_position, token_ids=tuple(h.token_ids), source_dtype=dtype_from_pb(h.source_dtype),
+        layout=_LAYOUT_FROM_PB[h.layout], block_size=h.block_size,
+        target_dtype=None if h.target_dtype == pb.DTYPE_UNSPECIFIED else dtype_from_pb(h.target_dtype),
+        prefix_key=h.prefix_key,
+    )
+
+
+def chunk_to_pb(c: Chunk) -> pb.TranslateRequest:
+    return pb.TranslateRequest(chunk=pb.SourceChunk(layer=c.layer, kind=KIND_TO_PB[c.kind], token_start=c.start,
+                                                    token_end=c.end, tensor=encode_tensor(c.tensor)))
+
+
+def chunk_from_pb(m: pb.SourceChunk, expect_shape=None, expect_dtype=None) -> Chunk:
+    if m.kind not in KIND_FROM_PB:
+        raise InvalidInput(f"chunk for layer {m.layer}: kind must be KV_KIND_KEY or KV_KIND_VALUE")
+    kind = KIND_FROM_PB[m.kind]
+    what = f"chunk layer {m.layer} {kind.upper()} tokens [{m.token_start}, {m.token_end})"
+    return Chunk(m.layer, kind, m.token_start, m.token_end, decode_tensor(m.tensor, expect_shape, expect_dtype, what))
+
+
+def block_to_pb(b: Block) -> pb.TranslateResponse:
+    return pb.TranslateResponse(block=pb.TargetBlock(layer=b.layer, token_start=b.start, token_end=b.end,
+                                                     block_index=b.index, key=encode_tensor(b.key), value=encode_tensor(b.value)))
+
+
+def block_from_pb(m: pb.TargetBlock) -> Block:
+    what = f"block layer {m.layer} [{m.token_start}, {m.token_end})"
+    return Block(m.layer, m.token_start, m.token_end, m.block_index, decode_tensor(m.key, what=what + " key"),
+                 decode_tensor(m.value, what=what + " value"))
+
+
+def info_to_pb(i: TargetInfo, rope_type: str = "", rope_theta: float = 0.0) -> pb.TranslateResponse:
+    g = pb.Geometry(architecture=i.architecture, layers=i.layers, kv_heads=i.kv_heads, head_dim=i.head_dim,
+                    fingerprint=i.geometry, rope_type=rope_type, rope_theta=rope_theta)
+    return pb.TranslateResponse(header=pb.TranslateResponseHeader(
+        map_name=i.map_name, map_version=i.map_version, target=g, layout=_LAYOUT_TO_PB[i.layout], block_size=i.block_size,
+        dtype=dtype_to_pb(i.dtype), num_tokens=i.num_tokens, start_position=i.start_position))
+
+
+def info_from_pb(h: pb.TranslateResponseHeader) -> TargetInfo:
+    g = h.target
+    return TargetInfo(h.map_name, h.map_version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
+                      _LAYOUT_FROM_PB.get(h.layout, CONTIGUOUS), h.block_size, dtype_from_pb(h.dtype), h.num_tokens,
+                      h.start_position)
+
+
+def stats_to_pb(s: Stats) -> pb.TranslateResponse:
+    return pb.TranslateResponse(trailer=pb.TranslateTrailer(
+        tokens=s.tokens, bytes_in=s.bytes_in, bytes_out=s.bytes_out, compute_seconds=s.compute_seconds,
+        wall_seconds=s.wall_seconds, blocks=s.blocks, cached_blocks=s.cached_blocks))
+
+
+def stats_from_pb(t: pb.TranslateTrailer) -> Stats:
+    return Stats(t.tokens, t.bytes_in, t.bytes_out, t.compute_seconds, t.wall_seconds, t.blocks, t.cached_blocks)

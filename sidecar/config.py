@@ -1,0 +1,151 @@
+"""The sidecar's one typed config. CLI flags, environment (KVFERRY_*) and an optional TOML file
+only fill it in; every field is validated here, once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+
+from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.gates import Gates
+
+from .limits import Limits
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything ``kvferry serve`` needs."""
+
+    maps_dir: str = "maps"
+    """Registry root: <maps_dir>/<source>__<target>/<version>/."""
+    host: str = "127.0.0.1"
+    """Address to bind the gRPC server to (0.0.0.0 in a pod)."""
+    port: int = 50551
+    """gRPC port; 0 picks a free one."""
+    metrics_port: int = -1
+    """Prometheus /metrics port on the same host; -1 disables it, 0 picks a free one."""
+    max_message_bytes: int = 64 << 20
+    """gRPC max send/receive message size (the 4 MiB default is too small for KV chunks)."""
+    max_streams: int = 64
+    """Concurrent Translate streams; past this, RESOURCE_EXHAUSTED with a retry hint."""
+    max_tokens: int = 131072
+    """Most tokens one request may translate."""
+    max_request_bytes: int = 2 << 30
+    """Most source KV bytes one request may declare."""
+    gate_arm: str = "mapped_refresh"
+    """Which evaluated arm the serving gates read."""
+    gate_min_top10: float = 0.8
+    """Serving gate: minimum top-10 overlap of that arm."""
+    gate_max_kl: float = float("inf")
+    """Serving gate: maximum KL of that arm."""
+    force_maps: bool = False
+    """Serve maps whose evidence fails the gates (testing only)."""
+    reload_seconds: float = 10.0
+    """How often the map directory is rescanned for new versions; 0 disables rescans."""
+    drain_seconds: float = 20.0
+    """On SIGTERM: how long in-flight streams get to finish before the server stops."""
+    device: str = "cpu"
+    """Torch device the maps run on ("cpu", "cuda", "cuda:1")."""
+    threads: int = 0
+    """Torch CPU threads; 0 leaves torch's default."""
+    tls_cert: str = ""
+    """PEM server certificate; with tls_key, serve TLS."""
+    tls_key: str = ""
+    """PEM server private key."""
+    tls_client_ca: str = ""
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
+            raise InvalidInput("port must be in [0, 65535] and metrics_port in [-1, 65535]")
+        if self.max_message_bytes < 1 << 20:
+            raise InvalidInput("max_message_bytes must be at least 1 MiB")
+        if self.max_streams < 1:
+            raise InvalidInput("max_streams must be >= 1")
+        if self.reload_seconds < 0 or self.drain_seconds < 0:
+            raise InvalidInput("reload_seconds and drain_seconds must be >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidInput("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidInput("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        self.gates  # validates the gate fields
+        self.limits
+
+    @property
+    def gates(self) -> Gates:
+        return Gates(arm=self.gate_arm, min_top10=self.gate_min_top10, max_kl=self.gate_max_kl)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_tokens=self.max_tokens, max_request_bytes=self.max_request_bytes)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """One flag per field, help text from the field's docstring (parsed from this module's source)."""
+    docs = _field_docs()
+    ap.add_argument("--config", default=None, help="TOML file with any of the fields below (flags and env override it)")
+    for f in fields(SidecarConfig):
+        kw = {"default": None, "help": docs.get(f.name, "") + f" (env KVFERRY_{f.name.upper()}; default {f.default})"}
+        if f.type in ("bool", bool):
+            ap.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, **kw)
+        else:
+            ap.add_argument(_flag(f.name), type={"int": int, "float": float}.get(str(f.type), str), **kw)
+
+
+def _convert(f, raw):
+    t = str(f.type)
+    try:
+        if t == "bool":
+            return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
+        if t == "int":
+            return int(raw)
+        if t == "float":
+            return float(raw)
+        return str(raw)
+    except ValueError:
+        raise InvalidInput(f"{f.name}: cannot read {raw!r} as {t}") from None
+
+
+def from_sources(args: argparse.Namespace | None = None, env: dict | None = None) -> SidecarConfig:
+    """Defaults < TOML file < environment < flags."""
+    env = os.environ if env is None else env
+    values: dict = {}
+    path = getattr(args, "config", None) or env.get("KVFERRY_CONFIG")
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise InvalidInput(f"cannot read config file {path}: {e}") from None
+        data = data.get("sidecar", data)
+        known = {f.name for f in fields(SidecarConfig)}
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidInput(f"unknown config keys in {path}: {', '.join(sorted(unknown))}")
+        values.update(data)
+    for f in fields(SidecarConfig):
+        if f"KVFERRY_{f.name.upper()}" in env:
+            values[f.name] = env[f"KVFERRY_{f.name.upper()}"]
+        if args is not None and getattr(args, f.name, None) is not None:
+            values[f.name] = getattr(args, f.name)
+    by_name = {f.name: f for f in fields(SidecarConfig)}
+    return SidecarConfig(**{k: _convert(by_name[k], v) for k, v in values.items()})
+
+
+def _field_docs() -> dict[str, str]:
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(SidecarConfig))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
+            docs[a.target.id] = str(b.value.value).strip()
+    return docs

@@ -1,0 +1,94 @@
+"""The one place where domain errors become gRPC status codes (and RPCs are counted)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from kvferry.mappings import errors as e
+
+log = logging.getLogger("kvferry.rpc")
+
+STATUS = {
+    e.NotFound: grpc.StatusCode.NOT_FOUND,
+    e.Incompatible: grpc.StatusCode.FAILED_PRECONDITION,
+    e.GateFailed: grpc.StatusCode.FAILED_PRECONDITION,
+    e.InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    e.TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    e.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    e.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
+    e.ArtifactError: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every handler: KvferryError -> its status; anything else -> INTERNAL, logged."""
+
+    def __init__(self, metrics=None):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method),
+                                                       handler.request_deserializer, handler.response_serializer)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method),
+                                                         handler.request_deserializer, handler.response_serializer)
+        return handler
+
+    def _done(self, method: str, code: grpc.StatusCode, t0: float) -> None:
+        if self.metrics:
+            self.metrics.requests.labels(method, code.name).inc()
+            self.metrics.latency.labels(method).observe(time.perf_counter() - t0)
+
+    async def _fail(self, context, exc: BaseException, method: str, t0: float):
+        code = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed unexpectedly", method)
+            msg = f"internal error: {type(exc).__name__}: {exc}"
+        else:
+            msg = str(exc)
+        self._done(method, code, t0)
+        await context.abort(code, msg)
+
+    def _unary(self, fn, method):
+        async def wrapper(request, context):
+            t0 = time.perf_counter()
+            try:
+                out = await fn(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await self._fail(context, exc, method, t0)
+            self._done(method, grpc.StatusCode.OK, t0)
+            return out
+
+        return wrapper
+
+    def _stream(self, fn, method):
+        async def wrapper(request_iterator, context):
+            t0 = time.perf_counter()
+            try:
+                async for item in fn(request_iterator, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure gets a status, none crashes the server
+                await self._fail(context, exc, method, t0)
+            else:
+                self._done(method, grpc.StatusCode.OK, t0)
+
+        return wrapper

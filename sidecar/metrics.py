@@ -1,0 +1,37 @@
+"""Prometheus metrics of one sidecar (its own registry, so tests can run several servers)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvferry_requests_total", "RPCs finished, by method and status code", ["method", "code"], registry=r)
+        self.latency = Histogram("kvferry_request_seconds", "RPC wall time", ["method"], registry=r,
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.tokens = Counter("kvferry_tokens_total", "Tokens translated", ["map"], registry=r)
+        self.bytes_in = Counter("kvferry_bytes_in_total", "Source KV bytes received", ["map"], registry=r)
+        self.bytes_out = Counter("kvferry_bytes_out_total", "Target KV bytes sent", ["map"], registry=r)
+        self.compute = Histogram("kvferry_compute_seconds", "Map compute per request", ["map"], registry=r,
+                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+        self.streams = Gauge("kvferry_active_streams", "Translate streams in flight", registry=r)
+        self.maps_servable = Gauge("kvferry_maps_servable", "Loaded map versions that pass the gates", registry=r)
+        self.map_quality = Gauge("kvferry_map_quality", "Evidence of each loaded map version (gated arm)",
+                                 ["map", "version", "metric"], registry=r)
+        self.map_events = Counter("kvferry_map_events_total", "Registry events", ["event"], registry=r)
+
+    def record_maps(self, entries) -> None:
+        self.maps_servable.set(sum(e.servable for e in entries))
+        for e in entries:
+            arm = (e.maps.evidence or {}).get("arms", {}).get("mapped_refresh", {})
+            for metric in ("top1", "top10", "kl", "attn_cos"):
+                if metric in arm:
+                    self.map_quality.labels(e.maps.name, e.maps.version, metric).set(arm[metric])
+
+    def serve(self, host: str, port: int) -> int:
+        """Start /metrics on a side port; returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_address[1]

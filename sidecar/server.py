@@ -1,0 +1,122 @@
+"""Assemble and run the sidecar: gRPC (aio) + health + reflection + metrics, reload and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvferry.v1 import translate_pb2 as pb
+from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+from .config import SidecarConfig
+from .interceptor import ErrorInterceptor
+from .metrics import Metrics
+from .registry import MapRegistry
+from .servicer import TranslateServicer
+
+log = logging.getLogger("kvferry.sidecar")
+SERVICE = pb.DESCRIPTOR.services_by_name["TranslateService"].full_name
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
+
+
+class Sidecar:
+    """One running sidecar. ``await start()``, then ``await wait()``; ``await drain()`` to stop gracefully."""
+
+    def __init__(self, config: SidecarConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.registry = MapRegistry(config.maps_dir, config.gates, config.force_maps, config.device)
+        self.health = health.aio.HealthServicer()
+        self.servicer = TranslateServicer(self.registry, config.limits, self.metrics, config.max_streams, config.gate_arm)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self.draining = False
+        self._reload_task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        c = self.config
+        if c.threads:
+            import torch
+
+            torch.set_num_threads(c.threads)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)], options=channel_options(c.max_message_bytes))
+        pb_grpc.add_TranslateServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME, health.SERVICE_NAME), self.server)
+        address = f"{c.host}:{c.port}"
+        if c.tls_cert:
+            creds = grpc.ssl_server_credentials(
+                [(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())],
+                root_certificates=Path(c.tls_client_ca).read_bytes() if c.tls_client_ca else None,
+                require_client_auth=bool(c.tls_client_ca))
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.reload()
+        await self.server.start()
+        if c.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
+        if c.reload_seconds > 0:
+            self._reload_task = asyncio.create_task(self._reload_loop())
+        log.info("kvferry sidecar on %s:%d (maps: %s, servable: %d)", c.host, self.port, c.maps_dir, self.registry.servable_count)
+        return self.port
+
+    async def reload(self) -> list[str]:
+        events = await asyncio.to_thread(self.registry.scan)
+        for ev in events:
+            self.metrics.map_events.labels(ev.split(" ", 1)[0]).inc()
+        self.metrics.record_maps(self.registry.entries())
+        if not self.draining:
+            ok = self.registry.servable_count > 0
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+        return events
+
+    async def _reload_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reload_seconds)
+            try:
+                await self.reload()
+            except Exception:  # noqa: BLE001 - a bad scan must never take the server down
+                log.exception("map directory rescan failed; serving what is loaded")
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def drain(self, grace: float | None = None) -> None:
+        """NOT_SERVING at once; new RPCs are refused (UNAVAILABLE); in-flight streams get ``grace`` seconds."""
+        if self.draining:
+            return
+        self.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._reload_task:
+            self._reload_task.cancel()
+        if self.server:
+            await self.server.stop(self.config.drain_seconds if grace is None else grace)
+
+    async def wait(self) -> None:
+        if self.server:
+            await self.server.wait_for_termination()
+
+
+async def serve(config: SidecarConfig) -> None:
+    """Run until SIGTERM/SIGINT, then drain."""
+    sidecar = Sidecar(config)
+    await sidecar.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(sidecar.drain()))
+    print(f"kvferry sidecar listening on {config.host}:{sidecar.port}"
+          + (f", metrics on :{sidecar.metrics_port}" if sidecar.metrics_port else ""), flush=True)
+    await sidecar.wait()

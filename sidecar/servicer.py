@@ -1,0 +1,87 @@
+"""The gRPC servicer: adapts kvferry.v1 messages to the pipeline and registry; no logic of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+from kvferry.client import wire
+from kvferry.mappings.errors import InvalidInput, TooLarge
+from kvferry.v1 import translate_pb2 as pb
+from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+from .pipeline import TranslateSession
+
+RETRY_AFTER_KEY = "kvferry-retry-after-ms"
+
+
+def _geometry(g) -> pb.Geometry:
+    return pb.Geometry(architecture=g.architecture, layers=g.layers, kv_heads=g.kv_heads, head_dim=g.head_dim,
+                       fingerprint=g.fingerprint, rope_type=g.rope.rope_type, rope_theta=g.rope.theta)
+
+
+def mapping_info(entry, arm: str) -> pb.MappingInfo:
+    ms = entry.maps
+    ev = (ms.evidence or {}).get("arms", {}).get(arm, {})
+    return pb.MappingInfo(
+        name=ms.name, version=ms.version, source=_geometry(ms.source.geometry), target=_geometry(ms.target.geometry),
+        tokenizer_fingerprint=ms.source.tokenizer, content_sha256=ms.content_sha256, servable=entry.servable,
+        gate_reason=entry.reason,
+        evidence=pb.MapEvidence(arm=arm, top1=ev.get("top1", 0.0), top10=ev.get("top10", 0.0), kl=ev.get("kl", 0.0),
+                                attn_cos=ev.get("attn_cos", 0.0),
+                                recommended_refresh=int((ms.evidence or {}).get("recommended_refresh", 0))),
+    )
+
+
+class TranslateServicer(pb_grpc.TranslateServiceServicer):
+    def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh"):
+        self.registry, self.limits, self.metrics = registry, limits, metrics
+        self.max_streams, self.gate_arm = max_streams, gate_arm
+        self.active = 0
+        self.sessions: weakref.WeakSet = weakref.WeakSet()  # live request state, for memory accounting
+
+    async def ListMappings(self, request, context):
+        return pb.ListMappingsResponse(mappings=[mapping_info(e, self.gate_arm) for e in self.registry.entries(request.name_prefix)])
+
+    async def Translate(self, request_iterator, context):
+        if self.active >= self.max_streams:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, "100"),))
+            raise TooLarge(f"{self.active} translate streams in flight, the limit is {self.max_streams}; "
+                           "retry after a short backoff (see trailing metadata kvferry-retry-after-ms)")
+        self.active += 1
+        self.metrics.streams.inc()
+        try:
+            async for out in self._translate(request_iterator):
+                yield out
+        finally:
+            self.active -= 1
+            self.metrics.streams.dec()
+
+    async def _translate(self, request_iterator):
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("msg") != "header":
+            raise InvalidInput("a Translate stream must open with a header message")
+        spec = wire.spec_from_pb(first.header)
+        ms = self.registry.resolve(spec.map_name, spec.map_version)
+        session = TranslateSession(spec, ms, self.limits)
+        self.sessions.add(session)
+        g = ms.target.geometry
+        yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
+        async for req in request_iterator:
+            if req.WhichOneof("msg") != "chunk":
+                raise InvalidInput("after the header, a Translate stream carries only chunks")
+            c = req.chunk
+            kind = wire.KIND_FROM_PB.get(c.kind)
+            if kind is None:
+                raise InvalidInput(f"chunk for layer {c.layer}: kind must be KV_KIND_KEY or KV_KIND_VALUE")
+            session.check_chunk_header(c.layer, kind, c.token_start, c.token_end)
+            chunk = wire.chunk_from_pb(c, session.expected_shape(c.token_end - c.token_start), spec.source_dtype)
+            for block in await asyncio.to_thread(session.add, chunk):
+                yield wire.block_to_pb(block)
+        stats = session.finish()
+        label = f"{ms.name}@{ms.version}"
+        self.metrics.tokens.labels(label).inc(stats.tokens)
+        self.metrics.bytes_in.labels(label).inc(stats.bytes_in)
+        self.metrics.bytes_out.labels(label).inc(stats.bytes_out)
+        self.metrics.compute.labels(label).observe(stats.compute_seconds)
+        yield wire.stats_to_pb(stats)

@@ -1,0 +1,306 @@
+"""The sidecar end to end: a real grpc.aio server on port 0, real models from the shipped family."""
+
+import grpc
+import pytest
+import torch
+
+from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
+from kvferry.client.importers import PagedKVPool, to_dynamic_cache
+from kvferry.client.messages import PAGED
+from kvferry.mappings.artifact import save
+from kvferry.mappings.capture import capture_kv
+from kvferry.mappings.fit import identity_mapset
+
+from conftest import make_kv
+
+
+@pytest.fixture(scope="module")
+def maps_dir(tmp_path_factory, family):
+    root = tmp_path_factory.mktemp("maps")
+    s = family["S"]
+    ms = identity_mapset(s.identity, version="1.0.0")
+    save(ms, root)
+    return root
+
+
+@pytest.fixture
+def sidecar(sidecar_factory, maps_dir):
+    return sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+
+
+@pytest.fixture
+def client(sidecar):
+    with TranslateClient(ClientOptions(target=sidecar.address, chunk_tokens=50, retries=0)) as c:
+        yield c
+
+
+def _spec_kw(s):
+    return dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
+
+
+def test_list_mappings(client):
+    (m,) = client.list_mappings()
+    assert m.name == "S__S-self" and m.version == "1.0.0" and m.servable
+    assert m.source.layers == 4 and m.target.kv_heads == 2
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_exact_map_end_to_end_matches_full_prefill(client, family, layout):
+    s = family["S"]
+    ids = torch.randint(2, 4096, (1, 181))
+    src = capture_kv(s.model, ids[:, :-1])
+    res = client.translate(src, "S__S-self", "1.0.0", layout=layout, block_size=16, token_ids=ids[0, :-1].tolist(), **_spec_kw(s))
+    assert res.info.map_version == "1.0.0" and res.stats.tokens == 180
+    if layout == "paged":
+        pool = PagedKVPool(layers=4, num_blocks=32, block_size=16, kv_heads=2, head_dim=32)
+        table = pool.allocate(180)
+        pool.write(res.blocks, table)
+        assert res.stats.blocks == 4 * len(table)
+        layers = pool.gather(table, 180)
+    else:
+        layers = res.layers()
+    with torch.no_grad():
+        got = s.model(input_ids=ids[:, -1:], past_key_values=to_dynamic_cache(layers, s.model.config)).logits[0, -1]
+        want = s.model(input_ids=ids).logits[0, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_dtype_conversion_and_start_position(client, family):
+    s = family["S"]
+    kv = make_kv(layers=4, tokens=30, heads=2, head_dim=32, dtype=torch.bfloat16)
+    res = client.translate(kv, "S__S-self", start_position=500, target_dtype=torch.float16, **_spec_kw(s))
+    out = res.layers()
+    assert out[0][0].dtype == torch.float16 and res.info.start_position == 500
+    torch.testing.assert_close(out[2][1].float(), kv[2][1].float(), rtol=1e-2, atol=1e-2)
+
+
+def _code(client, *args, **kw) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        client.translate(*args, **kw)
+    return e.value.code(), e.value.details()
+
+
+def test_unknown_map_and_version_are_not_found(client, family):
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    code, msg = _code(client, kv, "nope__nope")
+    assert code == grpc.StatusCode.NOT_FOUND and "S__S-self" in msg
+    code, msg = _code(client, kv, "S__S-self", "9.9.9")
+    assert code == grpc.StatusCode.NOT_FOUND and "1.0.0" in msg
+
+
+def test_fingerprint_mismatch_is_failed_precondition(client, family):
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    t = family["T"]
+    code, msg = _code(client, kv, "S__S-self", source_geometry=t.identity.geometry.fingerprint)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "geometry fingerprint" in msg
+    code, msg = _code(client, kv, "S__S-self", tokenizer="0" * 64)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "tokenizer" in msg
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (dict(layers=3), "truncated stream"),
+    (dict(heads=3), "shape"),
+    (dict(head_dim=16), "shape"),
+])
+def test_bad_geometry_is_invalid_argument(client, bad, needle):
+    kw = dict(layers=4, tokens=8, heads=2, head_dim=32) | bad
+    code, msg = _code(client, make_kv(**kw), "S__S-self")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in msg
+
+
+def _raw(sidecar, requests):
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.TranslateServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Translate(iter(requests), timeout=20))
+    return e.value.code(), e.value.details()
+
+
+def test_stream_errors(sidecar):
+    from kvferry.client import wire
+    from kvferry.client.messages import Chunk
+
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=4))
+    # chunks out of order: the second token chunk before the first
+    code, msg = _raw(sidecar, [reqs[0], reqs[2], reqs[1]])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "out of order" in msg
+    # no header
+    code, msg = _raw(sidecar, reqs[1:])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in msg
+    # wrong dtype against the header
+    bad = wire.chunk_to_pb(Chunk(0, "k", 0, 4, kv[0][0][0, :, :4].half()))
+    code, msg = _raw(sidecar, [reqs[0], bad])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in msg
+    # bytes that do not match the declared shape
+    bad = wire.chunk_to_pb(Chunk(0, "k", 0, 4, kv[0][0][0, :, :4]))
+    bad.chunk.tensor.data = bad.chunk.tensor.data[:-4]
+    code, msg = _raw(sidecar, [reqs[0], bad])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in msg
+    # a prefix key: not served until the prefix store exists
+    spec = make_spec(kv, "S__S-self")
+    h = wire.spec_to_pb(spec)
+    h.header.prefix_key = "abc"
+    code, msg = _raw(sidecar, [h])
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_limits_are_resource_exhausted(sidecar_factory, maps_dir, family):
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_tokens=16)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        code, msg = _code(c, make_kv(layers=4, tokens=17, heads=2, head_dim=32), "S__S-self")
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 16" in msg
+
+
+def test_gated_map_is_refused(sidecar_factory, maps_dir):
+    sc = sidecar_factory(maps_dir=str(maps_dir))  # not forced: the identity map has no evidence
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        (m,) = c.list_mappings()
+        assert not m.servable and "no evaluation evidence" in m.gate_reason
+        code, msg = _code(c, make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "passes the serving gates" in msg
+
+
+def test_pipelining_first_block_before_last_chunk(sidecar, family):
+    """Target layer 0 reads only source layer 0, so it must come back while later layers are unsent."""
+    import threading
+
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    kv = make_kv(layers=4, tokens=64, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=64))  # header + 8 chunks
+    first_block = threading.Event()
+    sent_after_first_block = []
+
+    def requests():
+        yield from reqs[:3]  # header, layer 0 K, layer 0 V
+        assert first_block.wait(20), "no target block before the rest of the source was sent"
+        for r in reqs[3:]:
+            sent_after_first_block.append(r)
+            yield r
+
+    with grpc.insecure_channel(sidecar.address) as ch:
+        kinds = []
+        for msg in pb_grpc.TranslateServiceStub(ch).Translate(requests(), timeout=30):
+            kinds.append(msg.WhichOneof("msg"))
+            if kinds[-1] == "block":
+                first_block.set()
+    assert kinds[0] == "header" and kinds[-1] == "trailer" and kinds.count("block") == 4
+    assert len(sent_after_first_block) == 6
+
+
+def test_cancel_mid_stream_frees_the_session(sidecar):
+    import gc
+    import time
+
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    kv = make_kv(layers=4, tokens=64, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=16))
+    servicer = sidecar.sidecar.servicer
+
+    def requests():
+        yield from reqs[:5]
+        time.sleep(30)  # never finishes on its own
+
+    with grpc.insecure_channel(sidecar.address) as ch:
+        call = pb_grpc.TranslateServiceStub(ch).Translate(requests(), timeout=60)
+        assert next(call).WhichOneof("msg") == "header"
+        deadline = time.time() + 10
+        while servicer.active == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(servicer.sessions) == 1 and servicer.active == 1
+        call.cancel()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        sidecar.call(_collect())
+        if servicer.active == 0 and len(servicer.sessions) == 0:
+            break
+        time.sleep(0.05)
+    assert servicer.active == 0 and len(servicer.sessions) == 0
+
+
+async def _collect():
+    import gc
+
+    gc.collect()
+
+
+def test_deadline_is_honoured(sidecar):
+    import time
+
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=8))
+
+    def slow():
+        yield reqs[0]
+        time.sleep(2)
+        yield from reqs[1:]
+
+    with grpc.insecure_channel(sidecar.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.TranslateServiceStub(ch).Translate(slow(), timeout=0.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_health_reflection_and_metrics(sidecar_factory, maps_dir, family):
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, metrics_port=0)
+    with grpc.insecure_channel(sc.address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvferry.v1.TranslateService"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(sc.address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        (resp,) = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+    assert "kvferry.v1.TranslateService" in names and "grpc.health.v1.Health" in names
+    s = family["S"]
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        c.translate(make_kv(layers=4, tokens=12, heads=2, head_dim=32), "S__S-self", **_spec_kw(s))
+        with pytest.raises(grpc.RpcError):
+            c.translate(make_kv(layers=4, tokens=12, heads=2, head_dim=32), "missing")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sc.sidecar.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'kvferry_requests_total{code="OK",method="Translate"} 1.0' in text
+    assert 'kvferry_requests_total{code="NOT_FOUND",method="Translate"} 1.0' in text
+    assert 'kvferry_tokens_total{map="S__S-self@1.0.0"} 12.0' in text
+    assert "kvferry_request_seconds_bucket" in text and "kvferry_maps_servable 1.0" in text
+
+
+def test_health_not_serving_without_maps_and_while_draining(sidecar_factory, tmp_path, maps_dir):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    empty = sidecar_factory(maps_dir=str(tmp_path))
+    with grpc.insecure_channel(empty.address) as ch:
+        st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="")).status
+    assert st == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_new_versions_are_picked_up_without_restart(sidecar_factory, tmp_path, family):
+    s = family["S"]
+    save(identity_mapset(s.identity, version="1.0.0"), tmp_path)
+    sc = sidecar_factory(maps_dir=str(tmp_path), force_maps=True)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+        assert c.translate(kv, "S__S-self").info.map_version == "1.0.0"
+        save(identity_mapset(s.identity, version="1.1.0"), tmp_path)
+        events = sc.call(sc.sidecar.reload())
+        assert any("loaded S__S-self 1.1.0" in e for e in events)
+        assert c.translate(kv, "S__S-self").info.map_version == "1.1.0"  # latest resolves to the new one
+        assert c.translate(kv, "S__S-self", "1.0.0").info.map_version == "1.0.0"  # exact still works
+        # a corrupt newer version is refused and the good ones keep serving
+        bad = tmp_path / "S__S-self" / "2.0.0"
+        bad.mkdir()
+        (bad / "manifest.json").write_text("{}")
+        (bad / "maps.safetensors").write_bytes(b"junk")
+        events = sc.call(sc.sidecar.reload())
+        assert any("refused" in e and "2.0.0" in e for e in events)
+        assert c.translate(kv, "S__S-self").info.map_version == "1.1.0"
