@@ -133,9 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(s)
     s.set_defaults(func=cmd_serve)
 
+    from kvferry import bench_translate
+
+    b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bench_translate.add_parser(bsub)
+
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")
-    d.add_argument("--prompts", type=int, default=60)
+    d.add_argument("--prompts", type=int, default=40)
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=cmd_demo)
     return ap

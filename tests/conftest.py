@@ -79,35 +79,15 @@ def make_kv(layers: int = 2, tokens: int = 16, heads: int = 2, head_dim: int = 1
     return [tuple(torch.randn(batch, heads, tokens, head_dim, generator=g).to(dtype) for _ in range(2)) for _ in range(layers)]
 
 
-class RunningSidecar:
-    """A real kvferry sidecar (grpc.aio) on a loopback port, in a background event loop."""
+def RunningSidecar(**config):
+    """A real kvferry sidecar (grpc.aio) on a loopback port 0, in a background event loop."""
+    from kvferry.sidecar.background import BackgroundSidecar
+    from kvferry.sidecar.config import SidecarConfig
 
-    def __init__(self, **config):
-        import asyncio
-        import threading
-
-        from kvferry.sidecar.config import SidecarConfig
-        from kvferry.sidecar.server import Sidecar
-
-        config.setdefault("port", 0)
-        config.setdefault("reload_seconds", 0)
-        config.setdefault("drain_seconds", 1)
-        self.sidecar = Sidecar(SidecarConfig(**config))
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = self.call(self.sidecar.start())
-        self.address = f"127.0.0.1:{self.port}"
-
-    def call(self, coro, timeout: float = 60):
-        import asyncio
-
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.call(self.sidecar.drain(0.5))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+    config.setdefault("port", 0)
+    config.setdefault("reload_seconds", 0)
+    config.setdefault("drain_seconds", 1)
+    return BackgroundSidecar(SidecarConfig(**config))
 
 
 @pytest.fixture

@@ -1,0 +1,166 @@
+"""``kvferry bench translate``: TTFT of the translate path against the target's own prefill.
+
+Measured side by side in one run, per prompt length n, medians over ``--reps``:
+  (a) target full prefill to the first token;
+  (b) translate path to the first token: the source cache (which the source computed anyway) goes
+      through the sidecar over loopback gRPC, is imported into the target's HF cache, the target
+      recomputes the last r tokens and produces the first token;
+  (c) the map applied in-process (no transport);
+  (d) a raw gRPC echo of the same request bytes (the transport's limit) on the same kind of server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from kvferry import paths
+
+
+def _median(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Echo:
+    """A grpc.aio stream-stream echo of raw bytes, on the sidecar's event loop."""
+
+    def __init__(self, bg):
+        async def echo(request_iterator, context):
+            async for raw in request_iterator:
+                yield raw
+
+        async def start():
+            server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+                "kvferry.bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}),))
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server, port
+
+        self.bg = bg
+        self.server, port = bg.call(start())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", [("grpc.max_receive_message_length", 64 << 20),
+                                                                    ("grpc.max_send_message_length", 64 << 20)])
+        self.call = self.channel.stream_stream("/kvferry.bench.Echo/Echo")
+
+    def roundtrip(self, payloads: list[bytes]) -> int:
+        return sum(len(r) for r in self.call(iter(payloads), timeout=120))
+
+    def close(self) -> None:
+        self.channel.close()
+        self.bg.call(self.server.stop(0))
+
+
+def _long_ids(tokenizer, n: int) -> torch.Tensor:
+    from kvferry.mappings.capture import read_corpus
+
+    ids: list[int] = []
+    for text in read_corpus([paths.data_file("heldout.jsonl")]):
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= n:
+            break
+    return torch.tensor(ids[:n])[None]
+
+
+def run(a: argparse.Namespace) -> int:
+    from kvferry.cli import _quiet_transformers
+    from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
+    from kvferry.client.importers import to_dynamic_cache
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.capture import capture_kv, load_model
+    from kvferry.sidecar.background import BackgroundSidecar
+    from kvferry.sidecar.config import SidecarConfig
+
+    _quiet_transformers()
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    source, target = load_model(a.source), load_model(a.target)
+    name = f"{source.identity.name}__{target.identity.name}"
+    r = a.refresh
+    rows = []
+    with BackgroundSidecar(SidecarConfig(maps_dir=str(a.maps_dir), port=0, reload_seconds=0, force_maps=True)) as sc:
+        ms = sc.sidecar.registry.resolve(name, a.version)
+        echo = _Echo(sc)
+        with TranslateClient(ClientOptions(target=sc.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client:
+            for n in a.sizes:
+                ids = _long_ids(target.tokenizer, n)
+                with torch.no_grad():
+                    src = capture_kv(source.model, ids[:, : n - r])
+                kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+
+                @torch.no_grad()
+                def full():
+                    return int(target.model(input_ids=ids).logits[0, -1].argmax())
+
+                state = {}
+
+                @torch.no_grad()
+                def translate_path():
+                    res = client.translate(src, ms.name, ms.version, **kw)
+                    cache = to_dynamic_cache(res.layers(), target.model.config)
+                    state["res"] = res
+                    return int(target.model(input_ids=ids[:, n - r :], past_key_values=cache).logits[0, -1].argmax())
+
+                @torch.no_grad()
+                def in_process():
+                    return apply(ms, src, 0)
+
+                payloads = [m.SerializeToString() for m in encode_requests(make_spec(src, ms.name, ms.version, **kw), src, a.chunk_tokens)]
+                full(), translate_path(), in_process(), echo.roundtrip(payloads)  # warm-up
+                t_full = _median(full, a.reps)
+                t_path = _median(translate_path, a.reps)
+                t_apply = _median(in_process, a.reps)
+                t_echo = _median(lambda: echo.roundtrip(payloads), a.reps)
+                st = state["res"].stats
+                req_bytes = sum(len(p) for p in payloads)
+                t_rpc = _median(lambda: client.translate(src, ms.name, ms.version, **kw), a.reps)
+                row = {
+                    "n": n, "refresh": r, "full_prefill_ms": t_full * 1e3, "translate_path_ttft_ms": t_path * 1e3,
+                    "speedup": t_full / t_path, "apply_in_process_ms": t_apply * 1e3, "translate_rpc_ms": t_rpc * 1e3,
+                    "echo_ms": t_echo * 1e3, "bytes_in": st.bytes_in, "bytes_out": st.bytes_out,
+                    "translate_MiB_s": (st.bytes_in + st.bytes_out) / t_rpc / 2**20,
+                    "echo_MiB_s": 2 * req_bytes / t_echo / 2**20,
+                }
+                row["throughput_vs_echo"] = row["translate_MiB_s"] / row["echo_MiB_s"]
+                rows.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        echo.close()
+    table = [
+        f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; medians of {a.reps}; r={r}",
+        "",
+        "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms | translate RPC ms | (d) echo ms | translate MiB/s | echo MiB/s | translate/echo |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in rows:
+        table.append(f"| {w['n']} | {w['full_prefill_ms']:.1f} | {w['translate_path_ttft_ms']:.1f} | {w['speedup']:.2f}x | "
+                     f"{w['apply_in_process_ms']:.1f} | {w['translate_rpc_ms']:.1f} | {w['echo_ms']:.1f} | "
+                     f"{w['translate_MiB_s']:.0f} | {w['echo_MiB_s']:.0f} | {w['throughput_vs_echo']:.2f} |")
+    print("\n".join(table))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"map": name, "version": ms.version, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("translate", help="TTFT: translate path vs full prefill, apply, gRPC echo")
+    b.add_argument("--source", type=Path, default=paths.model_dir("S"))
+    b.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
+    b.add_argument("--version", default="")
+    b.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])
+    b.add_argument("--refresh", type=int, default=16)
+    b.add_argument("--reps", type=int, default=5)
+    b.add_argument("--chunk-tokens", type=int, default=2048)
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=run)
