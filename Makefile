@@ -23,3 +23,17 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+BUF := .tools/node_modules/.bin/buf
+
+$(BUF):
+	npm install --prefix .tools --no-audit --no-fund --silent @bufbuild/buf@1.75.0
+
+.PHONY: proto proto-check
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+# buf lint, the breaking-change check against the released v1 image, and stub drift
+proto-check: $(STAMP) $(BUF)
+	cd proto && ../$(BUF) lint && ../$(BUF) breaking --against released/kvferry-v1.binpb
+	$(BIN)/python scripts/gen_proto.py --check

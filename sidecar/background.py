@@ -24,6 +24,8 @@ class BackgroundSidecar:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self, grace: float = 0.5) -> None:
+        if not self.loop.is_running():
+            return
         self.call(self.sidecar.drain(grace))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)

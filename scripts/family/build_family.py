@@ -6,16 +6,18 @@ can be checked. Steps (each writes under --out, default the repo root):
 
     python scripts/family/build_family.py corpus
     python scripts/family/build_family.py tokenizer
-    KVF_THREADS=1 python scripts/family/build_family.py train --model S --warmup-copy 600 --steps 1000 --lr 1.5e-3
-    KVF_THREADS=1 python scripts/family/build_family.py train --model T --warmup-copy 600 --steps 1100 --lr 1e-3
-    KVF_THREADS=1 python scripts/family/build_family.py train --model T64 --warmup-copy 600 --steps 900 --lr 1e-3
+    KVF_THREADS=1 python scripts/family/build_family.py train --model S --warmup-copy 900 --steps 800 --lr 1e-3
+    KVF_THREADS=1 python scripts/family/build_family.py train --model T --warmup-copy 900 --steps 800 --lr 6e-4
+    KVF_THREADS=1 python scripts/family/build_family.py train --model T64 --warmup-copy 0 --steps 800 --lr 8e-4
     python scripts/family/build_family.py card
 
-Training starts with a copy warm-up (random spans repeated, loss on the repeat only) whose id
-pool grows from 256 to the whole vocabulary as the copy loss falls; then it mixes, in every
-batch and for the whole run: natural code (50%), key->value recall documents whose queries
-repeat the definition line (25%), and full-vocabulary copy rows (25%). A copy probe and the
-recall probe are evaluated during training and logged to models/<name>/curve.jsonl.
+Training starts with a warm-up whose odd steps are pure copy batches (32 random 64-token spans,
+each repeated, loss on the repeat only) drawn from an id pool that doubles from 256 to the whole
+vocabulary each time the copy loss falls below 0.5, and whose even steps are ordinary mix
+batches. Then the mix alone, in every batch for the whole run: natural code (40%), key->value
+recall documents whose queries repeat the definition line (30%), and full-vocabulary copy rows
+embedded in code (30%). A copy probe and the recall probe are evaluated during training and
+logged to models/<name>/curve.jsonl.
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ class Mix:
         rows, masks = [], []
         for _ in range(size):
             r = 1.0 if copy_only else self.rng.random()
-            row, mask = self.code() if r < 0.5 else self.recall_doc() if r < 0.75 else self.copy_row()
+            row, mask = self.code() if r < 0.4 else self.recall_doc() if r < 0.7 else self.copy_row()
             rows.append(row)
             masks.append(mask)
         return torch.stack(rows), torch.stack(masks)
@@ -307,24 +309,23 @@ def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int
     while step < total:
         step += 1
         model.train()
-        ids, mask = mix.warmup_batch(batch) if in_warmup else mix.batch(batch)
+        copy_step = in_warmup and step % 2 == 1  # the warm-up alternates copy batches with mix batches
+        ids, mask = mix.warmup_batch(batch) if copy_step else mix.batch(batch)
         loss = lm_loss(model, ids, mask)
-        if in_warmup:
-            ema = float(loss.detach()) if ema is None else 0.9 * ema + 0.1 * float(loss.detach())
-            if ema < 0.5 and warm_steps > 20:
+        if copy_step:
+            ema = float(loss.detach()) if ema is None else 0.8 * ema + 0.2 * float(loss.detach())
+            warm_steps += 1
+            if ema < 0.5 and warm_steps > 10:
                 if mix.pool >= VOCAB - len(SPECIALS):
                     in_warmup = False
-                    total = step + steps
                 else:
                     mix.pool = min(2 * mix.pool, VOCAB - len(SPECIALS))
-                    ema = None
-                    warm_steps = 0
+                    ema, warm_steps = None, 0
                     print(json.dumps({"step": step, "copy_pool": mix.pool}), flush=True)
-            warm_steps += 1
-            if step >= warmup_copy and in_warmup:
+            if step >= warmup_copy:
                 in_warmup = False
+            if not in_warmup:
                 total = step + steps
-
         if not in_warmup and phase["mix_start"] is None:
             phase["mix_start"] = step
         opt.zero_grad(set_to_none=True)
@@ -358,7 +359,8 @@ def _export(model, tok, dest: Path, name: str, rec: dict, seed: int, steps: int,
     tok.save_pretrained(dest)
     (dest / "training.json").write_text(json.dumps({
         "name": name, "seed": seed, "warmup_copy_steps": warmup_copy, "mix_steps": steps, "batch": batch, "seq_len": SEQ, "lr": lr,
-        "mix": {"code": 0.5, "recall_documents": 0.25, "copy_full_vocab": 0.25},
+        "mix": {"code": 0.4, "recall_documents": 0.3, "copy_full_vocab": 0.3},
+        "warmup": "odd steps: 32 pure-copy rows of 64+64 tokens from a growing id pool; even steps: mix batches",
         "checkpoint": rec,
     }, indent=1) + "\n")
 
@@ -414,10 +416,12 @@ def cmd_card(out: Path) -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         "## Recipe", "",
         "- Sequences of 512 tokens, batch 8, AdamW (betas 0.9/0.95, weight decay 0.05), grad clip 1.0, fp32 on CPU, 1 thread each.",
-        "- Copy warm-up (pure copy, 32 rows of 64+64 tokens per step, loss on the repeat only): spans drawn from a pool of 256 ids, the pool",
-        "  doubling every time the copy loss EMA falls below 0.5, until it is the whole vocabulary (or the warm-up cap).",
-        "- Then the mix, in every batch for the whole run: 50% code, 25% key->value recall documents (queries repeat the",
-        "  definition line exactly), 25% full-vocabulary copy rows. Linear LR warm-up, cosine decay to 10%.",
+        "- Warm-up: odd steps are pure copy (32 rows of 64+64 tokens, loss on the repeat only) with spans drawn from a pool",
+        "  of 256 ids that doubles each time the copy loss EMA falls below 0.5, until it is the whole vocabulary (or the",
+        "  warm-up cap); even steps are ordinary mix batches, so the switch to the mix does not erase copying.",
+        "- Then the mix, in every batch for the whole run: 40% code, 30% key->value recall documents (queries repeat the",
+        "  definition line exactly), 30% full-vocabulary copy rows embedded in code. Constant LR through the warm-up,",
+        "  then cosine decay to 10%.",
         "- The copy and recall probes are evaluated every 100 steps (`curve.jsonl` beside each model); the exported",
         "  checkpoint is the best by recall + copy - nll/10 after the warm-up.",
         "- Weights are stored in float16 (loaded as float32); `max_position_embeddings` is 8192 for timing long prompts,",

@@ -1,0 +1,139 @@
+"""Client behaviour against a real sidecar: async API, retries, TLS, fallback, the cascade."""
+
+import asyncio
+import subprocess
+import time
+
+import grpc
+import pytest
+import torch
+
+from kvferry.client.cascade import FALLBACKS, Cascade, CascadePolicy
+from kvferry.client.client import AsyncTranslateClient, ClientOptions, TranslateClient
+from kvferry.mappings.artifact import save
+from kvferry.mappings.capture import capture_kv
+from kvferry.mappings.fit import identity_mapset
+
+from conftest import RunningSidecar, make_kv
+
+
+@pytest.fixture(scope="module")
+def maps_dir(tmp_path_factory, family):
+    root = tmp_path_factory.mktemp("maps")
+    save(identity_mapset(family["S"].identity, version="1.0.0"), root)
+    return root
+
+
+def test_async_client(sidecar_factory, maps_dir):
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    kv = make_kv(layers=4, tokens=40, heads=2, head_dim=32)
+
+    async def go():
+        async with AsyncTranslateClient(ClientOptions(target=sc.address, chunk_tokens=16)) as c:
+            (m,) = await c.list_mappings()
+            results = await asyncio.gather(*[c.translate(kv, m.name, layout="paged", block_size=8) for _ in range(3)])
+        return results
+
+    for res in asyncio.run(go()):
+        assert res.stats.blocks == 4 * 5 and res.blocks[0].key.shape == (8, 2, 32)
+        torch.testing.assert_close(res.blocks[0].value[:, 1], kv[0][1][0, 1, :8])
+
+
+def test_unavailable_is_retried_until_the_server_appears(maps_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = ClientOptions(target=f"127.0.0.1:{port}", retries=8, backoff=0.1, timeout=5)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    import threading
+
+    holder = {}
+    threading.Timer(0.4, lambda: holder.setdefault("sc", RunningSidecar(maps_dir=str(maps_dir), force_maps=True, port=port))).start()
+    try:
+        with TranslateClient(opts) as c:
+            res = c.translate(kv, "S__S-self")
+        assert res.attempts > 1 and res.info.map_version == "1.0.0"
+    finally:
+        time.sleep(0.5)
+        if "sc" in holder:
+            holder["sc"].stop()
+
+
+def test_unavailable_gives_up_after_retries():
+    opts = ClientOptions(target="127.0.0.1:1", retries=2, backoff=0.01, timeout=2)
+    with TranslateClient(opts) as c, pytest.raises(grpc.RpcError) as e:
+        c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self")
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _certs(tmp_path):
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvferry-test-ca",
+        "-keyout", str(tmp_path / "ca.key"), "-out", str(tmp_path / "ca.pem"))
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(tmp_path / f"{name}.key"),
+            "-out", str(tmp_path / f"{name}.csr"))
+        ext = tmp_path / f"{name}.ext"
+        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        run("x509", "-req", "-in", str(tmp_path / f"{name}.csr"), "-CA", str(tmp_path / "ca.pem"), "-CAkey",
+            str(tmp_path / "ca.key"), "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(tmp_path / f"{name}.pem"))
+    return tmp_path
+
+
+def test_mutual_tls(sidecar_factory, maps_dir, tmp_path):
+    d = _certs(tmp_path)
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"),
+                         tls_client_ca=str(d / "ca.pem"))
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    good = ClientOptions(target=sc.address, tls_root_certs=str(d / "ca.pem"), tls_client_cert=str(d / "client.pem"),
+                         tls_client_key=str(d / "client.key"), retries=0, timeout=10)
+    with TranslateClient(good) as c:
+        assert c.translate(kv, "S__S-self").stats.tokens == 8
+    no_cert = ClientOptions(target=sc.address, tls_root_certs=str(d / "ca.pem"), retries=0, timeout=10)
+    with TranslateClient(no_cert) as c, pytest.raises(grpc.RpcError) as e:
+        c.translate(kv, "S__S-self")
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    plaintext = ClientOptions(target=sc.address, retries=0, timeout=5)
+    with TranslateClient(plaintext) as c, pytest.raises(grpc.RpcError):
+        c.translate(kv, "S__S-self")
+
+
+def _counter(reason: str) -> float:
+    return FALLBACKS.labels(reason)._value.get()
+
+
+def test_cascade_mapped_path_matches_full_prefill_and_falls_back(sidecar_factory, maps_dir, family):
+    s = family["S"]
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    ids = torch.randint(2, 4096, (1, 120))
+    src = capture_kv(s.model, ids)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        cascade = Cascade(s.model, c, CascadePolicy("S__S-self", refresh=8, min_tokens=32), s.identity)
+        mapped = cascade.generate(ids, src, max_new_tokens=12)
+        gold = cascade.full_prefill(ids, 12)
+        assert mapped.path == "mapped" and mapped.tokens == gold.tokens
+        before = _counter("short_prompt")
+        short = cascade.generate(ids[:, :20], capture_kv(s.model, ids[:, :20]), max_new_tokens=4)
+        assert short.path == "fallback" and short.reason.startswith("short_prompt") and _counter("short_prompt") == before + 1
+        missing = Cascade(s.model, c, CascadePolicy("S__S-self", "7.7.7", refresh=8, min_tokens=32), s.identity)
+        res = missing.generate(ids, src, max_new_tokens=12)
+        assert res.path == "fallback" and res.reason.startswith("map_not_found") and res.tokens == gold.tokens
+    sc.stop()
+    with TranslateClient(ClientOptions(target=sc.address, retries=1, backoff=0.01, timeout=2)) as c:
+        down = Cascade(s.model, c, CascadePolicy("S__S-self", refresh=8, min_tokens=32), s.identity)
+        res = down.generate(ids, src, max_new_tokens=12)
+    assert res.path == "fallback" and res.reason.startswith("sidecar_unavailable") and res.tokens == gold.tokens
+
+
+def test_gated_map_falls_back(sidecar_factory, maps_dir, family):
+    s = family["S"]
+    sc = sidecar_factory(maps_dir=str(maps_dir))  # gates on: the identity map has no evidence
+    ids = torch.randint(2, 4096, (1, 80))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        res = Cascade(s.model, c, CascadePolicy("S__S-self", refresh=8, min_tokens=32), s.identity).generate(
+            ids, capture_kv(s.model, ids), max_new_tokens=4)
+    assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible")

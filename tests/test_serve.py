@@ -1,0 +1,86 @@
+"""`kvferry serve` as a real process: config from flags/env/file, graceful drain on SIGTERM."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvferry.client.client import encode_requests, make_spec
+from kvferry.mappings.artifact import save
+from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.fit import identity_mapset
+from kvferry.sidecar.config import SidecarConfig, from_sources
+from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+from conftest import make_kv
+
+
+def test_config_precedence_and_validation(tmp_path):
+    f = tmp_path / "kvferry.toml"
+    f.write_text('[sidecar]\nport = 7000\nmax_streams = 5\nmaps_dir = "/m"\n')
+    import argparse
+
+    a = argparse.Namespace(config=str(f), port=None, max_streams=9, maps_dir=None)
+    c = from_sources(a, env={"KVFERRY_PORT": "7001", "KVFERRY_FORCE_MAPS": "true"})
+    assert (c.port, c.max_streams, c.maps_dir, c.force_maps) == (7001, 9, "/m", True)
+    with pytest.raises(InvalidInput, match="unknown config keys"):
+        f.write_text("prot = 1\n")
+        from_sources(argparse.Namespace(config=str(f)), env={})
+    with pytest.raises(InvalidInput):
+        SidecarConfig(max_streams=0)
+    with pytest.raises(InvalidInput, match="tls_cert and tls_key"):
+        SidecarConfig(tls_cert="a.pem")
+    with pytest.raises(InvalidInput, match="cannot read"):
+        from_sources(argparse.Namespace(config=None), env={"KVFERRY_PORT": "eighty"})
+
+
+def test_sigterm_drains_in_flight_streams(tmp_path, family):
+    save(identity_mapset(family["S"].identity, version="1.0.0"), tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--maps-dir", str(tmp_path), "--port", "0",
+                             "--force-maps", "--drain-seconds", "20"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        deadline = time.time() + 60
+        while time.time() < deadline and port is None:
+            line = proc.stdout.readline()
+            m = re.search(r"listening on [\d.]+:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "the sidecar did not report its port"
+        kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32)
+        reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=32))
+        sent_half = threading.Event()
+
+        def slow():
+            yield from reqs[:4]
+            sent_half.set()
+            time.sleep(1.5)  # SIGTERM arrives while this stream is in flight
+            yield from reqs[4:]
+
+        result = {}
+
+        def run():
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                result["msgs"] = [m.WhichOneof("msg") for m in pb_grpc.TranslateServiceStub(ch).Translate(slow(), timeout=30)]
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert sent_half.wait(20)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # new streams are refused while draining
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        t.join(30)
+        assert result["msgs"][0] == "header" and result["msgs"][-1] == "trailer" and result["msgs"].count("block") == 4
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
