@@ -133,11 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(s)
     s.set_defaults(func=cmd_serve)
 
-    from kvferry import bench_translate
+    from kvferry import bench_maps, bench_translate
 
     b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bench_translate.add_parser(bsub)
+    bench_maps.add_parser(bsub)
 
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")
