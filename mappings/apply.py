@@ -24,6 +24,26 @@ def _positions(positions, tokens: int, device) -> torch.Tensor:
     return positions.to(device)
 
 
+def fused_groups(ms: MapSet) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
+    """Maps that read the same source features, with their weights side by side (cached on the MapSet).
+
+    With k = all source layers every map reads the same input, so one matmul serves all of them.
+    """
+    cache = getattr(ms, "_fused", None)
+    if cache is not None:
+        return cache
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for key, m in sorted(ms.maps.items()):
+        groups.setdefault((m.source_layers, m.inputs), []).append(key)
+    out = []
+    for (sources, inputs), keys in groups.items():
+        w = torch.cat([ms.maps[k].weight for k in keys], dim=1)
+        b = torch.cat([ms.maps[k].bias for k in keys])
+        out.append(((sources, inputs), keys, w, b))
+    ms._fused = out
+    return out
+
+
 class StreamingApplier:
     """Feed source layers in any order; get each target layer as soon as its sources are present.
 
@@ -37,13 +57,13 @@ class StreamingApplier:
         self.out_dtype = out_dtype
         self._feats: dict[tuple[int, str], torch.Tensor] = {}
         self._partial: dict[int, dict[str, torch.Tensor]] = {}
-        self._pending = {(t, kind) for (t, kind) in ms.maps}
+        self._groups = list(fused_groups(ms))
         self._uses: dict[tuple[int, str], int] = {}
-        for (t, kind), m in ms.maps.items():
-            for s in m.source_layers:
-                for c in m.inputs:
+        for (sources, inputs), _, _, _ in self._groups:
+            for s in sources:
+                for c in inputs:
                     self._uses[(s, c)] = self._uses.get((s, c), 0) + 1
-        self._emitted: set[int] = set()
+        self._pos: torch.Tensor | None = None
 
     def needed_by(self, source_layer: int) -> list[int]:
         return sorted({t for (t, k), m in self.ms.maps.items() if source_layer in m.source_layers})
@@ -60,37 +80,43 @@ class StreamingApplier:
         if tensor.dim() != 4 or tensor.shape[1] != sg.kv_heads or tensor.shape[3] != sg.head_dim:
             raise InvalidInput(f"source layer {layer} {kind.upper()} has shape {tuple(tensor.shape)}; expected "
                                f"[batch, {sg.kv_heads}, tokens, {sg.head_dim}]")
+        if self._pos is not None and tensor.shape[2] != self._pos.shape[-1]:
+            raise InvalidInput(f"source layer {layer} {kind.upper()} has {tensor.shape[2]} tokens, others {self._pos.shape[-1]}")
         if self.out_dtype is None:
             self.out_dtype = tensor.dtype
-        pos = _positions(self.positions, tensor.shape[2], tensor.device)
-        self._feats[(layer, kind)] = to_features(tensor, sg.rope if kind == "k" else None, pos)
-        yield from self._ready(pos)
+        if self._pos is None:
+            self._pos = _positions(self.positions, tensor.shape[2], tensor.device)
+        self._feats[(layer, kind)] = to_features(tensor, sg.rope if kind == "k" else None, self._pos)
+        yield from self._ready()
 
-    def _ready(self, pos: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _ready(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         tg = self.ms.target.geometry
-        for t, kind in sorted(self._pending):
-            m = self.ms.maps[(t, kind)]
-            if not all((s, c) in self._feats for s in m.source_layers for c in m.inputs):
+        width = tg.kv_width
+        remaining = []
+        for group in self._groups:
+            (sources, inputs), keys, w, b = group
+            if not all((s, c) in self._feats for s in sources for c in inputs):
+                remaining.append(group)
                 continue
-            x = torch.cat([self._feats[(s, c)] for s in m.source_layers for c in m.inputs], dim=-1)
-            w = m.weight.to(device=x.device)
-            y = torch.addmm(m.bias.to(x.device), x.reshape(-1, x.shape[-1]), w).reshape(x.shape[0], x.shape[1], -1)
-            out = from_features(y, tg.kv_heads, tg.rope if kind == "k" else None, pos).to(self.out_dtype)
-            self._pending.discard((t, kind))
-            for s in m.source_layers:
-                for c in m.inputs:
+            x = torch.cat([self._feats[(s, c)] for s in sources for c in inputs], dim=-1)
+            y = torch.addmm(b.to(x.device), x.reshape(-1, x.shape[-1]), w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
+            for s in sources:
+                for c in inputs:
                     self._uses[(s, c)] -= 1
                     if self._uses[(s, c)] == 0:
                         self._feats[(s, c)] = self._feats[(s, c)][:, :0]  # free, but remember it arrived
-            part = self._partial.setdefault(t, {})
-            part[kind] = out
-            if len(part) == 2:
-                del self._partial[t]
-                yield t, part["k"], part["v"]
+            for i, (t, kind) in enumerate(keys):
+                out = from_features(y[..., i * width : (i + 1) * width], tg.kv_heads, tg.rope if kind == "k" else None, self._pos)
+                part = self._partial.setdefault(t, {})
+                part[kind] = out.to(self.out_dtype)
+                if len(part) == 2:
+                    del self._partial[t]
+                    yield t, part["k"], part["v"]
+        self._groups = remaining
 
     @property
     def done(self) -> bool:
-        return not self._pending and not self._partial
+        return not self._groups and not self._partial
 
 
 @torch.no_grad()

@@ -82,7 +82,23 @@ def inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
 
 
 def cos_sin(spec: RopeSpec, positions: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [..., T, head_dim] (float32), as the model's rotary embedding computes them."""
+    """cos, sin of shape [..., T, head_dim] (float32), as the model's rotary embedding computes them.
+
+    The last call's result is reused when the same spec and positions come again (the common case
+    while one request's layers stream through)."""
+    global _LAST
+    last = _LAST  # one atomic read: (spec, positions tensor, device, value)
+    if last is not None and last[1] is positions and last[0] == spec and last[2] == str(device):
+        return last[3]
+    value = _cos_sin(spec, positions, device)
+    _LAST = (spec, positions, str(device), value)
+    return value
+
+
+_LAST: tuple | None = None
+
+
+def _cos_sin(spec: RopeSpec, positions: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     freqs, scale = inv_freq(spec)
     ang = positions.to(device=device, dtype=torch.float32)[..., None] * freqs.to(device)
     emb = torch.cat([ang, ang], dim=-1)

@@ -7,7 +7,7 @@ can be checked. Steps (each writes under --out, default the repo root):
     python scripts/family/build_family.py corpus
     python scripts/family/build_family.py tokenizer
     KVF_THREADS=1 python scripts/family/build_family.py train --model S --warmup-copy 900 --steps 800 --lr 1e-3
-    KVF_THREADS=1 python scripts/family/build_family.py train --model T --warmup-copy 900 --steps 800 --lr 6e-4
+    KVF_THREADS=1 python scripts/family/build_family.py train --model T --warmup-copy 700 --steps 600 --lr 6e-4
     KVF_THREADS=1 python scripts/family/build_family.py train --model T64 --warmup-copy 0 --steps 800 --lr 8e-4
     python scripts/family/build_family.py card
 
@@ -46,7 +46,7 @@ SPECIALS = ["<|endoftext|>", "<|pad|>"]
 FAMILY = {
     # name: (layers, hidden, heads, kv_heads, head_dim, intermediate)
     "S": (4, 128, 4, 2, 32, 384),
-    "T": (6, 256, 8, 4, 32, 512),
+    "T": (6, 192, 6, 3, 32, 512),
     "T64": (6, 256, 4, 2, 64, 512),
 }
 
