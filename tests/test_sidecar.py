@@ -304,3 +304,41 @@ def test_new_versions_are_picked_up_without_restart(sidecar_factory, tmp_path, f
         events = sc.call(sc.sidecar.reload())
         assert any("refused" in e and "2.0.0" in e for e in events)
         assert c.translate(kv, "S__S-self").info.map_version == "1.1.0"
+
+
+def test_stream_cap_and_byte_limit_are_resource_exhausted(sidecar_factory, maps_dir):
+    import threading
+    import time
+
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_streams=1, max_request_bytes=40000)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=8))
+    release = threading.Event()
+
+    def held():
+        yield reqs[0]
+        release.wait(20)
+        yield from reqs[1:]
+
+    done = {}
+
+    def first():
+        with grpc.insecure_channel(sc.address) as ch:
+            done["kinds"] = [m.WhichOneof("msg") for m in pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=30)]
+
+    t = threading.Thread(target=first)
+    t.start()
+    deadline = time.time() + 10
+    while sc.sidecar.servicer.active == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        code, msg = _code(c, kv, "S__S-self")
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in msg
+        release.set()
+        t.join(20)
+        assert done["kinds"][-1] == "trailer"  # the held stream was not disturbed
+        big = make_kv(layers=4, tokens=40, heads=2, head_dim=32)  # 4*2*64*40*4 = 81920 bytes > 40000
+        code, msg = _code(c, big, "S__S-self")
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes" in msg
