@@ -23,7 +23,7 @@ class BackgroundSidecar:
     def call(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def stop(self, grace: float = 0.5) -> None:
+    def stop(self, grace: float = 1.0) -> None:
         if not self.loop.is_running():
             return
         self.call(self.sidecar.drain(grace))

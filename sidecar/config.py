@@ -47,6 +47,8 @@ class SidecarConfig:
     """How often the map directory is rescanned for new versions; 0 disables rescans."""
     drain_seconds: float = 20.0
     """On SIGTERM: how long in-flight streams get to finish before the server stops."""
+    drain_notice_seconds: float = 2.0
+    """On SIGTERM: how long health reports NOT_SERVING (new streams get UNAVAILABLE) before the listener closes."""
     device: str = "cpu"
     """Torch device the maps run on ("cpu", "cuda", "cuda:1")."""
     threads: int = 0
@@ -65,8 +67,8 @@ class SidecarConfig:
             raise InvalidInput("max_message_bytes must be at least 1 MiB")
         if self.max_streams < 1:
             raise InvalidInput("max_streams must be >= 1")
-        if self.reload_seconds < 0 or self.drain_seconds < 0:
-            raise InvalidInput("reload_seconds and drain_seconds must be >= 0")
+        if self.reload_seconds < 0 or self.drain_seconds < 0 or self.drain_notice_seconds < 0:
+            raise InvalidInput("reload_seconds, drain_seconds and drain_notice_seconds must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidInput("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:

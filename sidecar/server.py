@@ -1,4 +1,8 @@
-"""Assemble and run the sidecar: gRPC (aio) + health + reflection + metrics, reload and drain."""
+"""Assemble and run the sidecar: gRPC (aio) + health + reflection + metrics, reload and drain.
+
+Health: service "" is SERVING while the process takes RPCs (liveness); "kvferry.v1.TranslateService"
+is SERVING only once at least one servable map is loaded (readiness). Both go NOT_SERVING on drain.
+"""
 
 from __future__ import annotations
 
@@ -62,7 +66,8 @@ class Sidecar:
             self.port = self.server.add_secure_port(address, creds)
         else:
             self.port = self.server.add_insecure_port(address)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness: the process serves RPCs
+        await self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness: until maps load
         await self.reload()
         await self.server.start()
         if c.metrics_port >= 0:
@@ -79,7 +84,7 @@ class Sidecar:
         self.metrics.record_maps(self.registry.entries())
         if not self.draining:
             ok = self.registry.servable_count > 0
-            await self._set_health(health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
         return events
 
     async def _reload_loop(self) -> None:
@@ -90,20 +95,21 @@ class Sidecar:
             except Exception:  # noqa: BLE001 - a bad scan must never take the server down
                 log.exception("map directory rescan failed; serving what is loaded")
 
-    async def _set_health(self, status) -> None:
-        for name in ("", SERVICE):
-            await self.health.set(name, status)
 
     async def drain(self, grace: float | None = None) -> None:
         """NOT_SERVING at once; new RPCs are refused (UNAVAILABLE); in-flight streams get ``grace`` seconds."""
         if self.draining:
             return
         self.draining = True
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING, and it stays so
         if self._reload_task:
             self._reload_task.cancel()
+        grace = self.config.drain_seconds if grace is None else grace
+        notice = min(self.config.drain_notice_seconds, grace)
+        await asyncio.sleep(notice)  # let probes and load balancers see NOT_SERVING
         if self.server:
-            await self.server.stop(self.config.drain_seconds if grace is None else grace)
+            await self.server.stop(grace - notice)
 
     async def wait(self) -> None:
         if self.server:

@@ -6,7 +6,7 @@ import asyncio
 import weakref
 
 from kvferry.client import wire
-from kvferry.mappings.errors import InvalidInput, TooLarge
+from kvferry.mappings.errors import InvalidInput, TooLarge, Unavailable
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
@@ -38,12 +38,15 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         self.registry, self.limits, self.metrics = registry, limits, metrics
         self.max_streams, self.gate_arm = max_streams, gate_arm
         self.active = 0
+        self.draining = False
         self.sessions: weakref.WeakSet = weakref.WeakSet()  # live request state, for memory accounting
 
     async def ListMappings(self, request, context):
         return pb.ListMappingsResponse(mappings=[mapping_info(e, self.gate_arm) for e in self.registry.entries(request.name_prefix)])
 
     async def Translate(self, request_iterator, context):
+        if self.draining:
+            raise Unavailable("this sidecar is draining (shutting down); retry on another endpoint")
         if self.active >= self.max_streams:
             context.set_trailing_metadata(((RETRY_AFTER_KEY, "100"),))
             raise TooLarge(f"{self.active} translate streams in flight, the limit is {self.max_streams}; "

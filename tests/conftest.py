@@ -87,6 +87,7 @@ def RunningSidecar(**config):
     config.setdefault("port", 0)
     config.setdefault("reload_seconds", 0)
     config.setdefault("drain_seconds", 1)
+    config.setdefault("drain_notice_seconds", 0.5)
     return BackgroundSidecar(SidecarConfig(**config))
 
 

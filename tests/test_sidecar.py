@@ -279,9 +279,42 @@ def test_health_not_serving_without_maps_and_while_draining(sidecar_factory, tmp
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     empty = sidecar_factory(maps_dir=str(tmp_path))
+    check = lambda ch, svc: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc)).status  # noqa: E731
     with grpc.insecure_channel(empty.address) as ch:
-        st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="")).status
-    assert st == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert check(ch, "") == health_pb2.HealthCheckResponse.SERVING  # alive
+        assert check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready
+    full = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, drain_seconds=5, drain_notice_seconds=2)
+    import threading, time
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=8))
+    hold = threading.Event()
+
+    def held():
+        yield reqs[0]
+        hold.wait(10)
+        yield from reqs[1:]
+
+    with grpc.insecure_channel(full.address) as ch:
+        assert check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.SERVING
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", list(pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=20))))
+        t.start()
+        while full.sidecar.servicer.active == 0:
+            time.sleep(0.01)
+        drain = threading.Thread(target=lambda: full.call(full.sidecar.drain(5)))
+        drain.start()
+        time.sleep(0.3)
+        assert check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert check(ch, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as e:  # new streams are turned away while draining
+            list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+        hold.set()
+        t.join(10)
+        drain.join(10)
+    assert out["r"][-1].WhichOneof("msg") == "trailer"
 
 
 def test_new_versions_are_picked_up_without_restart(sidecar_factory, tmp_path, family):
