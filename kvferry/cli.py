@@ -82,6 +82,28 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(a: argparse.Namespace) -> int:
+    import grpc
+
+    from kvferry.client.health import check
+
+    try:
+        status = check(a.address, a.service, a.timeout, a.tls_ca, a.tls_cert, a.tls_key)
+    except grpc.RpcError as e:
+        print(f"{a.address} {a.service or '(server)'}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(f"{a.address} {a.service or '(server)'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_fetch_maps(a: argparse.Namespace) -> int:
+    from kvferry.fetch_maps import fetch
+
+    for p in fetch(a.url, a.dest):
+        print(f"fetched and verified {p}")
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from kvferry import demo
 
@@ -132,6 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the gRPC translation sidecar")
     add_arguments(s)
     s.set_defaults(func=cmd_serve)
+
+    h = sub.add_parser("health", help="check a sidecar's gRPC health service (exit 0 when SERVING)")
+    h.add_argument("--address", default="127.0.0.1:50551")
+    h.add_argument("--service", default="kvferry.v1.TranslateService", help='"" for the server as a whole')
+    h.add_argument("--timeout", type=float, default=5.0)
+    h.add_argument("--tls-ca", default="")
+    h.add_argument("--tls-cert", default="")
+    h.add_argument("--tls-key", default="")
+    h.set_defaults(func=cmd_health)
+
+    fm = sub.add_parser("fetch-maps", help="download and unpack a .tar.gz of map artifacts, verifying each")
+    fm.add_argument("--url", required=True)
+    fm.add_argument("--dest", type=Path, required=True)
+    fm.set_defaults(func=cmd_fetch_maps)
 
     from kvferry import bench_maps, bench_translate
 

@@ -1,0 +1,89 @@
+"""The Helm chart renders valid manifests whose args, config, ports, probes and mounts are ones
+`kvferry serve` actually accepts: parsed by the binary's own parser and config class."""
+
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvferry.cli import build_parser
+from kvferry.sidecar.config import SidecarConfig, from_sources
+from kvferry.sidecar.server import SERVICE
+
+from conftest import ROOT
+
+CHART = ROOT / "helm" / "kvferry"
+HELM = shutil.which("helm") or str(ROOT / ".tools" / "node_modules" / ".bin" / "helm")
+pytestmark = pytest.mark.skipif(not Path(HELM).exists(), reason="helm not installed (make chart-check installs it)")
+VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+
+
+def render(values: Path | None = None, *sets: str) -> list[dict]:
+    cmd = [HELM, "template", "t", str(CHART), "--kube-version", "1.30.0"]
+    if values:
+        cmd += ["-f", str(values)]
+    for s in sets:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def _one(docs, kind):
+    (d,) = [d for d in docs if d["kind"] == kind]
+    return d
+
+
+@pytest.mark.parametrize("values", [None, *VALUES], ids=lambda v: v.name if v else "defaults")
+def test_chart_agrees_with_the_binary(values, tmp_path):
+    docs = render(values)
+    cm = _one(docs, "ConfigMap")
+    toml_text = cm["data"]["kvferry.toml"]
+    (tmp_path / "kvferry.toml").write_text(toml_text)
+    config = from_sources(build_parser().parse_args(["serve", "--config", str(tmp_path / "kvferry.toml")]), env={})
+    assert isinstance(config, SidecarConfig)
+    assert set(tomllib.loads(toml_text)["sidecar"]) <= set(SidecarConfig.__dataclass_fields__)
+
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    (c,) = [c for c in pod["containers"] if c["name"] == "kvferry"]
+    args = build_parser().parse_args(c["args"])  # exits on any flag `kvferry serve` does not accept
+    assert args.cmd == "serve" and args.config == "/etc/kvferry/kvferry.toml"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+    assert c["readinessProbe"]["grpc"] == {"port": config.port, "service": SERVICE}
+    assert c["livenessProbe"]["grpc"] == {"port": config.port} and c["startupProbe"]["grpc"]["port"] == config.port
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts[config.maps_dir]["readOnly"] and mounts["/etc/kvferry"]["readOnly"]
+    for path in (config.tls_cert, config.tls_key, config.tls_client_ca):
+        if path:
+            assert any(path.startswith(m + "/") for m in mounts), f"{path} is not on a mounted volume"
+    assert pod["terminationGracePeriodSeconds"] >= config.drain_seconds + c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"]
+    for init in pod.get("initContainers", []):
+        if init.get("args"):
+            build_parser().parse_args(init["args"])  # fetch-maps
+    test_pod = _one(docs, "Pod")
+    build_parser().parse_args(test_pod["spec"]["containers"][0]["args"])  # kvferry health
+
+
+def test_modes_and_options():
+    docs = render(CHART / "ci" / "pod-sidecar-values.yaml")
+    names = [c["name"] for c in _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]]
+    assert names == ["kvferry", "model-server"]
+    gpu = _one(render(CHART / "ci" / "gpu-values.yaml"), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    kinds = {d["kind"] for d in render(CHART / "ci" / "standalone-values.yaml")}
+    assert {"PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy", "ServiceMonitor"} <= kinds
+
+
+def test_bad_values_fail_at_install():
+    r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "sidecar.port=0"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "port" in r.stderr
+    r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "maps.source=url"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0
