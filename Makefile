@@ -18,8 +18,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvferry demo
 
-test: $(STAMP) $(HELM)
+test: $(STAMP) $(HELM) redis-server
 	$(BIN)/python -m pytest -q tests
+
+# The tests start a real redis-server (Debian's package) on a free loopback port.
+.PHONY: redis-server
+redis-server:
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -80,6 +80,8 @@ class TranslateResult:
 
 
 def _as_layers(cache) -> list[LayerKV]:
+    if cache is None:
+        return []
     if hasattr(cache, "layers") and not isinstance(cache, list):
         return [(l.keys, l.values) for l in cache.layers]
     return list(cache)
@@ -98,10 +100,14 @@ def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: in
 
 def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
               start_position: int = 0, token_ids=(), layout: str = CONTIGUOUS, block_size: int = 16,
-              target_dtype: torch.dtype | None = None) -> TranslateSpec:
-    k0 = layers[0][0]
-    return TranslateSpec(map_name, version, source_geometry, tokenizer, int(k0.shape[-2]), start_position,
-                         tuple(int(t) for t in token_ids), k0.dtype, layout, block_size, target_dtype)
+              target_dtype: torch.dtype | None = None, tenant: str = "", prefix_key: str = "",
+              source_dtype: torch.dtype | None = None) -> TranslateSpec:
+    if layers:
+        n, dtype = int(layers[0][0].shape[-2]), layers[0][0].dtype
+    else:  # key-only: the source KV is in the prefix store
+        n, dtype = len(token_ids), source_dtype or torch.float32
+    return TranslateSpec(map_name, version, source_geometry, tokenizer, n, start_position,
+                         tuple(int(t) for t in token_ids), dtype, layout, block_size, target_dtype, prefix_key, tenant)
 
 
 class _Collector:

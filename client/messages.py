@@ -30,6 +30,7 @@ class TranslateSpec:
     block_size: int = 16
     target_dtype: torch.dtype | None = None
     prefix_key: str = ""
+    tenant: str = ""
 
 
 @dataclass

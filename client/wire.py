@@ -86,7 +86,7 @@ def spec_to_pb(s: TranslateSpec) -> pb.TranslateRequest:
         num_tokens=s.num_tokens, start_position=s.start_position, token_ids=list(s.token_ids),
         source_dtype=dtype_to_pb(s.source_dtype), layout=_LAYOUT_TO_PB[s.layout], block_size=s.block_size,
         target_dtype=dtype_to_pb(s.target_dtype) if s.target_dtype is not None else pb.DTYPE_UNSPECIFIED,
-        prefix_key=s.prefix_key,
+        prefix_key=s.prefix_key, tenant=s.tenant,
     )
     return pb.TranslateRequest(header=h)
 
@@ -104,7 +104,7 @@ def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
         start_position=h.start_position, token_ids=tuple(h.token_ids), source_dtype=dtype_from_pb(h.source_dtype),
         layout=_LAYOUT_FROM_PB[h.layout], block_size=h.block_size,
         target_dtype=None if h.target_dtype == pb.DTYPE_UNSPECIFIED else dtype_from_pb(h.target_dtype),
-        prefix_key=h.prefix_key,
+        prefix_key=h.prefix_key, tenant=h.tenant,
     )
 
 

@@ -59,6 +59,22 @@ class SidecarConfig:
     """PEM server private key."""
     tls_client_ca: str = ""
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    redis_url: str = ""
+    """Shared prefix store: redis://[user@]host:port/db or rediss:// (TLS); empty uses the in-process store."""
+    redis_password: str = ""
+    """Redis password (prefer the env KVFERRY_REDIS_PASSWORD or the config file over a flag)."""
+    prefix_cache: bool = True
+    """Reuse and publish mapped prefix blocks (needs token_ids in requests)."""
+    prefix_secret: str = ""
+    """HMAC key of prefix block hashes; required with redis_url so every pod derives the same keys."""
+    prefix_block_size: int = 256
+    """Tokens per prefix block."""
+    prefix_ttl_seconds: float = 3600.0
+    """Lifetime of a stored block."""
+    prefix_max_blob_bytes: int = 64 << 20
+    """Largest block blob written to the store."""
+    prefix_memory_bytes: int = 512 << 20
+    """Byte budget of the in-process prefix store (used without redis_url)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
@@ -73,6 +89,13 @@ class SidecarConfig:
             raise InvalidInput("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidInput("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidInput("redis_url must start with redis://, rediss:// or unix://")
+        if self.redis_url and self.prefix_cache and not self.prefix_secret:
+            raise InvalidInput("a shared prefix store needs prefix_secret (env KVFERRY_PREFIX_SECRET): every pod must "
+                               "derive the same keys, and nobody else should")
+        if self.prefix_block_size < 1 or self.prefix_ttl_seconds <= 0 or self.prefix_memory_bytes < 1:
+            raise InvalidInput("prefix_block_size, prefix_ttl_seconds and prefix_memory_bytes must be positive")
         self.gates  # validates the gate fields
         self.limits
 

@@ -22,6 +22,10 @@ class Metrics:
         self.map_quality = Gauge("kvferry_map_quality", "Evidence of each loaded map version (gated arm)",
                                  ["map", "version", "metric"], registry=r)
         self.map_events = Counter("kvferry_map_events_total", "Registry events", ["event"], registry=r)
+        self.prefix_blocks = Counter("kvferry_prefix_blocks_total", "Prefix-store block lookups by outcome",
+                                     ["outcome"], registry=r)
+        self.prefix_writes = Counter("kvferry_prefix_writes_total", "Mapped blocks written to the prefix store", registry=r)
+        self.prefix_store_errors = Counter("kvferry_prefix_store_errors_total", "Prefix-store calls that failed", registry=r)
 
     def record_maps(self, entries) -> None:
         self.maps_servable.set(sum(e.servable for e in entries))

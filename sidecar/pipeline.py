@@ -13,15 +13,13 @@ import torch
 from kvferry.client.messages import PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
-from kvferry.mappings.errors import Incompatible, InvalidInput, Unsupported
+from kvferry.mappings.errors import Incompatible, InvalidInput
 
 from .limits import Limits
 
 
 def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
     """Header-level checks: fingerprints, sizes, layout. Raises before any allocation."""
-    if spec.prefix_key:
-        raise Unsupported("prefix_key requests need the prefix store, which this sidecar does not run yet; stream the source KV")
     sg = ms.source.geometry
     if spec.source_geometry and spec.source_geometry != sg.fingerprint:
         raise Incompatible(f"source geometry fingerprint {spec.source_geometry[:12]}… does not match map {ms.name} "
@@ -43,17 +41,37 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
 
 
 class TranslateSession:
-    """One request's state: per (layer, kind) the next expected token, buffered chunks, the applier."""
+    """One request's state: per (layer, kind) the next expected token, buffered chunks, the applier.
 
-    def __init__(self, spec: TranslateSpec, ms: MapSet, limits: Limits):
+    ``cached``: target KV for the first tokens, found in the prefix store ([1, kv_heads, m, head_dim]
+    per target layer); those tokens are not mapped again. ``expect_chunks=False`` for requests whose
+    source KV came from the store. ``keep_output`` retains the full target layers (for write-back).
+    """
+
+    def __init__(self, spec: TranslateSpec, ms: MapSet, limits: Limits, cached: list | None = None,
+                 expect_chunks: bool = True, keep_output: bool = False):
         check_spec(spec, ms, limits)
         self.spec, self.ms = spec, ms
         self.out_dtype = spec.target_dtype or spec.source_dtype
-        self.applier = StreamingApplier(ms, positions=spec.start_position, out_dtype=self.out_dtype)
+        self.cached = cached or None
+        self.skip = int(cached[0][0].shape[2]) if cached else 0
+        self.expect_chunks = expect_chunks
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep_output else None
+        self.applier = (StreamingApplier(ms, positions=spec.start_position + self.skip, out_dtype=self.out_dtype)
+                        if self.skip < spec.num_tokens else None)
         self._next: dict[tuple[int, str], int] = {}
         self._parts: dict[tuple[int, str], list[torch.Tensor]] = {}
         self.stats = Stats(tokens=spec.num_tokens)
         self._t0 = time.perf_counter()
+
+    def initial_blocks(self) -> list[Block]:
+        """Blocks that need no source data: everything, when the store covered every token."""
+        if self.applier is not None or not self.cached:
+            return []
+        out = []
+        for t, (k, v) in enumerate(self.cached):
+            out += self._emit(t, k.to(self.out_dtype), v.to(self.out_dtype))
+        return out
 
     def info(self) -> TargetInfo:
         g = self.ms.target.geometry
@@ -67,6 +85,8 @@ class TranslateSession:
     def check_chunk_header(self, layer: int, kind: str, start: int, end: int) -> None:
         """Order and range checks, before the chunk's bytes are decoded."""
         g = self.ms.source.geometry
+        if not self.expect_chunks:
+            raise InvalidInput("this request names a prefix_key: its source KV comes from the prefix store; send no chunks")
         if not 0 <= layer < g.layers:
             raise InvalidInput(f"chunk layer {layer} out of range: the source model has {g.layers} layers")
         nxt = self._next.get((layer, kind), 0)
@@ -94,13 +114,23 @@ class TranslateSession:
         if chunk.end < self.spec.num_tokens:
             return []
         parts = self._parts.pop(key)
-        full = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[None]
+        if self.applier is None:
+            return []  # the prefix store covered every token; the chunks were only validated
+        full = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[None, :, self.skip :]
         t0 = time.perf_counter()
         blocks = []
         for layer, k, v in self.applier.push(chunk.layer, chunk.kind, full):
-            blocks.extend(self._cut(layer, k[0], v[0]))
+            if self.cached:
+                ck, cv = self.cached[layer]
+                k, v = torch.cat([ck.to(k.dtype), k], 2), torch.cat([cv.to(v.dtype), v], 2)
+            blocks.extend(self._emit(layer, k, v))
         self.stats.compute_seconds += time.perf_counter() - t0
         return blocks
+
+    def _emit(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[Block]:
+        if self.outputs is not None:
+            self.outputs[layer] = (k, v)
+        return self._cut(layer, k[0], v[0])
 
     def _cut(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[Block]:
         n = self.spec.num_tokens
@@ -123,8 +153,9 @@ class TranslateSession:
 
     def finish(self) -> Stats:
         """Call when the request stream ends; raises if any layer is incomplete."""
-        if not self.applier.done:
-            g = self.ms.source.geometry
+        g = self.ms.source.geometry
+        incomplete = any(self._next.get((l, k), 0) < self.spec.num_tokens for l in range(g.layers) for k in "kv")
+        if self.expect_chunks and incomplete:
             missing = [f"{l}{k.upper()}" for l in range(g.layers) for k in "kv" if self._next.get((l, k), 0) < self.spec.num_tokens]
             raise InvalidInput(f"truncated stream: source layers {', '.join(missing[:8])}{'…' if len(missing) > 8 else ''} "
                                f"did not receive all {self.spec.num_tokens} tokens")

@@ -40,7 +40,11 @@ class Sidecar:
         self.metrics = Metrics()
         self.registry = MapRegistry(config.maps_dir, config.gates, config.force_maps, config.device)
         self.health = health.aio.HealthServicer()
-        self.servicer = TranslateServicer(self.registry, config.limits, self.metrics, config.max_streams, config.gate_arm)
+        from .prefix_flow import PrefixService
+
+        self.prefix = PrefixService(config, self.metrics) if config.prefix_cache else None
+        self.servicer = TranslateServicer(self.registry, config.limits, self.metrics, config.max_streams, config.gate_arm,
+                                          self.prefix)
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0

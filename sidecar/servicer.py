@@ -6,7 +6,7 @@ import asyncio
 import weakref
 
 from kvferry.client import wire
-from kvferry.mappings.errors import InvalidInput, TooLarge, Unavailable
+from kvferry.mappings.errors import InvalidInput, TooLarge, Unavailable, Unsupported
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
@@ -34,8 +34,10 @@ def mapping_info(entry, arm: str) -> pb.MappingInfo:
 
 
 class TranslateServicer(pb_grpc.TranslateServiceServicer):
-    def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh"):
+    def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None):
         self.registry, self.limits, self.metrics = registry, limits, metrics
+        self.prefix = prefix  # PrefixService or None
+        self._background: set[asyncio.Task] = set()
         self.max_streams, self.gate_arm = max_streams, gate_arm
         self.active = 0
         self.draining = False
@@ -66,10 +68,22 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
             raise InvalidInput("a Translate stream must open with a header message")
         spec = wire.spec_from_pb(first.header)
         ms = self.registry.resolve(spec.map_name, spec.map_version)
-        session = TranslateSession(spec, ms, self.limits)
+        plan, cached_blocks = None, 0
+        if spec.prefix_key:
+            if self.prefix is None:
+                raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
+            session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits)
+        else:
+            if self.prefix is not None and spec.token_ids:
+                plan = await asyncio.to_thread(self.prefix.plan, spec, ms)
+            cached = plan.lookup.layers() if plan and plan.lookup.blocks else None
+            cached_blocks = len(plan.lookup.blocks) if plan else 0
+            session = TranslateSession(spec, ms, self.limits, cached, keep_output=plan is not None)
         self.sessions.add(session)
         g = ms.target.geometry
         yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
+        for block in session.initial_blocks():
+            yield wire.block_to_pb(block)
         async for req in request_iterator:
             if req.WhichOneof("msg") != "chunk":
                 raise InvalidInput("after the header, a Translate stream carries only chunks")
@@ -82,6 +96,11 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
             for block in await asyncio.to_thread(session.add, chunk):
                 yield wire.block_to_pb(block)
         stats = session.finish()
+        stats.cached_blocks = cached_blocks
+        if plan is not None and session.outputs:
+            task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, plan, session.outputs))
+            self._background.add(task)  # off the critical path; keep a reference until it finishes
+            task.add_done_callback(self._background.discard)
         label = f"{ms.name}@{ms.version}"
         self.metrics.tokens.labels(label).inc(stats.tokens)
         self.metrics.bytes_in.labels(label).inc(stats.bytes_in)

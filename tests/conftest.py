@@ -103,3 +103,68 @@ def sidecar_factory():
     yield start
     for sc in started:
         sc.stop()
+
+
+class RedisServer:
+    """A real redis-server (Debian's package) on a free loopback port, in a temp dir."""
+
+    def __init__(self, tmp):
+        import socket
+        import subprocess
+        import time
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed: `apt-get install redis-server` (make test and .ci/run do it)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir = tmp
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                      "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        self.client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                if self.client.ping():
+                    break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                if self.client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """A flushed database on the session's redis-server."""
+    if redis_server.proc.poll() is not None:
+        redis_server.restart()
+    redis_server.client.flushall()
+    return redis_server.url

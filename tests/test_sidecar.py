@@ -139,12 +139,12 @@ def test_stream_errors(sidecar):
     bad.chunk.tensor.data = bad.chunk.tensor.data[:-4]
     code, msg = _raw(sidecar, [reqs[0], bad])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in msg
-    # a prefix key: not served until the prefix store exists
+    # a prefix key without the token ids to derive the keys from
     spec = make_spec(kv, "S__S-self")
     h = wire.spec_to_pb(spec)
     h.header.prefix_key = "abc"
     code, msg = _raw(sidecar, [h])
-    assert code == grpc.StatusCode.UNIMPLEMENTED
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in msg
 
 
 def test_limits_are_resource_exhausted(sidecar_factory, maps_dir, family):

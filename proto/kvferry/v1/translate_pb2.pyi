@@ -57,7 +57,7 @@ class MapRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., latest: _Optional[bool] = ...) -> None: ...
 
 class TranslateHeader(_message.Message):
-    __slots__ = ("map", "source_geometry_fingerprint", "tokenizer_fingerprint", "num_tokens", "start_position", "token_ids", "source_dtype", "layout", "block_size", "target_dtype", "prefix_key")
+    __slots__ = ("map", "source_geometry_fingerprint", "tokenizer_fingerprint", "num_tokens", "start_position", "token_ids", "source_dtype", "layout", "block_size", "target_dtype", "prefix_key", "tenant")
     MAP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_GEOMETRY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class TranslateHeader(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     map: MapRef
     source_geometry_fingerprint: str
     tokenizer_fingerprint: str
@@ -80,7 +81,8 @@ class TranslateHeader(_message.Message):
     block_size: int
     target_dtype: Dtype
     prefix_key: str
-    def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SourceChunk(_message.Message):
     __slots__ = ("layer", "kind", "token_start", "token_end", "tensor")

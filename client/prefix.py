@@ -1,0 +1,127 @@
+"""Prefix identity and the block format shared by publishers (source servers) and the sidecar.
+
+Identity: chained block hashes over token ids. Block i's hash is
+    HMAC-SHA256(secret, namespace || hash(i-1) || token ids of block i)
+where the namespace covers the tenant, the model fingerprint and, for mapped blocks, the map
+name, version and content digest. Keys therefore reveal nothing about the text, a longer prompt
+reuses the blocks of its shared prefix, and one tenant's keys can never equal another's.
+
+Value: one self-describing, checksummed blob per block holding every layer's K and V:
+    b"KVFB1\\n" + sha256(payload) + payload,  payload = safetensors (layer.{i}.k / layer.{i}.v,
+    each [kv_heads, block_size, head_dim], with metadata naming the format, tokens and namespace).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kvferry.mappings.errors import InvalidInput, KvferryError
+
+MAGIC = b"KVFB1\n"
+_TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+class CorruptBlock(KvferryError):
+    """A stored block failed its checksum or format checks; treat it as a miss."""
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Whose blocks, of which model, and (for mapped blocks) through which map version."""
+
+    tenant: str
+    model: str  # geometry + tokenizer fingerprint of the model whose KV the blocks hold
+    map_id: str = ""  # "<name>@<version>#<content sha256>" for mapped (target) blocks; "" for source blocks
+
+    def __post_init__(self) -> None:
+        if not _TENANT.match(self.tenant or ""):
+            raise InvalidInput(f"tenant {self.tenant!r} must be 1-64 of letters, digits, '.', '_' or '-'")
+
+    def digest(self) -> bytes:
+        parts = [b"kvferry-prefix-v1", self.tenant.encode(), self.model.encode(), self.map_id.encode()]
+        return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+    def key(self, block_hash: bytes) -> str:
+        return f"kvf:{self.tenant}:{block_hash.hex()}"
+
+
+def model_id(identity) -> str:
+    """The namespace model id of a ModelIdentity: geometry and tokenizer fingerprints."""
+    return f"{identity.geometry.fingerprint}:{identity.tokenizer}"
+
+
+def block_hashes(secret: bytes, ns: Namespace, token_ids, block_size: int) -> list[bytes]:
+    """Hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
+    if not secret:
+        raise InvalidInput("the prefix store needs a non-empty deployment secret")
+    if block_size < 1:
+        raise InvalidInput("block_size must be >= 1")
+    ids = [int(t) for t in token_ids]
+    base = ns.digest()
+    prev = b"\0" * 32
+    out = []
+    for i in range(len(ids) // block_size):
+        block = ids[i * block_size : (i + 1) * block_size]
+        prev = hmac.new(secret, base + prev + struct.pack(f"<{block_size}I", *block), hashlib.sha256).digest()
+        out.append(prev)
+    return out
+
+
+def encode_block(layers: list[LayerKV], block_hash: bytes, tokens: int) -> bytes:
+    """Layers' K/V for one block ([kv_heads, block_size, head_dim] each) -> checksummed blob."""
+    tensors = {}
+    for i, (k, v) in enumerate(layers):
+        tensors[f"layer.{i}.k"] = k.detach().contiguous().cpu()
+        tensors[f"layer.{i}.v"] = v.detach().contiguous().cpu()
+    meta = {"format": "kvferry.block", "version": "1", "tokens": str(tokens), "hash": block_hash.hex(),
+            "layers": str(len(layers))}
+    payload = st_save(tensors, metadata=meta)
+    return MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int], dtype: torch.dtype | None = None) -> list[LayerKV]:
+    """Verify and unpack a blob; raises CorruptBlock on any mismatch."""
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 32:
+        raise CorruptBlock("not a kvferry block (bad magic or truncated)")
+    digest, payload = blob[len(MAGIC) : len(MAGIC) + 32], blob[len(MAGIC) + 32 :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CorruptBlock("checksum mismatch")
+    try:
+        n = int.from_bytes(payload[:8], "little")
+        meta = json.loads(payload[8 : 8 + n]).get("__metadata__", {})
+        tensors = st_load(payload)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as e:
+        raise CorruptBlock(f"unreadable payload: {e}") from None
+    if meta.get("hash") != block_hash.hex() or meta.get("layers") != str(layers):
+        raise CorruptBlock("block metadata does not match the requested hash or layer count")
+    out = []
+    for i in range(layers):
+        k, v = tensors.get(f"layer.{i}.k"), tensors.get(f"layer.{i}.v")
+        if k is None or v is None or tuple(k.shape) != shape or tuple(v.shape) != shape:
+            raise CorruptBlock(f"layer {i} missing or of the wrong shape")
+        if dtype is not None and k.dtype != dtype:
+            k, v = k.to(dtype), v.to(dtype)
+        out.append((k, v))
+    return out
+
+
+def split_blocks(layers: list[LayerKV], start: int, stop: int, block_size: int) -> list[list[LayerKV]]:
+    """Per full block in tokens [start, stop): every layer's (K, V) [kv_heads, block_size, head_dim].
+
+    ``layers`` holds (K, V) as [1, kv_heads, tokens, head_dim] or [kv_heads, tokens, head_dim]."""
+    out = []
+    for s in range(start, stop - block_size + 1, block_size):
+        out.append([((k[0] if k.dim() == 4 else k)[:, s : s + block_size], (v[0] if v.dim() == 4 else v)[:, s : s + block_size])
+                    for k, v in layers])
+    return out

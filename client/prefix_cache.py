@@ -1,0 +1,97 @@
+"""Publish and look up prefix blocks in a store (Redis or in-memory), longest prefix first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.mappings.errors import InvalidInput
+
+from .prefix import CorruptBlock, LayerKV, Namespace, block_hashes, decode_block, encode_block, split_blocks
+
+
+@dataclass
+class Lookup:
+    """The longest run of consecutive stored blocks starting at ``start_block``."""
+
+    hashes: list[bytes]  # every full block's hash for the token ids
+    start_block: int
+    blocks: list[list[LayerKV]]  # per found block: per layer (K, V) [kv_heads, block_size, head_dim]
+    corrupt: int = 0
+
+    @property
+    def end_block(self) -> int:
+        return self.start_block + len(self.blocks)
+
+    def layers(self) -> list[LayerKV]:
+        """The found blocks joined per layer: (K, V) [1, kv_heads, tokens, head_dim]."""
+        if not self.blocks:
+            return []
+        n = len(self.blocks[0])
+        return [(torch.cat([b[i][0] for b in self.blocks], 1)[None], torch.cat([b[i][1] for b in self.blocks], 1)[None])
+                for i in range(n)]
+
+
+class PrefixCache:
+    def __init__(self, store, secret: bytes, block_size: int = 256, ttl: float = 3600.0, max_blob_bytes: int = 64 << 20):
+        if block_size < 1 or ttl <= 0:
+            raise InvalidInput("prefix block_size must be >= 1 and ttl > 0")
+        self.store, self.secret, self.block_size, self.ttl, self.max_blob_bytes = store, secret, block_size, ttl, max_blob_bytes
+
+    def hashes(self, ns: Namespace, token_ids) -> list[bytes]:
+        return block_hashes(self.secret, ns, token_ids, self.block_size)
+
+    def lookup(self, ns: Namespace, token_ids, layers: int, kv_heads: int, head_dim: int, start_block: int = 0,
+               dtype: torch.dtype | None = None, hashes: list[bytes] | None = None) -> Lookup:
+        """Stored blocks from ``start_block`` on, stopping at the first miss; a corrupt blob is a miss."""
+        hashes = hashes if hashes is not None else self.hashes(ns, token_ids)
+        wanted = hashes[start_block:]
+        blobs = self.store.get_many([ns.key(h) for h in wanted]) if wanted else []
+        found, corrupt = [], 0
+        for h, blob in zip(wanted, blobs):
+            if blob is None:
+                break
+            try:
+                found.append(decode_block(blob, h, layers, (kv_heads, self.block_size, head_dim), dtype))
+            except CorruptBlock:
+                corrupt += 1
+                break
+        return Lookup(hashes, start_block, found, corrupt)
+
+    def store_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
+                     token_offset: int = 0) -> int:
+        """Write blocks [start_block, end_block) cut from ``layers`` (which start at token ``token_offset``)."""
+        bs = self.block_size
+        items = []
+        for i, block in enumerate(split_blocks(layers, start_block * bs - token_offset, end_block * bs - token_offset, bs)):
+            h = hashes[start_block + i]
+            blob = encode_block(block, h, bs)
+            if len(blob) <= self.max_blob_bytes:
+                items.append((ns.key(h), blob))
+        return self.store.put_many(items, self.ttl)
+
+    def publish(self, ns: Namespace, token_ids, layers: list[LayerKV]) -> str:
+        """Publish a cache's full blocks; returns the prefix key (hex of the last full block's hash), "" if none."""
+        hashes = self.hashes(ns, token_ids)
+        if not hashes:
+            return ""
+        self.store_blocks(ns, hashes, layers, 0, len(hashes))
+        return hashes[-1].hex()
+
+
+def publish_source(cache, token_ids, source_identity, *, store, secret: bytes, tenant: str = "default",
+                   block_size: int = 256, ttl: float = 3600.0) -> str:
+    """Publish a source server's cache (HF cache or list of (K, V)) so sidecars can translate it by key.
+
+    ``store`` is a RedisStore/MemoryStore (see kvferry.client.stores.open_store); ``secret`` and
+    ``block_size`` must match the sidecars' prefix_secret and prefix_block_size. Returns the prefix key.
+    """
+    from .prefix import model_id
+
+    layers = [(l.keys, l.values) for l in cache.layers] if hasattr(cache, "layers") and not isinstance(cache, list) else list(cache)
+    ids = [int(t) for t in token_ids]
+    if layers and int(layers[0][0].shape[-2]) < len(ids) // block_size * block_size:
+        raise InvalidInput("the cache covers fewer tokens than the full blocks of token_ids")
+    pc = PrefixCache(store, secret, block_size, ttl)
+    return pc.publish(Namespace(tenant, model_id(source_identity)), ids, layers)

@@ -1,0 +1,117 @@
+"""Prefix stores: Redis (shared across pods) and an in-process LRU bounded in bytes (the default).
+
+Both offer the same two calls. Writes use "set if absent" with a TTL: a value appears whole or not
+at all, and concurrent writers of one block (whose content is identical by construction) cannot
+corrupt it. Connection failures raise :class:`StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+from kvferry.mappings.errors import Unavailable
+
+
+class StoreUnavailable(Unavailable):
+    """The prefix store cannot be reached (down, timing out, refusing)."""
+
+
+class MemoryStore:
+    """An LRU of blobs bounded by total bytes, with per-entry expiry; thread-safe."""
+
+    def __init__(self, max_bytes: int = 512 << 20):
+        self.max_bytes = max_bytes
+        self._data: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            for k in keys:
+                item = self._data.get(k)
+                if item is None or item[1] < now:
+                    if item is not None:
+                        self._drop(k)
+                    out.append(None)
+                    continue
+                self._data.move_to_end(k)
+                out.append(item[0])
+        return out
+
+    def put_many(self, items: list[tuple[str, bytes]], ttl: float) -> int:
+        written = 0
+        with self._lock:
+            for k, blob in items:
+                if k in self._data or len(blob) > self.max_bytes:
+                    continue
+                self._data[k] = (blob, time.monotonic() + ttl)
+                self._bytes += len(blob)
+                written += 1
+                while self._bytes > self.max_bytes:
+                    self._drop(next(iter(self._data)))
+        return written
+
+    def _drop(self, key: str) -> None:
+        blob, _ = self._data.pop(key)
+        self._bytes -= len(blob)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+class RedisStore:
+    """redis:// or rediss:// (TLS), with optional ACL user and password; pooled; hiredis when installed."""
+
+    def __init__(self, url: str, password: str | None = None, username: str | None = None, timeout: float = 2.0,
+                 max_connections: int = 32):
+        import redis
+
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis URL must start with redis://, rediss:// or unix://, got {url!r}")
+        kw = dict(socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=15,
+                  max_connections=max_connections, retry_on_timeout=False)
+        if password:
+            kw["password"] = password
+        if username:
+            kw["username"] = username
+        self._redis = redis.Redis.from_url(url, **kw)
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self.url = url
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        try:
+            return list(self._redis.mget(keys))
+        except self._errors as e:
+            raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
+
+    def put_many(self, items: list[tuple[str, bytes]], ttl: float) -> int:
+        if not items:
+            return 0
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for k, blob in items:
+                pipe.set(k, blob, nx=True, px=max(1, int(ttl * 1000)))
+            return sum(bool(r) for r in pipe.execute())
+        except self._errors as e:
+            raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._redis.ping())
+        except self._errors:
+            return False
+
+    def _safe_url(self) -> str:
+        return self.url.split("@")[-1]  # never log credentials
+
+
+def open_store(url: str = "", password: str | None = None, memory_bytes: int = 512 << 20, timeout: float = 2.0):
+    """RedisStore for a URL, else the in-process MemoryStore."""
+    return RedisStore(url, password, timeout=timeout) if url else MemoryStore(memory_bytes)

@@ -1,0 +1,128 @@
+"""The sidecar's use of the prefix store: reuse mapped blocks, map stored source blocks, write back.
+
+Store outages never fail a request whose source KV arrives in the stream (a warning and a metric);
+requests that name only a prefix key get UNAVAILABLE, since their data lives in the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.client.prefix import Namespace, model_id
+from kvferry.client.prefix_cache import Lookup, PrefixCache
+from kvferry.client.stores import StoreUnavailable, open_store
+from kvferry.mappings.apply import apply
+from kvferry.mappings.artifact import MapSet
+from kvferry.mappings.errors import InvalidInput, NotFound
+
+from .pipeline import TranslateSession
+
+log = logging.getLogger("kvferry.prefix")
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class Plan:
+    """What the store already holds for a streamed request, and where to write new blocks."""
+
+    ns: Namespace
+    lookup: Lookup
+
+
+class PrefixService:
+    def __init__(self, config, metrics):
+        self.store = open_store(config.redis_url, config.redis_password or None, config.prefix_memory_bytes)
+        secret = config.prefix_secret.encode() if config.prefix_secret else os.urandom(32)  # private to this process
+        self.cache = PrefixCache(self.store, secret, config.prefix_block_size, config.prefix_ttl_seconds,
+                                 config.prefix_max_blob_bytes)
+        self.metrics = metrics
+        self.shared = bool(config.redis_url)
+
+    @staticmethod
+    def namespaces(ms: MapSet, tenant: str) -> tuple[Namespace, Namespace]:
+        tenant = tenant or DEFAULT_TENANT
+        return (Namespace(tenant, model_id(ms.source)),
+                Namespace(tenant, model_id(ms.target), f"{ms.name}@{ms.version}#{ms.content_sha256}"))
+
+    def _count(self, lookup: Lookup, wanted: int) -> None:
+        self.metrics.prefix_blocks.labels("hit").inc(len(lookup.blocks))
+        self.metrics.prefix_blocks.labels("miss").inc(max(0, wanted - len(lookup.blocks)))
+        self.metrics.prefix_blocks.labels("corrupt").inc(lookup.corrupt)
+
+    def _store_error(self, e: Exception) -> None:
+        self.metrics.prefix_store_errors.inc()
+        log.warning("prefix store unavailable, serving without it: %s", e)
+
+    def plan(self, spec, ms: MapSet) -> Plan | None:
+        """For a streamed request with token ids: the stored target blocks of its longest prefix."""
+        if not spec.token_ids or spec.start_position != 0:
+            return None
+        _, tgt_ns = self.namespaces(ms, spec.tenant)
+        tg = ms.target.geometry
+        try:
+            look = self.cache.lookup(tgt_ns, spec.token_ids, tg.layers, tg.kv_heads, tg.head_dim,
+                                     dtype=spec.target_dtype or spec.source_dtype)
+        except StoreUnavailable as e:
+            self._store_error(e)
+            return None
+        self._count(look, len(look.hashes))
+        return Plan(tgt_ns, look)
+
+    def write_back(self, plan: Plan, outputs: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Store the newly mapped full blocks (off the critical path); returns blocks written."""
+        look = plan.lookup
+        if len(look.hashes) <= look.end_block or not outputs:
+            return 0
+        layers = [outputs[t] for t in sorted(outputs)]
+        try:
+            n = self.cache.store_blocks(plan.ns, look.hashes, layers, look.end_block, len(look.hashes))
+        except StoreUnavailable as e:
+            self._store_error(e)
+            return 0
+        self.metrics.prefix_writes.inc(n)
+        return n
+
+    def from_store(self, spec, ms: MapSet, limits) -> tuple[TranslateSession, int]:
+        """A key-only request: stored target blocks, then stored source blocks mapped now and written back.
+
+        Returns a session whose initial_blocks() is the whole answer, and how many blocks were cached.
+        Raises Unavailable when the store is down, NotFound when nothing is stored for the key.
+        """
+        if not spec.token_ids:
+            raise InvalidInput("a prefix_key request needs token_ids: the sidecar derives the target's keys from them")
+        if spec.start_position != 0:
+            raise InvalidInput("prefix caching covers prompts from position 0; start_position must be 0")
+        src_ns, tgt_ns = self.namespaces(ms, spec.tenant)
+        sg, tg = ms.source.geometry, ms.target.geometry
+        src_hashes = self.cache.hashes(src_ns, spec.token_ids)
+        tips = [h.hex() for h in src_hashes]
+        if spec.prefix_key not in tips:
+            raise NotFound("prefix_key does not name a full-block prefix of these token_ids for this tenant and source "
+                           "model; use the key publish_source returned for the same tokens")
+        blocks = tips.index(spec.prefix_key) + 1
+        bs = self.cache.block_size
+        tokens = list(spec.token_ids[: blocks * bs])
+        dtype = spec.target_dtype or spec.source_dtype
+        tgt = self.cache.lookup(tgt_ns, tokens, tg.layers, tg.kv_heads, tg.head_dim, dtype=dtype)
+        self._count(tgt, blocks)
+        src = self.cache.lookup(src_ns, tokens, sg.layers, sg.kv_heads, sg.head_dim, start_block=tgt.end_block,
+                                dtype=spec.source_dtype, hashes=src_hashes[:blocks])
+        covered = tgt.end_block + len(src.blocks)
+        if covered == 0:
+            raise NotFound("no stored blocks for this prefix_key (expired, evicted, or never published)")
+        layers = tgt.layers()
+        if src.blocks:
+            mapped = [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, src.layers(), tgt.end_block * bs)]
+            try:
+                self.metrics.prefix_writes.inc(self.cache.store_blocks(tgt_ns, tgt.hashes, mapped, tgt.end_block, covered,
+                                                                       token_offset=tgt.end_block * bs))
+            except StoreUnavailable as e:
+                self._store_error(e)
+            layers = mapped if not layers else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(layers, mapped)]
+        spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
+        return TranslateSession(spec2, ms, limits, cached=layers, expect_chunks=False), tgt.end_block

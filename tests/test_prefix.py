@@ -1,0 +1,191 @@
+"""The prefix store: identity, block format, stores, and the sidecar's reuse flows (real redis-server)."""
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.prefix import CorruptBlock, Namespace, block_hashes, decode_block, encode_block, model_id
+from kvferry.client.prefix_cache import PrefixCache, publish_source
+from kvferry.client.stores import MemoryStore, RedisStore, StoreUnavailable
+from kvferry.mappings.artifact import save
+from kvferry.mappings.fit import identity_mapset
+
+from conftest import make_kv
+
+SECRET = b"test-secret"
+BS = 16
+
+
+def test_chained_hashes_share_prefixes_and_isolate_tenants():
+    ns = Namespace("a", "model")
+    ids = list(range(100))
+    short, long = block_hashes(SECRET, ns, ids[:40], BS), block_hashes(SECRET, ns, ids, BS)
+    assert len(short) == 2 and len(long) == 6 and long[:2] == short
+    assert block_hashes(SECRET, ns, [1] + ids[1:], BS)[0] != long[0]  # any token changes the chain
+    assert block_hashes(SECRET, Namespace("b", "model"), ids, BS)[0] != long[0]  # tenants never share keys
+    assert block_hashes(SECRET, Namespace("a", "model", "map@1"), ids, BS)[0] != long[0]  # nor do map versions
+    assert block_hashes(b"other", ns, ids, BS)[0] != long[0]  # the key depends on the deployment secret
+    assert ns.key(long[0]).startswith("kvf:a:") and "0" * 0 in ns.key(long[0])
+    with pytest.raises(Exception):
+        Namespace("a/b", "m")
+
+
+def test_block_roundtrip_and_corruption():
+    layers = [(k[0, :, :BS], v[0, :, :BS]) for k, v in make_kv(layers=3, tokens=BS, heads=2, head_dim=8)]
+    h = b"\x01" * 32
+    blob = encode_block(layers, h, BS)
+    back = decode_block(blob, h, 3, (2, BS, 8))
+    torch.testing.assert_close(back[2][1], layers[2][1])
+    bad = bytearray(blob)
+    bad[-3] ^= 1
+    with pytest.raises(CorruptBlock, match="checksum"):
+        decode_block(bytes(bad), h, 3, (2, BS, 8))
+    with pytest.raises(CorruptBlock):
+        decode_block(blob[: len(blob) // 2], h, 3, (2, BS, 8))
+    with pytest.raises(CorruptBlock, match="metadata"):
+        decode_block(blob, b"\x02" * 32, 3, (2, BS, 8))
+
+
+def test_memory_store_is_bounded_and_expires():
+    s = MemoryStore(max_bytes=100)
+    assert s.put_many([("a", b"x" * 40), ("b", b"y" * 40)], ttl=60) == 2
+    s.put_many([("c", b"z" * 40)], ttl=60)  # evicts the least recently used
+    assert s.get_many(["a", "b", "c"]) == [None, b"y" * 40, b"z" * 40] and s.nbytes == 80
+    s.put_many([("d", b"w")], ttl=0.05)
+    time.sleep(0.1)
+    assert s.get_many(["d"]) == [None]
+
+
+def test_redis_store_set_if_absent_and_ttl(redis_url):
+    s = RedisStore(redis_url)
+    assert s.put_many([("k", b"first")], ttl=60) == 1
+    assert s.put_many([("k", b"second")], ttl=60) == 0  # concurrent writers: the first value stands, whole
+    assert s.get_many(["k", "missing"]) == [b"first", None]
+    s.put_many([("short", b"v")], ttl=0.1)
+    time.sleep(0.3)
+    assert s.get_many(["short"]) == [None]
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        RedisStore("redis://127.0.0.1:1/0", timeout=0.2).get_many(["k"])
+
+
+def test_concurrent_writers_do_not_corrupt(redis_url):
+    pc = PrefixCache(RedisStore(redis_url), SECRET, BS)
+    ns = Namespace("t", "m")
+    ids = list(range(64))
+    kv = make_kv(layers=2, tokens=64, heads=2, head_dim=8)
+    threads = [threading.Thread(target=pc.publish, args=(ns, ids, kv)) for _ in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    look = pc.lookup(ns, ids, 2, 2, 8)
+    assert len(look.blocks) == 4 and look.corrupt == 0
+    torch.testing.assert_close(look.layers()[1][0], kv[1][0])
+
+
+@pytest.fixture
+def maps_dir(tmp_path, family):
+    save(identity_mapset(family["S"].identity, version="1.0.0"), tmp_path)
+    return tmp_path
+
+
+def _sidecar(factory, maps_dir, **kw):
+    kw.setdefault("prefix_block_size", BS)
+    return factory(maps_dir=str(maps_dir), force_maps=True, prefix_secret=SECRET.decode(), **kw)
+
+
+def _kw(family):
+    s = family["S"].identity
+    return dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer)
+
+
+def test_prefix_reuse_across_lengths_and_tenants(sidecar_factory, maps_dir, family, redis_url):
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=80, heads=2, head_dim=32, seed=3)
+    ids = list(range(100, 180))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        short = [(k[:, :, :48], v[:, :, :48]) for k, v in kv]
+        first = c.translate(short, "S__S-self", token_ids=ids[:48], tenant="acme", **_kw(family))
+        assert first.stats.cached_blocks == 0
+        _wait_for_writes(sc, 3)
+        longer = c.translate(kv, "S__S-self", token_ids=ids, tenant="acme", **_kw(family))
+        assert longer.stats.cached_blocks == 3  # the shared 48-token prefix came from Redis
+        for (k, v), (tk, tv) in zip(kv, longer.layers()):
+            torch.testing.assert_close(tk, k, rtol=1e-5, atol=1e-5)
+        other = c.translate(kv, "S__S-self", token_ids=ids, tenant="globex", **_kw(family))
+        assert other.stats.cached_blocks == 0  # another tenant never sees acme's blocks
+
+
+def _wait_for_writes(sc, n, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if sc.sidecar.metrics.prefix_writes._value.get() >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError("mapped blocks were not written back")
+
+
+def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, family, redis_url):
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=4)
+    ids = list(range(7, 77))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    assert key
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        res = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+        assert res.info.num_tokens == 64 and res.stats.cached_blocks == 0  # 4 full blocks, mapped from Redis
+        for (k, v), (tk, tv) in zip(kv, res.layers()):
+            torch.testing.assert_close(tk, k[:, :, :64], rtol=1e-5, atol=1e-5)
+        again = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+        assert again.stats.cached_blocks == 4 and again.stats.compute_seconds == 0  # pure hits on the second pod's ask
+        with pytest.raises(grpc.RpcError) as e:
+            c.translate(None, "S__S-self", token_ids=ids, tenant="globex", prefix_key=key, **_kw(family))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_corrupt_blob_is_a_miss(sidecar_factory, maps_dir, family, redis_url, redis_server):
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=5)
+    ids = list(range(32))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
+        _wait_for_writes(sc, 2)
+        for key in redis_server.client.keys("kvf:*"):
+            blob = bytearray(redis_server.client.get(key))
+            blob[-1] ^= 0xFF
+            redis_server.client.set(key, bytes(blob))
+        res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
+    assert res.stats.cached_blocks == 0
+    assert sc.sidecar.metrics.prefix_blocks.labels("corrupt")._value.get() >= 1
+    torch.testing.assert_close(res.layers()[0][0], kv[0][0], rtol=1e-5, atol=1e-5)
+
+
+def test_redis_down_then_back(sidecar_factory, maps_dir, family, redis_url, redis_server):
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6)
+    ids = list(range(32))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
+    redis_server.stop()
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
+        res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # streamed KV: still served
+        torch.testing.assert_close(res.layers()[3][1], kv[3][1])
+        assert sc.sidecar.metrics.prefix_store_errors._value.get() >= 1
+        with pytest.raises(grpc.RpcError) as e:
+            c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "unreachable" in e.value.details()
+        redis_server.restart()
+        publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
+        res = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))  # reconnected on its own
+        assert res.info.num_tokens == 32
+
+
+def test_in_memory_default(sidecar_factory, maps_dir, family):
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS)  # no redis_url
+    kv = make_kv(layers=4, tokens=40, heads=2, head_dim=32, seed=7)
+    ids = list(range(40))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0
+        _wait_for_writes(sc, 2)
+        assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family), layout="paged", block_size=8).stats.cached_blocks == 2
