@@ -169,12 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     fm.add_argument("--dest", type=Path, required=True)
     fm.set_defaults(func=cmd_fetch_maps)
 
-    from kvferry import bench_maps, bench_translate
+    from kvferry import bench_maps, bench_redis, bench_translate
 
     b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bench_translate.add_parser(bsub)
     bench_maps.add_parser(bsub)
+    bench_redis.add_parser(bsub)
 
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")

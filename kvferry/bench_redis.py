@@ -1,0 +1,151 @@
+"""``kvferry bench redis``: the prefix store's hit path against a raw GET, and hit vs miss TTFT.
+
+Side by side in one run, per prompt length n (a real redis-server is started on a free loopback
+port unless --redis-url is given):
+  hit path      key-only Translate whose target blocks are all in Redis (no compute), over gRPC;
+  raw GET       redis-py MGET of the same target blocks' bytes, no gRPC, no decoding;
+  hit TTFT      hit path + import into T's cache + refresh of the last r tokens + first token;
+  miss TTFT     the same, with the target blocks deleted first: the sidecar maps the stored source
+                blocks, writes the result back, and streams it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvferry import paths
+
+
+def _median(fn, reps: int) -> float:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _start_redis() -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server")
+    if not binary:
+        raise SystemExit("redis-server not found: apt-get install redis-server, or pass --redis-url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    for _ in range(100):
+        try:
+            if redis.Redis(port=port).ping():
+                break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def run(a: argparse.Namespace) -> int:
+    import redis
+
+    from kvferry.cli import _quiet_transformers
+    from kvferry.client.client import ClientOptions, TranslateClient
+    from kvferry.client.importers import to_dynamic_cache
+    from kvferry.client.prefix import Namespace, model_id
+    from kvferry.client.prefix_cache import PrefixCache, publish_source
+    from kvferry.client.stores import RedisStore
+    from kvferry.mappings.capture import capture_kv, load_model
+    from kvferry.sidecar.background import BackgroundSidecar
+    from kvferry.sidecar.config import SidecarConfig
+
+    from .bench_translate import _long_ids
+
+    _quiet_transformers()
+    proc, url = (None, a.redis_url) if a.redis_url else _start_redis()
+    secret, bs, r = b"bench-secret", a.block_size, a.refresh
+    source, target = load_model(a.source), load_model(a.target)
+    raw = redis.Redis.from_url(url)
+    rows = []
+    try:
+        cfg = SidecarConfig(maps_dir=str(a.maps_dir), port=0, reload_seconds=0, force_maps=True, redis_url=url,
+                            prefix_secret=secret.decode(), prefix_block_size=bs)
+        with BackgroundSidecar(cfg) as sc, TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
+            ms = sc.sidecar.registry.resolve(f"{source.identity.name}__{target.identity.name}", a.version)
+            kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
+            for n in a.sizes:
+                ids = _long_ids(target.tokenizer, n)
+                prefix_ids = ids[0, : (n - r) // bs * bs].tolist()  # full blocks; the target refreshes the rest
+                with torch.no_grad():
+                    src = capture_kv(source.model, ids[:, : len(prefix_ids)])
+                key = publish_source(src, prefix_ids, ms.source, store=RedisStore(url), secret=secret, tenant="bench", block_size=bs)
+                tgt_ns = Namespace("bench", model_id(ms.target), f"{ms.name}@{ms.version}#{ms.content_sha256}")
+                tgt_keys = [tgt_ns.key(h) for h in PrefixCache(None, secret, bs).hashes(tgt_ns, prefix_ids)]
+                m = len(prefix_ids)
+
+                def translate():
+                    return client.translate(None, ms.name, ms.version, token_ids=prefix_ids, prefix_key=key, **kw)
+
+                @torch.no_grad()
+                def ttft():
+                    res = translate()
+                    cache = to_dynamic_cache(res.layers(), target.model.config)
+                    return int(target.model(input_ids=ids[:, m:], past_key_values=cache).logits[0, -1].argmax())
+
+                def miss_ttft():
+                    raw.delete(*tgt_keys)
+                    t0 = time.perf_counter()
+                    ttft()
+                    return time.perf_counter() - t0
+
+                translate()  # miss: maps and writes back
+                first = translate()
+                assert first.stats.cached_blocks == len(tgt_keys), "target blocks were not all cached"
+                t_hit = _median(translate, a.reps)
+                nbytes = sum(len(b) for b in raw.mget(tgt_keys))
+                t_get = _median(lambda: raw.mget(tgt_keys), a.reps)
+                t_hit_ttft = _median(ttft, a.reps)
+                t_miss_ttft = statistics.median([miss_ttft() for _ in range(a.reps)])
+                out_bytes = first.stats.bytes_out
+                row = {"n": n, "cached_tokens": m, "blocks": len(tgt_keys), "redis_bytes": nbytes, "hit_ms": t_hit * 1e3,
+                       "raw_get_ms": t_get * 1e3, "hit_MiB_s": out_bytes / t_hit / 2**20, "raw_get_MiB_s": nbytes / t_get / 2**20,
+                       "hit_ttft_ms": t_hit_ttft * 1e3, "miss_ttft_ms": t_miss_ttft * 1e3}
+                row["hit_vs_get"] = row["hit_MiB_s"] / row["raw_get_MiB_s"]
+                rows.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    finally:
+        if proc:
+            proc.kill()
+    print(f"\nmap {ms.name} {ms.version}; prefix blocks of {bs} tokens; r={r}; medians of {a.reps}\n")
+    print("| n | cached tokens | hit path ms | raw GET ms | hit MiB/s | raw GET MiB/s | hit/GET | hit TTFT ms | miss TTFT ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for w in rows:
+        print(f"| {w['n']} | {w['cached_tokens']} | {w['hit_ms']:.1f} | {w['raw_get_ms']:.1f} | {w['hit_MiB_s']:.0f} | "
+              f"{w['raw_get_MiB_s']:.0f} | {w['hit_vs_get']:.2f} | {w['hit_ttft_ms']:.1f} | {w['miss_ttft_ms']:.1f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("redis", help="prefix-store hit path vs raw Redis GET; hit vs miss TTFT")
+    b.add_argument("--source", type=Path, default=paths.model_dir("S"))
+    b.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
+    b.add_argument("--version", default="")
+    b.add_argument("--redis-url", default="")
+    b.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
+    b.add_argument("--block-size", type=int, default=256)
+    b.add_argument("--refresh", type=int, default=16)
+    b.add_argument("--reps", type=int, default=5)
+    b.add_argument("--json", default=None)
+    b.set_defaults(func=run)
