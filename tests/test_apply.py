@@ -66,3 +66,18 @@ def test_bad_input_is_rejected_with_a_reason(llama):
         list(app.push(0, "k", torch.zeros(1, 2, 4, 16)))
     with pytest.raises(InvalidInput, match="layers"):
         apply(ms, make_kv(layers=3, heads=2, head_dim=16))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_identity_map_through_a_real_cache_gives_the_models_logits(tiny_models, arch):
+    """Un-rotate, map, re-rotate and import into the model's own cache class: logits are unchanged (qwen3: q/k-norm)."""
+    from kvferry.client.importers import to_dynamic_cache
+    from kvferry.mappings.capture import capture_kv
+
+    m = load_model(tiny_models[arch])
+    ids = torch.randint(2, 4096, (1, 50))
+    mapped = apply(identity_mapset(m.identity), capture_kv(m.model, ids[:, :-1]))
+    with torch.no_grad():
+        got = m.model(input_ids=ids[:, -1:], past_key_values=to_dynamic_cache(mapped, m.model.config)).logits[0, -1]
+        want = m.model(input_ids=ids).logits[0, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

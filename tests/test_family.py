@@ -1,0 +1,53 @@
+"""The shipped family and maps: what the README and model card claim about them holds."""
+
+import json
+
+import pytest
+import torch
+
+from kvferry.mappings.artifact import load
+from kvferry.mappings.capture import read_corpus, token_windows
+from kvferry.mappings.gates import Gates, load_for_serving
+
+from conftest import DATA, MODELS, ROOT
+
+
+def test_family_geometry(family):
+    s, t, t64 = (family[n].identity.geometry for n in ("S", "T", "T64"))
+    assert t.layers > s.layers and t.kv_width > s.kv_width and t.head_dim == s.head_dim
+    cfg = family["T"].model.config
+    assert cfg.num_attention_heads > cfg.num_key_value_heads  # GQA
+    assert t64.head_dim != t.head_dim and t64.kv_heads != t.kv_heads
+    assert len({family[n].identity.tokenizer for n in ("S", "T", "T64")}) == 1
+    for n in ("S", "T", "T64"):
+        assert family[n].model.config.max_position_embeddings >= 8192
+
+
+def test_family_fits_the_size_budget():
+    total = sum(f.stat().st_size for f in MODELS.rglob("*") if f.is_file())
+    assert total <= 40 * 2**20
+
+
+@torch.no_grad()
+def test_target_beats_source_on_heldout_perplexity(family):
+    windows = token_windows(family["S"].tokenizer, read_corpus([DATA / "heldout.jsonl"]), 512)[:6]
+    ids = torch.stack(windows)
+    nll = {}
+    for n in ("S", "T"):
+        nll[n] = float(family[n].model(input_ids=ids, labels=ids).loss)
+    assert nll["T"] < nll["S"] - 0.05, nll
+
+
+@pytest.mark.parametrize("pair", ["S__T", "S__T64"])
+def test_shipped_maps_verify_and_pass_their_gates(family, pair):
+    (path,) = sorted((ROOT / "maps" / pair).iterdir())[-1:]
+    ms = load_for_serving(path, Gates(), expect_source=family["S"].identity, expect_target=family[pair.split("__")[1]].identity) \
+        if pair == "S__T" else load(path, family["S"].identity, family["T64"].identity)
+    assert ms.evidence and "mapped_refresh" in ms.evidence["arms"]
+    assert ms.calibration["corpus_sha256"] and ms.calibration["tokens"] > 0
+
+
+def test_corpus_manifest_records_source_license_and_digests():
+    man = json.loads((DATA / "corpus.json").read_text())
+    assert "PSF" in man["license"] and set(man["splits"]) == {"train", "calib", "heldout"}
+    assert all(len(s["sha256"]) == 64 for s in man["splits"].values())
