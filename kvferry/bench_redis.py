@@ -7,6 +7,7 @@ port unless --redis-url is given):
   hit TTFT      hit path + import into T's cache + refresh of the last r tokens + first token;
   miss TTFT     the same, with the target blocks deleted first: the sidecar maps the stored source
                 blocks, writes the result back, and streams it.
+The sidecar runs in its own process (``kvferry.bench_server``), as in production.
 """
 
 from __future__ import annotations
@@ -65,10 +66,9 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.prefix_cache import PrefixCache, publish_source
     from kvferry.client.stores import RedisStore
     from kvferry.mappings.capture import capture_kv, load_model
-    from kvferry.sidecar.background import BackgroundSidecar
-    from kvferry.sidecar.config import SidecarConfig
+    from kvferry.sidecar.registry import MapRegistry
 
-    from .bench_translate import _long_ids
+    from .bench_translate import ServerProcess, _long_ids
 
     _quiet_transformers()
     proc, url = (None, a.redis_url) if a.redis_url else _start_redis()
@@ -77,10 +77,11 @@ def run(a: argparse.Namespace) -> int:
     raw = redis.Redis.from_url(url)
     rows = []
     try:
-        cfg = SidecarConfig(maps_dir=str(a.maps_dir), port=0, reload_seconds=0, force_maps=True, redis_url=url,
-                            prefix_secret=secret.decode(), prefix_block_size=bs)
-        with BackgroundSidecar(cfg) as sc, TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
-            ms = sc.sidecar.registry.resolve(f"{source.identity.name}__{target.identity.name}", a.version)
+        registry = MapRegistry(a.maps_dir, force=True)
+        registry.scan()
+        ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", a.version)
+        with ServerProcess(a.maps_dir, redis_url=url, prefix_secret=secret.decode(), prefix_block_size=bs) as sc, \
+                TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
             kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
             for n in a.sizes:
                 ids = _long_ids(target.tokenizer, n)

@@ -7,6 +7,7 @@ Measured side by side in one run, per prompt length n, medians over ``--reps``:
       recomputes the last r tokens and produces the first token;
   (c) the map applied in-process (no transport);
   (d) a raw gRPC echo of the same request bytes (the transport's limit) on the same kind of server.
+The sidecar and the echo service run in their own process (``kvferry.bench_server``), as in production.
 """
 
 from __future__ import annotations
@@ -32,34 +33,43 @@ def _median(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-class _Echo:
-    """A grpc.aio stream-stream echo of raw bytes, on the sidecar's event loop."""
+class ServerProcess:
+    """The sidecar (and an echo service) in a separate process, as in production: no shared GIL."""
 
-    def __init__(self, bg):
-        async def echo(request_iterator, context):
-            async for raw in request_iterator:
-                yield raw
+    def __init__(self, maps_dir, threads: int = 0, **extra):
+        import re
+        import subprocess
+        import sys
 
-        async def start():
-            server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-                "kvferry.bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}),))
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            return server, port
+        cmd = [sys.executable, "-m", "kvferry.bench_server", "--maps-dir", str(maps_dir), "--threads", str(threads)]
+        for k, v in extra.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        m = re.search(r"listening on ([\d.]+:\d+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"bench server did not start: {line!r}")
+        self.address = m.group(1)
+        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self.channel = grpc.insecure_channel(self.address, opts)
+        from kvferry.bench_server import ECHO_METHOD
 
-        self.bg = bg
-        self.server, port = bg.call(start())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", [("grpc.max_receive_message_length", 64 << 20),
-                                                                    ("grpc.max_send_message_length", 64 << 20)])
-        self.call = self.channel.stream_stream("/kvferry.bench.Echo/Echo")
+        self.echo = self.channel.stream_stream(ECHO_METHOD)
 
     def roundtrip(self, payloads: list[bytes]) -> int:
-        return sum(len(r) for r in self.call(iter(payloads), timeout=120))
+        return sum(len(r) for r in self.echo(iter(payloads), timeout=120))
 
     def close(self) -> None:
         self.channel.close()
-        self.bg.call(self.server.stop(0))
+        self.proc.terminate()
+        self.proc.wait(30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _long_ids(tokenizer, n: int) -> torch.Tensor:
@@ -78,9 +88,9 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.mappings.apply import apply
+    from kvferry.mappings.artifact import MapSet
     from kvferry.mappings.capture import capture_kv, load_model
-    from kvferry.sidecar.background import BackgroundSidecar
-    from kvferry.sidecar.config import SidecarConfig
+    from kvferry.sidecar.registry import MapRegistry
 
     _quiet_transformers()
     torch.set_num_threads(a.threads or torch.get_num_threads())
@@ -88,10 +98,11 @@ def run(a: argparse.Namespace) -> int:
     name = f"{source.identity.name}__{target.identity.name}"
     r = a.refresh
     rows = []
-    with BackgroundSidecar(SidecarConfig(maps_dir=str(a.maps_dir), port=0, reload_seconds=0, force_maps=True)) as sc:
-        ms = sc.sidecar.registry.resolve(name, a.version)
-        echo = _Echo(sc)
-        with TranslateClient(ClientOptions(target=sc.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client:
+    registry = MapRegistry(a.maps_dir, force=True)
+    registry.scan()
+    ms: MapSet = registry.resolve(name, a.version)
+    with ServerProcess(a.maps_dir, a.threads or 0) as echo:
+        with TranslateClient(ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client:
             for n in a.sizes:
                 ids = _long_ids(target.tokenizer, n)
                 with torch.no_grad():
@@ -134,7 +145,6 @@ def run(a: argparse.Namespace) -> int:
                 row["throughput_vs_echo"] = row["translate_MiB_s"] / row["echo_MiB_s"]
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        echo.close()
     table = [
         f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; medians of {a.reps}; r={r}",
         "",

@@ -35,8 +35,9 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class Sidecar:
     """One running sidecar. ``await start()``, then ``await wait()``; ``await drain()`` to stop gracefully."""
 
-    def __init__(self, config: SidecarConfig):
+    def __init__(self, config: SidecarConfig, extra_handlers: tuple = ()):
         self.config = config
+        self.extra_handlers = extra_handlers  # more generic RPC handlers on the same server (benchmarks)
         self.metrics = Metrics()
         self.registry = MapRegistry(config.maps_dir, config.gates, config.force_maps, config.device)
         self.health = health.aio.HealthServicer()
@@ -60,6 +61,8 @@ class Sidecar:
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)], options=channel_options(c.max_message_bytes))
         pb_grpc.add_TranslateServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.extra_handlers:
+            self.server.add_generic_rpc_handlers(self.extra_handlers)
         reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME, health.SERVICE_NAME), self.server)
         address = f"{c.host}:{c.port}"
         if c.tls_cert:

@@ -1,0 +1,48 @@
+"""A sidecar plus a raw-bytes echo service in one process, for benchmarks that must not share the
+client's interpreter (and GIL). Prints "listening on HOST:PORT" once serving.
+
+    python -m kvferry.bench_server --maps-dir maps [--redis-url …] [--prefix-secret …]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc
+
+from kvferry.sidecar.config import SidecarConfig
+from kvferry.sidecar.server import Sidecar
+
+ECHO_METHOD = "/kvferry.bench.Echo/Echo"
+
+
+def echo_handler():
+    async def echo(request_iterator, context):
+        async for raw in request_iterator:
+            yield raw
+
+    return grpc.method_handlers_generic_handler("kvferry.bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})
+
+
+async def _main(a: argparse.Namespace) -> None:
+    cfg = SidecarConfig(maps_dir=a.maps_dir, port=0, reload_seconds=0, force_maps=True, redis_url=a.redis_url,
+                        prefix_secret=a.prefix_secret, prefix_block_size=a.prefix_block_size, threads=a.threads)
+    sc = Sidecar(cfg, extra_handlers=(echo_handler(),))
+    port = await sc.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    await sc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--maps-dir", required=True)
+    ap.add_argument("--redis-url", default="")
+    ap.add_argument("--prefix-secret", default="")
+    ap.add_argument("--prefix-block-size", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0)
+    asyncio.run(_main(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
