@@ -41,8 +41,8 @@ class ClientOptions:
     """First retry delay in seconds; doubles each retry, with jitter."""
     max_message_bytes: int = 64 << 20
     """gRPC max send/receive message size on the channel."""
-    chunk_tokens: int = 4096
-    """Tokens per source chunk (keep a chunk well under max_message_bytes)."""
+    chunk_tokens: int = 512
+    """Tokens per source chunk: smaller ranges overlap transfer and compute more (keep well under max_message_bytes)."""
     tls_root_certs: str = ""
     """PEM CA bundle to verify the server; enables TLS."""
     tls_client_cert: str = ""
@@ -76,7 +76,7 @@ class TranslateResult:
 
     def layers(self) -> list[LayerKV]:
         """Contiguous layout: per target layer (K, V) [1, kv_heads, tokens, head_dim]."""
-        return contiguous_layers(self.blocks, self.info.layers)
+        return contiguous_layers(self.blocks, self.info.layers, self.info.num_tokens)
 
 
 def _as_layers(cache) -> list[LayerKV]:
@@ -87,15 +87,18 @@ def _as_layers(cache) -> list[LayerKV]:
     return list(cache)
 
 
-def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: int) -> Iterator[pb.TranslateRequest]:
-    """Header, then per layer K then V, in token chunks. Tensors are sliced, not copied, until encoding."""
+def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: int,
+                    order: str = "tokens") -> Iterator[pb.TranslateRequest]:
+    """Header, then chunks. ``order="tokens"``: each token range for every layer before the next range,
+    so the sidecar can map and return range by range while the rest is in flight; ``"layers"``: layer by
+    layer. Tensors are sliced, not copied, until encoding."""
     yield wire.spec_to_pb(spec)
-    for layer, (k, v) in enumerate(layers):
-        for kind, t in (("k", k), ("v", v)):
-            t = t[0] if t.dim() == 4 else t  # [H, T, D]
-            for s in range(0, t.shape[1], chunk_tokens):
-                e = min(s + chunk_tokens, t.shape[1])
-                yield wire.chunk_to_pb(Chunk(layer, kind, s, e, t[:, s:e]))
+    views = [(layer, kind, (t[0] if t.dim() == 4 else t)) for layer, (k, v) in enumerate(layers) for kind, t in (("k", k), ("v", v))]
+    n = views[0][2].shape[1] if views else 0
+    ranges = [(s, min(s + chunk_tokens, n)) for s in range(0, n, chunk_tokens)]
+    pairs = [(r, v) for r in ranges for v in views] if order == "tokens" else [(r, v) for v in views for r in ranges]
+    for (s, e), (layer, kind, t) in pairs:
+        yield wire.chunk_to_pb(Chunk(layer, kind, s, e, t[:, s:e]))
 
 
 def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",

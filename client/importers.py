@@ -13,13 +13,29 @@ from .messages import Block
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
-def contiguous_layers(blocks: list[Block], layers: int) -> list[LayerKV]:
-    """Contiguous blocks -> per layer (K, V) [1, kv_heads, tokens, head_dim]."""
-    by_layer = {b.layer: b for b in blocks}
+def contiguous_layers(blocks: list[Block], layers: int, tokens: int | None = None) -> list[LayerKV]:
+    """Contiguous blocks (one or more token ranges per layer) -> per layer (K, V) [1, kv_heads, tokens, head_dim]."""
+    by_layer: dict[int, list[Block]] = {}
+    for b in blocks:
+        by_layer.setdefault(b.layer, []).append(b)
     missing = [l for l in range(layers) if l not in by_layer]
     if missing:
         raise InvalidInput(f"translation is missing target layers {missing}")
-    return [(by_layer[l].key[None], by_layer[l].value[None]) for l in range(layers)]
+    out = []
+    for l in range(layers):
+        parts = sorted(by_layer[l], key=lambda b: b.start)
+        pos = 0
+        for b in parts:
+            if b.start != pos:
+                raise InvalidInput(f"target layer {l}: blocks leave a gap or overlap at token {pos}")
+            pos = b.end
+        if tokens is not None and pos != tokens:
+            raise InvalidInput(f"target layer {l} covers {pos} tokens, expected {tokens}")
+        if len(parts) == 1:
+            out.append((parts[0].key[None], parts[0].value[None]))
+        else:
+            out.append((torch.cat([b.key for b in parts], 1)[None], torch.cat([b.value for b in parts], 1)[None]))
+    return out
 
 
 def to_dynamic_cache(layers: list[LayerKV], config, device=None, dtype=None):

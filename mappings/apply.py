@@ -16,14 +16,6 @@ from .errors import InvalidInput
 from .features import from_features, to_features
 
 
-def _positions(positions, tokens: int, device) -> torch.Tensor:
-    if positions is None:
-        return torch.arange(tokens, device=device)
-    if isinstance(positions, int):
-        return torch.arange(positions, positions + tokens, device=device)
-    return positions.to(device)
-
-
 def fused_groups(ms: MapSet) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
     """Maps that read the same source features, with their weights side by side (cached on the MapSet).
 
@@ -45,89 +37,123 @@ def fused_groups(ms: MapSet) -> list[tuple[tuple, list[tuple[int, str]], torch.T
 
 
 class StreamingApplier:
-    """Feed source layers in any order; get each target layer as soon as its sources are present.
+    """Feed source chunks (a layer's K or V for a token range) in any order; get target KV out as
+    soon as it can be computed.
 
-    Source features are dropped once no pending target layer needs them, so memory stays
-    bounded by the maps' source windows rather than the whole cache.
+    Maps are per-token, so target tokens [a, b) of a target layer need only tokens [a, b) of its
+    source layers: whatever order chunks arrive in (layer by layer, or token range by token range),
+    each piece of output leaves as early as possible, and source features are dropped once every
+    map that reads them has consumed them. ``push`` yields (target_layer, start, end, K, V) with
+    K, V [B, kv_heads, end - start, head_dim]; token indices are relative to the first token.
     """
 
-    def __init__(self, ms: MapSet, positions=None, out_dtype: torch.dtype | None = None):
+    def __init__(self, ms: MapSet, positions: int = 0, out_dtype: torch.dtype | None = None, tokens: int | None = None):
+        if not isinstance(positions, int):
+            raise InvalidInput("positions must be the absolute position (int) of the first token")
         self.ms = ms
-        self.positions = positions
+        self.start_position = positions
         self.out_dtype = out_dtype
-        self._feats: dict[tuple[int, str], torch.Tensor] = {}
-        self._partial: dict[int, dict[str, torch.Tensor]] = {}
-        self._groups = list(fused_groups(ms))
-        self._uses: dict[tuple[int, str], int] = {}
-        for (sources, inputs), _, _, _ in self._groups:
+        self.tokens = tokens  # total tokens, when known: completion is then checkable
+        self._groups = fused_groups(ms)
+        self._done = [0] * len(self._groups)  # tokens mapped per group
+        self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind)
+        self._feats: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}  # (start, [B, n, w]) pieces
+        self._readers: dict[tuple[int, str], list[int]] = {}
+        for gi, ((sources, inputs), _, _, _) in enumerate(self._groups):
             for s in sources:
                 for c in inputs:
-                    self._uses[(s, c)] = self._uses.get((s, c), 0) + 1
-        self._pos: torch.Tensor | None = None
+                    self._readers.setdefault((s, c), []).append(gi)
+        tl = ms.target.geometry.layers
+        self._out: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {(t, k): [] for t in range(tl) for k in KINDS}
+        self._produced = {(t, k): 0 for t in range(tl) for k in KINDS}
+        self._emitted = [0] * tl
 
-    def needed_by(self, source_layer: int) -> list[int]:
-        return sorted({t for (t, k), m in self.ms.maps.items() if source_layer in m.source_layers})
-
-    def push(self, layer: int, kind: str, tensor: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Add source ``layer``'s K (kind "k") or V ("v") [B, H, T, D]; yield completed (t, K, V)."""
+    def push(self, layer: int, kind: str, tensor: torch.Tensor, start: int = 0) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+        """Add source ``layer``'s K ("k") or V ("v") for tokens [start, start + T): tensor [B, H, T, D]."""
         sg = self.ms.source.geometry
         if kind not in KINDS:
             raise InvalidInput(f"kind must be 'k' or 'v', got {kind!r}")
         if not 0 <= layer < sg.layers:
             raise InvalidInput(f"source layer {layer} out of range 0..{sg.layers - 1}")
-        if (layer, kind) in self._feats:
-            raise InvalidInput(f"source layer {layer} {kind.upper()} sent twice")
         if tensor.dim() != 4 or tensor.shape[1] != sg.kv_heads or tensor.shape[3] != sg.head_dim:
             raise InvalidInput(f"source layer {layer} {kind.upper()} has shape {tuple(tensor.shape)}; expected "
                                f"[batch, {sg.kv_heads}, tokens, {sg.head_dim}]")
-        if self._pos is not None and tensor.shape[2] != self._pos.shape[-1]:
-            raise InvalidInput(f"source layer {layer} {kind.upper()} has {tensor.shape[2]} tokens, others {self._pos.shape[-1]}")
+        key = (layer, kind)
+        if start != self._next.get(key, 0):
+            raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens must arrive in order; expected start "
+                               f"{self._next.get(key, 0)}, got {start}" + (" (sent twice?)" if start < self._next.get(key, 0) else ""))
+        n = tensor.shape[2]
+        if self.tokens is not None and start + n > self.tokens:
+            raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens past the declared {self.tokens}")
         if self.out_dtype is None:
             self.out_dtype = tensor.dtype
-        if self._pos is None:
-            self._pos = _positions(self.positions, tensor.shape[2], tensor.device)
-        self._feats[(layer, kind)] = to_features(tensor, sg.rope if kind == "k" else None, self._pos)
-        yield from self._ready()
+        pos = torch.arange(self.start_position + start, self.start_position + start + n, device=tensor.device)
+        self._feats.setdefault(key, []).append((start, to_features(tensor, sg.rope if kind == "k" else None, pos)))
+        self._next[key] = start + n
+        yield from self._advance()
 
-    def _ready(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _slice(self, key: tuple[int, str], a: int, b: int) -> torch.Tensor:
+        parts = [(s, f) for s, f in self._feats[key] if s < b and s + f.shape[1] > a]
+        pieces = [f[:, max(a - s, 0) : min(b - s, f.shape[1])] for s, f in parts]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def _advance(self):
         tg = self.ms.target.geometry
         width = tg.kv_width
-        remaining = []
-        for group in self._groups:
-            (sources, inputs), keys, w, b = group
-            if not all((s, c) in self._feats for s in sources for c in inputs):
-                remaining.append(group)
+        for gi, ((sources, inputs), keys, w, b) in enumerate(self._groups):
+            ready = min(self._next.get((s, c), 0) for s in sources for c in inputs)
+            a = self._done[gi]
+            if ready <= a:
                 continue
-            x = torch.cat([self._feats[(s, c)] for s in sources for c in inputs], dim=-1)
+            x = torch.cat([self._slice((s, c), a, ready) for s in sources for c in inputs], dim=-1)
             y = torch.addmm(b.to(x.device), x.reshape(-1, x.shape[-1]), w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
-            for s in sources:
-                for c in inputs:
-                    self._uses[(s, c)] -= 1
-                    if self._uses[(s, c)] == 0:
-                        self._feats[(s, c)] = self._feats[(s, c)][:, :0]  # free, but remember it arrived
+            pos = torch.arange(self.start_position + a, self.start_position + ready, device=x.device)
             for i, (t, kind) in enumerate(keys):
-                out = from_features(y[..., i * width : (i + 1) * width], tg.kv_heads, tg.rope if kind == "k" else None, self._pos)
-                part = self._partial.setdefault(t, {})
-                part[kind] = out.to(self.out_dtype)
-                if len(part) == 2:
-                    del self._partial[t]
-                    yield t, part["k"], part["v"]
-        self._groups = remaining
+                out = from_features(y[..., i * width : (i + 1) * width], tg.kv_heads, tg.rope if kind == "k" else None, pos)
+                self._out[(t, kind)].append((a, out.to(self.out_dtype)))
+                self._produced[(t, kind)] = ready
+            self._done[gi] = ready
+        self._trim()
+        for t in range(tg.layers):
+            upto = min(self._produced[(t, "k")], self._produced[(t, "v")])
+            a = self._emitted[t]
+            if upto > a:
+                k = self._take((t, "k"), a, upto)
+                v = self._take((t, "v"), a, upto)
+                self._emitted[t] = upto
+                yield t, a, upto, k, v
+
+    def _take(self, key, a: int, b: int) -> torch.Tensor:
+        parts = self._out[key]
+        pieces = [o[:, :, max(a - s, 0) : min(b - s, o.shape[2])] for s, o in parts if s < b and s + o.shape[2] > a]
+        self._out[key] = [(s, o) for s, o in parts if s + o.shape[2] > b]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+    def _trim(self) -> None:
+        for key, readers in self._readers.items():
+            low = min(self._done[g] for g in readers)
+            if key in self._feats:
+                self._feats[key] = [(s, f) for s, f in self._feats[key] if s + f.shape[1] > low]
+
+    @property
+    def emitted(self) -> int:
+        """Tokens emitted for every target layer."""
+        return min(self._emitted)
 
     @property
     def done(self) -> bool:
-        return not self._groups and not self._partial
+        return self.tokens is not None and self.emitted >= self.tokens
 
 
 @torch.no_grad()
-def apply(ms: MapSet, source_kv: list[LayerKV], positions=None) -> list[LayerKV]:
-    """Map a whole source cache; ``positions`` is a start offset (int) or a [T] tensor."""
+def apply(ms: MapSet, source_kv: list[LayerKV], positions: int = 0) -> list[LayerKV]:
+    """Map a whole source cache whose first token sits at absolute position ``positions``."""
     if len(source_kv) != ms.source.geometry.layers:
         raise InvalidInput(f"source cache has {len(source_kv)} layers; the map expects {ms.source.geometry.layers}")
-    applier = StreamingApplier(ms, positions)
+    applier = StreamingApplier(ms, positions or 0)
     out: dict[int, LayerKV] = {}
     for layer, (k, v) in enumerate(source_kv):
         for kind, tensor in (("k", k), ("v", v)):
-            for t, tk, tv in applier.push(layer, kind, tensor):
-                out[t] = (tk, tv)
+            for t, a, b, tk, tv in applier.push(layer, kind, tensor):
+                out[t] = (tk, tv)  # whole layers here: each target layer is emitted once
     return [out[t] for t in range(ms.target.geometry.layers)]

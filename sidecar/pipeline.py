@@ -41,11 +41,13 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
 
 
 class TranslateSession:
-    """One request's state: per (layer, kind) the next expected token, buffered chunks, the applier.
+    """One request's state: per (layer, kind) the next expected token, the applier, partial pages.
 
+    Chunks go to the applier as they arrive; whatever target KV they complete leaves at once, as
+    token-range blocks (contiguous layout: several blocks per layer, in token order) or as pages.
     ``cached``: target KV for the first tokens, found in the prefix store ([1, kv_heads, m, head_dim]
     per target layer); those tokens are not mapped again. ``expect_chunks=False`` for requests whose
-    source KV came from the store. ``keep_output`` retains the full target layers (for write-back).
+    source KV came from the store. ``keep_output`` retains the target KV (for write-back).
     """
 
     def __init__(self, spec: TranslateSpec, ms: MapSet, limits: Limits, cached: list | None = None,
@@ -56,22 +58,18 @@ class TranslateSession:
         self.cached = cached or None
         self.skip = int(cached[0][0].shape[2]) if cached else 0
         self.expect_chunks = expect_chunks
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep_output else None
-        self.applier = (StreamingApplier(ms, positions=spec.start_position + self.skip, out_dtype=self.out_dtype)
-                        if self.skip < spec.num_tokens else None)
+        self.outputs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = {} if keep_output else None
+        n = spec.num_tokens
+        self.applier = (StreamingApplier(ms, spec.start_position + self.skip, self.out_dtype, n - self.skip)
+                        if self.skip < n else None)
+        layers = ms.target.geometry.layers
         self._next: dict[tuple[int, str], int] = {}
-        self._parts: dict[tuple[int, str], list[torch.Tensor]] = {}
-        self.stats = Stats(tokens=spec.num_tokens)
+        self._index = [0] * layers  # next block index per target layer
+        self._page: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]  # pending paged tokens
+        self._page_fill = [0] * layers
+        self._page_start = [0] * layers
+        self.stats = Stats(tokens=n)
         self._t0 = time.perf_counter()
-
-    def initial_blocks(self) -> list[Block]:
-        """Blocks that need no source data: everything, when the store covered every token."""
-        if self.applier is not None or not self.cached:
-            return []
-        out = []
-        for t, (k, v) in enumerate(self.cached):
-            out += self._emit(t, k.to(self.out_dtype), v.to(self.out_dtype))
-        return out
 
     def info(self) -> TargetInfo:
         g = self.ms.target.geometry
@@ -81,6 +79,15 @@ class TranslateSession:
     def expected_shape(self, layer_tokens: int) -> tuple[int, int, int]:
         g = self.ms.source.geometry
         return (g.kv_heads, layer_tokens, g.head_dim)
+
+    def initial_blocks(self) -> list[Block]:
+        """Blocks that need no source data: the cached prefix, if any."""
+        out = []
+        for t, (k, v) in enumerate(self.cached or []):
+            out += self._emit(t, 0, self.skip, k.to(self.out_dtype), v.to(self.out_dtype))
+        if self.applier is None:
+            out += self._flush_pages()
+        return out
 
     def check_chunk_header(self, layer: int, kind: str, start: int, end: int) -> None:
         """Order and range checks, before the chunk's bytes are decoded."""
@@ -107,56 +114,87 @@ class TranslateSession:
         if chunk.tensor.dtype != self.spec.source_dtype:
             raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()}: dtype {chunk.tensor.dtype} but the header "
                                f"declared {self.spec.source_dtype}")
-        key = (chunk.layer, chunk.kind)
         self.stats.bytes_in += chunk.tensor.numel() * chunk.tensor.element_size()
-        self._parts.setdefault(key, []).append(chunk.tensor)
-        self._next[key] = chunk.end
-        if chunk.end < self.spec.num_tokens:
-            return []
-        parts = self._parts.pop(key)
-        if self.applier is None:
-            return []  # the prefix store covered every token; the chunks were only validated
-        full = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[None, :, self.skip :]
+        self._next[(chunk.layer, chunk.kind)] = chunk.end
+        if self.applier is None or chunk.end <= self.skip:
+            return []  # covered by the prefix store: validated, not mapped
+        lo = max(chunk.start, self.skip)
+        tensor = chunk.tensor[:, lo - chunk.start :][None]
         t0 = time.perf_counter()
         blocks = []
-        for layer, k, v in self.applier.push(chunk.layer, chunk.kind, full):
-            if self.cached:
-                ck, cv = self.cached[layer]
-                k, v = torch.cat([ck.to(k.dtype), k], 2), torch.cat([cv.to(v.dtype), v], 2)
-            blocks.extend(self._emit(layer, k, v))
+        for layer, a, b, k, v in self.applier.push(chunk.layer, chunk.kind, tensor, lo - self.skip):
+            blocks += self._emit(layer, a + self.skip, b + self.skip, k, v)
+        if self.applier.done:
+            blocks += self._flush_pages()
         self.stats.compute_seconds += time.perf_counter() - t0
         return blocks
 
-    def _emit(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[Block]:
+    def _emit(self, layer: int, a: int, b: int, k: torch.Tensor, v: torch.Tensor) -> list[Block]:
+        """k, v: [1, kv_heads, b - a, head_dim] for target tokens [a, b)."""
         if self.outputs is not None:
-            self.outputs[layer] = (k, v)
-        return self._cut(layer, k[0], v[0])
-
-    def _cut(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[Block]:
-        n = self.spec.num_tokens
+            self.outputs.setdefault(layer, []).append((k, v))
         if self.spec.layout != PAGED:
-            out = [Block(layer, 0, n, 0, k, v)]
-        else:
-            bs = self.spec.block_size
-            out = []
-            for i, s in enumerate(range(0, n, bs)):
-                e = min(s + bs, n)
-                kb = k.new_zeros(bs, k.shape[0], k.shape[2])
-                vb = v.new_zeros(bs, v.shape[0], v.shape[2])
-                kb[: e - s] = k[:, s:e].transpose(0, 1)
-                vb[: e - s] = v[:, s:e].transpose(0, 1)
-                out.append(Block(layer, s, e, i, kb, vb))
-        for b in out:
-            self.stats.bytes_out += 2 * b.key.numel() * b.key.element_size()
-        self.stats.blocks += len(out)
+            out = [Block(layer, a, b, self._index[layer], k[0], v[0])]
+            self._index[layer] += 1
+            self._count(out)
+            return out
+        self._page[layer].append((k[0].transpose(0, 1), v[0].transpose(0, 1)))  # [tokens, H, D]
+        self._page_fill[layer] += b - a
+        out = []
+        bs = self.spec.block_size
+        while self._page_fill[layer] >= bs:
+            out.append(self._cut_page(layer, bs))
+        self._count(out)
         return out
+
+    def _cut_page(self, layer: int, take: int) -> Block:
+        bs = self.spec.block_size
+        ks, vs, got = [], [], 0
+        pending = self._page[layer]
+        while got < take:
+            k, v = pending[0]
+            need = take - got
+            if k.shape[0] <= need:
+                ks.append(k), vs.append(v)
+                got += k.shape[0]
+                pending.pop(0)
+            else:
+                ks.append(k[:need]), vs.append(v[:need])
+                pending[0] = (k[need:], v[need:])
+                got = take
+        kb, vb = torch.cat(ks), torch.cat(vs)
+        if take < bs:  # the last, partial page: zero-padded
+            pad = (0, 0, 0, 0, 0, bs - take)
+            kb, vb = torch.nn.functional.pad(kb, pad), torch.nn.functional.pad(vb, pad)
+        start = self._page_start[layer]
+        self._page_fill[layer] -= take
+        self._page_start[layer] += take
+        block = Block(layer, start, start + take, self._index[layer], kb.contiguous(), vb.contiguous())
+        self._index[layer] += 1
+        return block
+
+    def _flush_pages(self) -> list[Block]:
+        if self.spec.layout != PAGED:
+            return []
+        out = [self._cut_page(t, self._page_fill[t]) for t in range(len(self._page)) if self._page_fill[t] > 0]
+        self._count(out)
+        return out
+
+    def _count(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            self.stats.bytes_out += 2 * b.key.numel() * b.key.element_size()
+        self.stats.blocks += len(blocks)
+
+    def output_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The kept target KV joined per layer: (K, V) [1, kv_heads, tokens, head_dim]."""
+        return [(torch.cat([k for k, _ in self.outputs[t]], 2), torch.cat([v for _, v in self.outputs[t]], 2))
+                for t in sorted(self.outputs or {})]
 
     def finish(self) -> Stats:
         """Call when the request stream ends; raises if any layer is incomplete."""
         g = self.ms.source.geometry
-        incomplete = any(self._next.get((l, k), 0) < self.spec.num_tokens for l in range(g.layers) for k in "kv")
-        if self.expect_chunks and incomplete:
-            missing = [f"{l}{k.upper()}" for l in range(g.layers) for k in "kv" if self._next.get((l, k), 0) < self.spec.num_tokens]
+        missing = [f"{l}{k.upper()}" for l in range(g.layers) for k in "kv" if self._next.get((l, k), 0) < self.spec.num_tokens]
+        if self.expect_chunks and missing:
             raise InvalidInput(f"truncated stream: source layers {', '.join(missing[:8])}{'…' if len(missing) > 8 else ''} "
                                f"did not receive all {self.spec.num_tokens} tokens")
         self.stats.wall_seconds = time.perf_counter() - self._t0

@@ -73,12 +73,13 @@ class PrefixService:
         self._count(look, len(look.hashes))
         return Plan(tgt_ns, look)
 
-    def write_back(self, plan: Plan, outputs: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Store the newly mapped full blocks (off the critical path); returns blocks written."""
+    def write_back(self, plan: Plan, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Store the newly mapped full blocks (off the critical path); returns blocks written.
+
+        ``layers``: the request's whole target KV per layer, [1, kv_heads, tokens, head_dim]."""
         look = plan.lookup
-        if len(look.hashes) <= look.end_block or not outputs:
+        if len(look.hashes) <= look.end_block or not layers:
             return 0
-        layers = [outputs[t] for t in sorted(outputs)]
         try:
             n = self.cache.store_blocks(plan.ns, look.hashes, layers, look.end_block, len(look.hashes))
         except StoreUnavailable as e:

@@ -98,7 +98,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         stats = session.finish()
         stats.cached_blocks = cached_blocks
         if plan is not None and session.outputs:
-            task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, plan, session.outputs))
+            task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, plan, session.output_layers()))
             self._background.add(task)  # off the critical path; keep a reference until it finishes
             task.add_done_callback(self._background.discard)
         label = f"{ms.name}@{ms.version}"

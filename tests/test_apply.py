@@ -44,14 +44,34 @@ def _two_layer_shift_map(ident):
 def test_streaming_emits_a_target_layer_as_soon_as_its_sources_arrive(llama):
     ms = _two_layer_shift_map(llama.identity)
     kv = make_kv(layers=2, tokens=10, heads=2, head_dim=16)
-    app = StreamingApplier(ms, positions=0)
+    app = StreamingApplier(ms, positions=0, tokens=10)
     assert list(app.push(0, "k", kv[0][0])) == []
     ready = list(app.push(0, "v", kv[0][1]))
-    assert [t for t, _, _ in ready] == [0]  # layer 0 out before any of source layer 1 is sent
+    assert [t for t, *_ in ready] == [0]  # layer 0 out before any of source layer 1 is sent
     assert list(app.push(1, "k", kv[1][0])) == []
     ready = list(app.push(1, "v", kv[1][1]))
-    assert [t for t, _, _ in ready] == [1] and app.done
-    torch.testing.assert_close(ready[0][2], kv[1][1])
+    assert [t for t, *_ in ready] == [1] and app.done
+    torch.testing.assert_close(ready[0][4], kv[1][1])
+
+
+def test_streaming_emits_token_ranges_as_they_complete(llama):
+    """Every target layer of a map reading all source layers still streams: range by range."""
+    ident = llama.identity
+    w = ident.geometry.kv_width
+    maps = {(t, kind): LayerMap(t, kind, (0, 1), torch.cat([torch.eye(w) * (t == 0), torch.eye(w) * (t == 1)]), torch.zeros(w))
+            for t in range(2) for kind in "kv"}
+    ms = MapSet(ident, ident, maps)
+    kv = make_kv(layers=2, tokens=12, heads=2, head_dim=16)
+    app = StreamingApplier(ms, positions=100, tokens=12)
+    got = []
+    for s in (0, 4, 8):
+        for layer in range(2):
+            for i, kind in enumerate("kv"):
+                got += [(t, a, b) for t, a, b, _, _ in app.push(layer, kind, kv[layer][i][:, :, s : s + 4], s)]
+        assert {(t, a, b) for t, a, b in got if a == s} == {(0, s, s + 4), (1, s, s + 4)}  # out before the next range
+    assert app.done
+    with pytest.raises(InvalidInput, match="in order"):
+        list(app.push(0, "k", kv[0][0][:, :, :4], 0))
 
 
 def test_bad_input_is_rejected_with_a_reason(llama):
@@ -63,7 +83,7 @@ def test_bad_input_is_rejected_with_a_reason(llama):
         list(app.push(5, "k", torch.zeros(1, 2, 4, 16)))
     list(app.push(0, "k", torch.zeros(1, 2, 4, 16)))
     with pytest.raises(InvalidInput, match="sent twice"):
-        list(app.push(0, "k", torch.zeros(1, 2, 4, 16)))
+        list(app.push(0, "k", torch.zeros(1, 2, 4, 16)))  # tokens 0..3 again
     with pytest.raises(InvalidInput, match="layers"):
         apply(ms, make_kv(layers=3, heads=2, head_dim=16))
 

@@ -123,7 +123,7 @@ def test_stream_errors(sidecar):
     from kvferry.client.messages import Chunk
 
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
-    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=4))
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=4, order="layers"))
     # chunks out of order: the second token chunk before the first
     code, msg = _raw(sidecar, [reqs[0], reqs[2], reqs[1]])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "out of order" in msg
