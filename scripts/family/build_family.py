@@ -273,12 +273,19 @@ def recall_probe(model, tok, out: Path, n: int = 60, truncate: int | None = None
     return hits / n
 
 
-def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int, eval_every: int, warmup_copy: int) -> None:
+def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int, eval_every: int, warmup_copy: int,
+              resume: bool = False) -> None:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     tok = _load_tokenizer(out)
-    model = LlamaForCausalLM(make_config(name))
+    if resume:  # continue the exported checkpoint on the mix (a second, lower-LR stage)
+        model = LlamaForCausalLM.from_pretrained(out / "models" / name, dtype=torch.float32)
+        previous = json.loads((out / "models" / name / "training.json").read_text())
+        warmup_copy = 0
+    else:
+        model = LlamaForCausalLM(make_config(name))
+        previous = None
     mix = Mix(tok, _train_texts(), seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -296,7 +303,8 @@ def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     dest = out / "models" / name
     dest.mkdir(parents=True, exist_ok=True)
-    curve = open(dest / "curve.jsonl", "w")
+    curve = open(dest / "curve.jsonl", "a" if resume else "w")
+    step_offset = previous["checkpoint"]["step"] if previous else 0
     t0 = time.time()
     best = -1.0
     # Copy warm-up with a growing pool: induction heads form fast on a few hundred ids, then the pool
@@ -336,7 +344,7 @@ def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int
         if step % eval_every == 0 or step == total or (in_warmup and step % 50 == 0):
             model.eval()
             rec = {
-                "step": step, "tokens": step * batch * SEQ, "minutes": round((time.time() - t0) / 60, 2),
+                "step": step + step_offset, "tokens": (step + step_offset) * batch * SEQ, "minutes": round((time.time() - t0) / 60, 2),
                 "train_loss": round(float(loss), 4), "heldout_nll": round(heldout_nll(model, tok, out), 4),
                 "copy_acc": round(copy_probe(model), 4), "recall": round(recall_probe(model, tok, out, n=40), 4),
                 "phase": "copy-warmup" if in_warmup else "mix", "copy_pool": mix.pool,
@@ -347,10 +355,11 @@ def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int
             score = rec["recall"] + rec["copy_acc"] - rec["heldout_nll"] / 10
             if not in_warmup and (step == total or score >= best):
                 best = max(best, score)
-                _export(model, tok, dest, name, rec, seed, steps, batch, lr, warmup_copy)
+                _export(model, tok, dest, name, rec, seed, steps, batch, lr, warmup_copy, previous)
 
 
-def _export(model, tok, dest: Path, name: str, rec: dict, seed: int, steps: int, batch: int, lr: float, warmup_copy: int) -> None:
+def _export(model, tok, dest: Path, name: str, rec: dict, seed: int, steps: int, batch: int, lr: float, warmup_copy: int,
+            previous: dict | None = None) -> None:
     import copy
 
     half = copy.deepcopy(model).to(torch.float16)
@@ -362,6 +371,7 @@ def _export(model, tok, dest: Path, name: str, rec: dict, seed: int, steps: int,
         "mix": {"code": 0.4, "recall_documents": 0.3, "copy_full_vocab": 0.3},
         "warmup": "odd steps: 32 pure-copy rows of 64+64 tokens from a growing id pool; even steps: mix batches",
         "checkpoint": rec,
+        **({"previous_stage": previous} if previous else {}),
     }, indent=1) + "\n")
 
 
@@ -381,6 +391,12 @@ def heldout_ppl_full(model, tok, out: Path) -> tuple[float, int]:
     return math.exp(total / n), n * SEQ
 
 
+def _steps(meta: dict) -> str:
+    prev = meta.get("previous_stage")
+    here = f"{meta.get('warmup_copy_steps', 0)}+{meta.get('mix_steps')}"
+    return f"{_steps(prev)}, then +{meta.get('mix_steps')} (stage 2, lr {meta.get('lr')})" if prev else here
+
+
 def cmd_card(out: Path) -> None:
     """Measure each shipped model and write models/README.md (the family's model card)."""
     from transformers import AutoModelForCausalLM
@@ -397,7 +413,7 @@ def cmd_card(out: Path) -> None:
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
         layers, hidden, heads, kv, hd, inter = FAMILY[name]
         rows.append(f"| {name} | {layers} | {hidden} | {heads}/{kv} | {hd} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-                    f"| {size / 2**20:.1f} MiB | {meta.get('warmup_copy_steps', 0)}+{meta.get('mix_steps')} | {ppl:.2f} "
+                    f"| {size / 2**20:.1f} MiB | {_steps(meta)} | {ppl:.2f} "
                     f"| {copy_probe(model, seed=123, n=32):.3f} | {full:.2f} | {trunc:.2f} |")
         curves[name] = [json.loads(l) for l in open(d / "curve.jsonl")]
         print(rows[-1], flush=True)
@@ -453,6 +469,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--warmup-copy", type=int, default=200, help="pure copy steps before the mix (forms induction heads)")
+    ap.add_argument("--resume", action="store_true", help="continue models/<name> on the mix (a second stage)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("KVF_THREADS", "2")))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -465,7 +482,7 @@ def main() -> None:
     else:
         if not a.model:
             ap.error("train needs --model")
-        cmd_train(a.out, a.model, a.steps, a.batch, a.lr, a.seed, a.eval_every, a.warmup_copy)
+        cmd_train(a.out, a.model, a.steps, a.batch, a.lr, a.seed, a.eval_every, a.warmup_copy, a.resume)
 
 
 if __name__ == "__main__":
