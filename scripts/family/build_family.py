@@ -8,6 +8,7 @@ can be checked. Steps (each writes under --out, default the repo root):
     python scripts/family/build_family.py tokenizer
     KVF_THREADS=1 python scripts/family/build_family.py train --model S --warmup-copy 900 --steps 800 --lr 1e-3
     KVF_THREADS=1 python scripts/family/build_family.py train --model T --warmup-copy 700 --steps 600 --lr 6e-4
+    KVF_THREADS=2 python scripts/family/build_family.py train --model T --resume --steps 400 --lr 4e-4 --seed 1
     KVF_THREADS=1 python scripts/family/build_family.py train --model T64 --warmup-copy 0 --steps 500 --lr 8e-4
     python scripts/family/build_family.py card
 
@@ -442,6 +443,19 @@ def cmd_card(out: Path) -> None:
         "  checkpoint is the best by recall + copy - nll/10 after the warm-up.",
         "- Weights are stored in float16 (loaded as float32); `max_position_embeddings` is 8192 for timing long prompts,",
         "  but quality is only measured within the trained 512 tokens.", "",
+        "## Long-range recall: what was tried (measured in this repository's first session, 2026-11-29)", "",
+        "The target was recall >= 50% for T with full context. It was not reached: every run below ended at 0-0.5% recall.",
+        "1. No warm-up; every batch 50% code, 25% recall documents, 25% copy rows (S, 800 steps): copy accuracy 0.0006, recall 0.",
+        "2. Pure copy warm-up from the whole vocabulary (512-token rows, batch 8): loss flat at ln(4094) = 8.35 for 200 steps.",
+        "3. Pure copy warm-up with a growing id pool (256 -> 4094; 32 rows of 64+64 tokens per step): S learned to copy (copy",
+        "   loss 0.76 on the whole vocabulary by step 450), then the switch to the mix erased it within 100 steps (probe",
+        "   copy accuracy 0.000-0.001 at steps 500-800; 0.02 even on the warm-up's own 1024-id pool).",
+        "4. The recipe above (warm-up steps interleaved with mix steps, so the switch is gentle): S broke through on the",
+        "   256-id pool after about 225 copy steps and reached the 1024-id pool by the 900-step cap; T stayed on the 256-id",
+        "   pool for its 350 copy steps; in the mix, copy accuracy stayed <= 0.001 and recall 0 for both.",
+        "What should work with more compute: a much longer run (hours on CPU, minutes on a GPU) that keeps copy/recall rows",
+        "throughout at a low, decaying LR, with checkpoints chosen by the copy probe. The probe (`kvferry.mappings.recall`)",
+        "and `kvferry eval`'s recall column stay in place for when a family that recalls is trained.", "",
         "## Training curves (every few evaluations)", "",
     ]
     for name, curve in curves.items():
