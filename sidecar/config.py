@@ -62,11 +62,15 @@ class SidecarConfig:
     redis_url: str = ""
     """Shared prefix store: redis://[user@]host:port/db or rediss:// (TLS); empty uses the in-process store."""
     redis_password: str = ""
-    """Redis password (prefer the env KVFERRY_REDIS_PASSWORD or the config file over a flag)."""
+    """Redis password (prefer redis_password_file, or the env KVFERRY_REDIS_PASSWORD, over a flag)."""
+    redis_password_file: str = ""
+    """File holding the Redis password (a mounted Secret)."""
     prefix_cache: bool = True
     """Reuse and publish mapped prefix blocks (needs token_ids in requests)."""
     prefix_secret: str = ""
-    """HMAC key of prefix block hashes; required with redis_url so every pod derives the same keys."""
+    """HMAC key of prefix block hashes; required (or prefix_secret_file) with redis_url so every pod derives the same keys."""
+    prefix_secret_file: str = ""
+    """File holding the prefix HMAC key (a mounted Secret)."""
     prefix_block_size: int = 256
     """Tokens per prefix block."""
     prefix_ttl_seconds: float = 3600.0
@@ -91,13 +95,23 @@ class SidecarConfig:
             raise InvalidInput("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidInput("redis_url must start with redis://, rediss:// or unix://")
-        if self.redis_url and self.prefix_cache and not self.prefix_secret:
+        if self.redis_url and self.prefix_cache and not (self.prefix_secret or self.prefix_secret_file):
             raise InvalidInput("a shared prefix store needs prefix_secret (env KVFERRY_PREFIX_SECRET): every pod must "
                                "derive the same keys, and nobody else should")
         if self.prefix_block_size < 1 or self.prefix_ttl_seconds <= 0 or self.prefix_memory_bytes < 1:
             raise InvalidInput("prefix_block_size, prefix_ttl_seconds and prefix_memory_bytes must be positive")
         self.gates  # validates the gate fields
         self.limits
+
+    def secret(self, name: str) -> str:
+        """A secret's value: from ``<name>_file`` when set (surrounding whitespace stripped), else ``<name>``."""
+        path = getattr(self, f"{name}_file")
+        if path:
+            try:
+                return Path(path).read_text().strip()
+            except OSError as e:
+                raise InvalidInput(f"cannot read {name}_file {path}: {e}") from None
+        return getattr(self, name)
 
     @property
     def gates(self) -> Gates:

@@ -36,8 +36,9 @@ class Plan:
 
 class PrefixService:
     def __init__(self, config, metrics):
-        self.store = open_store(config.redis_url, config.redis_password or None, config.prefix_memory_bytes)
-        secret = config.prefix_secret.encode() if config.prefix_secret else os.urandom(32)  # private to this process
+        self.store = open_store(config.redis_url, config.secret("redis_password") or None, config.prefix_memory_bytes)
+        key = config.secret("prefix_secret")
+        secret = key.encode() if key else os.urandom(32)  # without a configured key: private to this process
         self.cache = PrefixCache(self.store, secret, config.prefix_block_size, config.prefix_ttl_seconds,
                                  config.prefix_max_blob_bytes)
         self.metrics = metrics

@@ -49,6 +49,8 @@ def test_chart_agrees_with_the_binary(values, tmp_path):
     pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
     (c,) = [c for c in pod["containers"] if c["name"] == "kvferry"]
     args = build_parser().parse_args(c["args"])  # exits on any flag `kvferry serve` does not accept
+    for e in c.get("env", []):  # every env var the chart sets is one the config reads
+        assert e["name"].startswith("KVFERRY_") and e["name"][8:].lower() in SidecarConfig.__dataclass_fields__, e["name"]
     assert args.cmd == "serve" and args.config == "/etc/kvferry/kvferry.toml"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"grpc": config.port, "metrics": config.metrics_port}
@@ -56,7 +58,7 @@ def test_chart_agrees_with_the_binary(values, tmp_path):
     assert c["livenessProbe"]["grpc"] == {"port": config.port} and c["startupProbe"]["grpc"]["port"] == config.port
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[config.maps_dir]["readOnly"] and mounts["/etc/kvferry"]["readOnly"]
-    for path in (config.tls_cert, config.tls_key, config.tls_client_ca):
+    for path in (config.tls_cert, config.tls_key, config.tls_client_ca, config.redis_password_file, config.prefix_secret_file):
         if path:
             assert any(path.startswith(m + "/") for m in mounts), f"{path} is not on a mounted volume"
     assert pod["terminationGracePeriodSeconds"] >= config.drain_seconds + c["lifecycle"]["preStop"]["sleep"]["seconds"]

@@ -8,7 +8,7 @@ can be checked. Steps (each writes under --out, default the repo root):
     python scripts/family/build_family.py tokenizer
     KVF_THREADS=1 python scripts/family/build_family.py train --model S --warmup-copy 900 --steps 800 --lr 1e-3
     KVF_THREADS=1 python scripts/family/build_family.py train --model T --warmup-copy 700 --steps 600 --lr 6e-4
-    KVF_THREADS=2 python scripts/family/build_family.py train --model T --resume --steps 400 --lr 4e-4 --seed 1
+    KVF_THREADS=2 python scripts/family/build_family.py train --model T --resume --steps 600 --lr 4e-4 --seed 1
     KVF_THREADS=1 python scripts/family/build_family.py train --model T64 --warmup-copy 0 --steps 500 --lr 8e-4
     python scripts/family/build_family.py card
 

@@ -40,6 +40,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "kvferry.redisSecretName" -}}
+{{- default (printf "%s-redis" (include "kvferry.fullname" .)) .Values.redis.existingSecret -}}
+{{- end -}}
+
 {{- define "kvferry.tlsSecretName" -}}
 {{- default (printf "%s-tls" (include "kvferry.fullname" .)) .Values.tls.existingSecret -}}
 {{- end -}}
@@ -109,6 +113,11 @@ volumeMounts:
     mountPath: /etc/kvferry-tls
     readOnly: true
   {{- end }}
+  {{- if .Values.redis.url }}
+  - name: kvferry-redis
+    mountPath: /etc/kvferry-redis
+    readOnly: true
+  {{- end }}
 {{- end -}}
 
 {{/* Volumes the sidecar container needs. */}}
@@ -132,6 +141,11 @@ volumeMounts:
 - name: kvferry-tls
   secret:
     secretName: {{ include "kvferry.tlsSecretName" . }}
+{{- end }}
+{{- if .Values.redis.url }}
+- name: kvferry-redis
+  secret:
+    secretName: {{ include "kvferry.redisSecretName" . }}
 {{- end }}
 {{- end -}}
 
