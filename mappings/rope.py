@@ -105,23 +105,31 @@ def _cos_sin(spec: RopeSpec, positions: torch.Tensor, device=None) -> tuple[torc
     return emb.cos() * scale, emb.sin() * scale
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
+def _rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """k * cos + sign * rotate_half(k) * sin, without materialising rotate_half (cos/sin halves are equal)."""
+    kf = k.float()
+    half = kf.shape[-1] // 2
+    c, s_ = cos[..., :half], sin[..., :half]
+    a, b = kf[..., :half], kf[..., half:]
+    if kf.requires_grad:  # autograd cannot see through out=; use the plain form
+        return torch.cat([a * c - sign * b * s_, b * c + sign * a * s_], dim=-1)
+    out = torch.empty_like(kf)
+    torch.mul(a, c, out=out[..., :half])
+    out[..., :half].addcmul_(b, s_, value=-sign)
+    torch.mul(b, c, out=out[..., half:])
+    out[..., half:].addcmul_(a, s_, value=sign)
+    return out
 
 
 def rotate(k: torch.Tensor, spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
     """Apply RoPE to position-free keys ``k`` [..., heads, T, head_dim] (computed in float32)."""
     cos, sin = cos_sin(spec, positions, k.device)
-    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
-    kf = k.float()
-    return kf * cos + _rotate_half(kf) * sin
+    return _rotate(k, cos.unsqueeze(-3), sin.unsqueeze(-3), 1.0)
 
 
 def unrotate(k: torch.Tensor, spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
     """Invert :func:`rotate` exactly (RoPE is orthogonal up to the attention scaling)."""
     cos, sin = cos_sin(spec, positions, k.device)
-    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
     _, scale = inv_freq(spec)
-    kf = k.float()
-    return (kf * cos - _rotate_half(kf) * sin) / (scale * scale)
+    out = _rotate(k, cos.unsqueeze(-3), sin.unsqueeze(-3), -1.0)
+    return out if scale == 1.0 else out / (scale * scale)
