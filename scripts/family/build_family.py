@@ -6,9 +6,9 @@ can be checked. Steps (each writes under --out, default the repo root):
 
     python scripts/family/build_family.py corpus
     python scripts/family/build_family.py tokenizer
-    KVF_THREADS=1 python scripts/family/build_family.py train --model S --warmup-copy 900 --steps 800 --lr 1e-3
+    KVF_THREADS=1 python scripts/family/build_family.py train --model S --warmup-copy 300 --steps 400 --lr 1e-3
     KVF_THREADS=1 python scripts/family/build_family.py train --model T --warmup-copy 700 --steps 600 --lr 6e-4
-    KVF_THREADS=2 python scripts/family/build_family.py train --model T --resume --steps 600 --lr 4e-4 --seed 1
+    KVF_THREADS=2 python scripts/family/build_family.py train --model T --resume --steps 400 --lr 4e-4 --seed 1
     KVF_THREADS=1 python scripts/family/build_family.py train --model T64 --warmup-copy 0 --steps 500 --lr 8e-4
     python scripts/family/build_family.py card
 
@@ -414,7 +414,7 @@ def cmd_card(out: Path) -> None:
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
         layers, hidden, heads, kv, hd, inter = FAMILY[name]
         rows.append(f"| {name} | {layers} | {hidden} | {heads}/{kv} | {hd} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-                    f"| {size / 2**20:.1f} MiB | {_steps(meta)} | {ppl:.2f} "
+                    f"| {size / 2**20:.1f} MiB | {_steps(meta)} | {meta['checkpoint']['tokens'] / 1e6:.1f}M | {ppl:.2f} "
                     f"| {copy_probe(model, seed=123, n=32):.3f} | {full:.2f} | {trunc:.2f} |")
         curves[name] = [json.loads(l) for l in open(d / "curve.jsonl")]
         print(rows[-1], flush=True)
@@ -429,8 +429,10 @@ def cmd_card(out: Path) -> None:
         "Recall: exact match on 100 probe prompts (a key->value table, >= 80 tokens of held-out code, then a query",
         "line that repeats the definition up to the value); `trunc64` gives the model only the last 64 tokens.",
         "Copy: next-token accuracy on the second half of a random 100-token span, repeated, drawn from the whole vocabulary.", "",
-        "| model | layers | hidden | heads/kv | head_dim | params | weights (fp16) | steps (copy warm-up + mix) | held-out ppl | copy acc | recall full | recall trunc64 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+        "| model | layers | hidden | heads/kv | head_dim | params | weights (fp16) | steps (warm-up + mix) | tokens seen | held-out ppl | copy acc | recall full | recall trunc64 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+        "T is trained on more tokens than S (as the family's larger member should be, and because at these budgets",
+        "a larger model needs more steps to pull ahead); T64 has the shortest run and is the weakest.", "",
         "## Recipe", "",
         "- Sequences of 512 tokens, batch 8, AdamW (betas 0.9/0.95, weight decay 0.05), grad clip 1.0, fp32 on CPU, 1 thread each.",
         "- Warm-up: odd steps are pure copy (32 rows of 64+64 tokens, loss on the repeat only) with spans drawn from a pool",
