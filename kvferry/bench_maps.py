@@ -14,12 +14,14 @@ from pathlib import Path
 from kvferry import paths
 
 VARIANTS = {
-    "k1": dict(k=1),
-    "k2": dict(k=2),
-    "k4": dict(k=4),
-    "k4_per_head": dict(k=4, per_head=True),
-    "k4_kv_inputs": dict(k=4, inputs="kv"),
-    "k2_kv_inputs": dict(k=2, inputs="kv"),
+    "k1_same": dict(k=1, inputs="same"),
+    "k2_same": dict(k=2, inputs="same"),
+    "k4_same": dict(k=4, inputs="same"),
+    "k4_same_per_head": dict(k=4, inputs="same", per_head=True),
+    "k1_kv": dict(k=1, inputs="kv"),
+    "k2_kv": dict(k=2, inputs="kv"),
+    "k4_kv": dict(k=4, inputs="kv"),
+    "k4_kv_per_head": dict(k=4, inputs="kv", per_head=True),
 }
 
 

@@ -42,8 +42,8 @@ class FitSettings:
     """Windows per forward pass."""
     seed: int = 0
     """Seed for position subsampling."""
-    inputs: str = "same"
-    """Which source features feed a map: "same" (K from source K, V from source V) or "kv" (both from both)."""
+    inputs: str = "kv"
+    """Which source features feed a map: "kv" (each map reads the chosen layers' K and V) or "same" (K from K, V from V)."""
     per_head: bool = False
     """Block-diagonal maps: each target kv head reads only its corresponding source head."""
 
