@@ -393,9 +393,11 @@ def heldout_ppl_full(model, tok, out: Path) -> tuple[float, int]:
 
 
 def _steps(meta: dict) -> str:
+    """The exported checkpoint's step and the planned schedule (a run may be stopped at an earlier checkpoint)."""
     prev = meta.get("previous_stage")
-    here = f"{meta.get('warmup_copy_steps', 0)}+{meta.get('mix_steps')}"
-    return f"{_steps(prev)}, then +{meta.get('mix_steps')} (stage 2, lr {meta.get('lr')})" if prev else here
+    step = meta["checkpoint"]["step"]
+    here = f"step {step} of {meta.get('warmup_copy_steps', 0)}+{meta.get('mix_steps')} planned, lr {meta.get('lr')}"
+    return f"{_steps(prev)}; stage 2: {here}" if prev else here
 
 
 def cmd_card(out: Path) -> None:
