@@ -110,28 +110,18 @@ class RedisServer:
 
     def __init__(self, tmp):
         import socket
-        import subprocess
-        import time
 
-        binary = shutil.which("redis-server")
-        if binary is None:
+        import redis
+
+        if shutil.which("redis-server") is None:
             pytest.fail("redis-server is not installed: `apt-get install redis-server` (make test and .ci/run do it)")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.dir = tmp
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                      "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
         self.client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                if self.client.ping():
-                    break
-            except redis.ConnectionError:
-                time.sleep(0.05)
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.restart()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -139,6 +129,7 @@ class RedisServer:
             self.proc.wait(10)
 
     def restart(self) -> None:
+        """Start the server (again, on the same port) and wait until it answers PING."""
         import subprocess
         import time
 
