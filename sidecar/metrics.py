@@ -19,7 +19,7 @@ class Metrics:
                                  buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
         self.streams = Gauge("kvferry_active_streams", "Translate streams in flight", registry=r)
         self.maps_servable = Gauge("kvferry_maps_servable", "Loaded map versions that pass the gates", registry=r)
-        self.map_quality = Gauge("kvferry_map_quality", "Evidence of each loaded map version (gated arm)",
+        self.map_quality = Gauge("kvferry_map_quality", "Evidence of each loaded map version (the arm the gates read)",
                                  ["map", "version", "metric"], registry=r)
         self.map_events = Counter("kvferry_map_events_total", "Registry events", ["event"], registry=r)
         self.prefix_blocks = Counter("kvferry_prefix_blocks_total", "Prefix-store block lookups by outcome",
@@ -27,10 +27,11 @@ class Metrics:
         self.prefix_writes = Counter("kvferry_prefix_writes_total", "Mapped blocks written to the prefix store", registry=r)
         self.prefix_store_errors = Counter("kvferry_prefix_store_errors_total", "Prefix-store calls that failed", registry=r)
 
-    def record_maps(self, entries) -> None:
+    def record_maps(self, entries, arm_name: str) -> None:
+        """Servable count, and each map's evidence for the arm the gates read (as ListMappings reports it)."""
         self.maps_servable.set(sum(e.servable for e in entries))
         for e in entries:
-            arm = (e.maps.evidence or {}).get("arms", {}).get("mapped_refresh", {})
+            arm = (e.maps.evidence or {}).get("arms", {}).get(arm_name, {})
             for metric in ("top1", "top10", "kl", "attn_cos"):
                 if metric in arm:
                     self.map_quality.labels(e.maps.name, e.maps.version, metric).set(arm[metric])

@@ -88,7 +88,7 @@ class Sidecar:
         events = await asyncio.to_thread(self.registry.scan)
         for ev in events:
             self.metrics.map_events.labels(ev.split(" ", 1)[0]).inc()
-        self.metrics.record_maps(self.registry.entries())
+        self.metrics.record_maps(self.registry.entries(), self.config.gate_arm)
         if not self.draining:
             ok = self.registry.servable_count > 0
             await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
