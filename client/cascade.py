@@ -15,6 +15,8 @@ import grpc
 import torch
 from prometheus_client import Counter
 
+from kvferry.mappings.capture import cache_layers
+
 from .client import TranslateClient, TranslateResult
 from .importers import to_dynamic_cache
 
@@ -99,8 +101,7 @@ class Cascade:
             return self._fallback(prompt_ids, max_new_tokens, f"short_prompt: {n} < min_tokens {self.policy.min_tokens}")
         if self.client is None:
             return self._fallback(prompt_ids, max_new_tokens, "no_sidecar: no client configured")
-        layers = [(k[:, :, : n - r], v[:, :, : n - r]) for k, v in (
-            [(l.keys, l.values) for l in source_kv.layers] if hasattr(source_kv, "layers") else source_kv)]
+        layers = [(k[:, :, : n - r], v[:, :, : n - r]) for k, v in cache_layers(source_kv)]
         kw = {}
         if self.source_identity is not None:
             kw = dict(source_geometry=self.source_identity.geometry.fingerprint, tokenizer=self.source_identity.tokenizer)

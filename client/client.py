@@ -17,6 +17,7 @@ from typing import Iterator
 import grpc
 import torch
 
+from kvferry.mappings.capture import cache_layers
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
@@ -77,14 +78,6 @@ class TranslateResult:
     def layers(self) -> list[LayerKV]:
         """Contiguous layout: per target layer (K, V) [1, kv_heads, tokens, head_dim]."""
         return contiguous_layers(self.blocks, self.info.layers, self.info.num_tokens)
-
-
-def _as_layers(cache) -> list[LayerKV]:
-    if cache is None:
-        return []
-    if hasattr(cache, "layers") and not isinstance(cache, list):
-        return [(l.keys, l.values) for l in cache.layers]
-    return list(cache)
 
 
 def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: int,
@@ -177,7 +170,7 @@ class TranslateClient:
 
     def translate(self, cache, map_name: str, version: str = "", timeout: float | None = -1.0, **spec_kw) -> TranslateResult:
         """Translate a source cache (HF cache or list of (K, V) [1, H, T, D]) through ``map_name``."""
-        layers = _as_layers(cache)
+        layers = cache_layers(cache)
         spec = make_spec(layers, map_name, version, **spec_kw)
         timeout = self.options.timeout if timeout == -1.0 else timeout
         for attempt in range(self.options.retries + 1):
@@ -218,7 +211,7 @@ class AsyncTranslateClient:
         return list(resp.mappings)
 
     async def translate(self, cache, map_name: str, version: str = "", timeout: float | None = -1.0, **spec_kw) -> TranslateResult:
-        layers = _as_layers(cache)
+        layers = cache_layers(cache)
         spec = make_spec(layers, map_name, version, **spec_kw)
         timeout = self.options.timeout if timeout == -1.0 else timeout
         for attempt in range(self.options.retries + 1):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvferry.mappings.capture import to_dynamic_cache  # noqa: F401  (the HF importer; one implementation)
 from kvferry.mappings.errors import InvalidInput, TooLarge
 
 from .messages import Block
@@ -36,20 +37,6 @@ def contiguous_layers(blocks: list[Block], layers: int, tokens: int | None = Non
         else:
             out.append((torch.cat([b.key for b in parts], 1)[None], torch.cat([b.value for b in parts], 1)[None]))
     return out
-
-
-def to_dynamic_cache(layers: list[LayerKV], config, device=None, dtype=None):
-    """An HF transformers (5.x) DynamicCache holding ``layers``, ready for ``model(..., past_key_values=)``."""
-    from transformers import DynamicCache
-
-    if len(layers) != config.num_hidden_layers:
-        raise InvalidInput(f"{len(layers)} layers for a model with {config.num_hidden_layers}")
-    cache = DynamicCache(config=config)
-    for i, (k, v) in enumerate(layers):
-        if device is not None or dtype is not None:
-            k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
-        cache.update(k, v, i)
-    return cache
 
 
 @dataclass

@@ -87,9 +87,11 @@ def publish_source(cache, token_ids, source_identity, *, store, secret: bytes, t
     ``store`` is a RedisStore/MemoryStore (see kvferry.client.stores.open_store); ``secret`` and
     ``block_size`` must match the sidecars' prefix_secret and prefix_block_size. Returns the prefix key.
     """
+    from kvferry.mappings.capture import cache_layers
+
     from .prefix import model_id
 
-    layers = [(l.keys, l.values) for l in cache.layers] if hasattr(cache, "layers") and not isinstance(cache, list) else list(cache)
+    layers = cache_layers(cache)
     ids = [int(t) for t in token_ids]
     if layers and int(layers[0][0].shape[-2]) < len(ids) // block_size * block_size:
         raise InvalidInput("the cache covers fewer tokens than the full blocks of token_ids")

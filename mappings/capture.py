@@ -83,6 +83,29 @@ def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int
     return list(ids.view(n, seq_len)) if n else []
 
 
+def cache_layers(cache) -> list[LayerKV]:
+    """An HF cache (anything with ``.layers`` of keys/values), a list of (K, V), or None, as a list of (K, V)."""
+    if cache is None:
+        return []
+    if hasattr(cache, "layers") and not isinstance(cache, list):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(cache)
+
+
+def to_dynamic_cache(layers: list[LayerKV], config, device=None, dtype=None):
+    """An HF transformers (5.x) DynamicCache holding ``layers``, ready for ``model(..., past_key_values=)``."""
+    from transformers import DynamicCache
+
+    if len(layers) != config.num_hidden_layers:
+        raise InvalidInput(f"{len(layers)} layers for a model with {config.num_hidden_layers}")
+    cache = DynamicCache(config=config)
+    for i, (k, v) in enumerate(layers):
+        if device is not None or dtype is not None:
+            k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
+        cache.update(k, v, i)
+    return cache
+
+
 @torch.no_grad()
 def capture_kv(model, input_ids: torch.Tensor) -> list[LayerKV]:
     """Run a prefill and return every layer's (K, V); keys are post-RoPE as cached."""

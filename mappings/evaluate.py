@@ -17,7 +17,7 @@ import torch
 
 from .apply import apply
 from .artifact import MapSet
-from .capture import LayerKV, LoadedModel, capture_kv, read_corpus, token_windows
+from .capture import LayerKV, LoadedModel, capture_kv, read_corpus, to_dynamic_cache, token_windows
 from .errors import InvalidInput
 from .features import to_features
 from .recall import make_probe, probe_fillers
@@ -55,15 +55,6 @@ class EvalSettings:
             raise InvalidInput(f"refresh must be in [1, min_len); got {self.refresh}")
         if not 0 <= self.sinks < self.min_len - 1:
             raise InvalidInput("sinks must be smaller than min_len - 1")
-
-
-def to_cache(model, kv: list[LayerKV]):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)
-    return cache
 
 
 def _slice(kv: list[LayerKV], start: int, stop: int) -> list[LayerKV]:
@@ -147,7 +138,7 @@ class _LayerError:
 @torch.no_grad()
 def _greedy(model, ids: torch.Tensor, kv: list[LayerKV] | None, tokens: int, pad: int) -> list[int]:
     """Greedy continuation of ``ids``; with ``kv`` the target reuses it for the first positions."""
-    cache = to_cache(model, kv) if kv is not None else None
+    cache = to_dynamic_cache(kv, model.config) if kv is not None else None
     out = model.generate(ids, past_key_values=cache, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
     return out[0, ids.shape[1]:].tolist()
 
@@ -204,7 +195,7 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
             layer_err.add(mapped, gold_kv, ms, torch.arange(ids.shape[1] - 1))
             logits, attn = {}, {}
             for arm, (kv, tail) in arms.items():
-                cache = to_cache(target.model, kv) if kv is not None else None
+                cache = to_dynamic_cache(kv, target.model.config) if kv is not None else None
                 logits[arm] = target.model(input_ids=tail, past_key_values=cache).logits[0, -1].float()
                 attn[arm] = tap.take()
             for arm, sc in scores.items():

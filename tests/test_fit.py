@@ -6,9 +6,8 @@ import torch
 
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load, save
-from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.mappings.capture import capture_kv, load_model, to_dynamic_cache
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.evaluate import to_cache
 from kvferry.mappings.fit import FitSettings, fit_pair
 
 from conftest import DATA, MODELS
@@ -24,7 +23,7 @@ def test_self_map_gives_the_models_own_logits(family):
     ids = torch.randint(2, 4096, (2, 200))
     mapped = apply(ms, capture_kv(s.model, ids[:, :-1]))
     with torch.no_grad():
-        got = s.model(input_ids=ids[:, -1:], past_key_values=to_cache(s.model, mapped)).logits[:, -1]
+        got = s.model(input_ids=ids[:, -1:], past_key_values=to_dynamic_cache(mapped, s.model.config)).logits[:, -1]
         want = s.model(input_ids=ids).logits[:, -1]
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
