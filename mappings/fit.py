@@ -7,7 +7,7 @@ so the maps equal a single-process fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kvferry.mappings.errors import InvalidInput

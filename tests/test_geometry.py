@@ -4,7 +4,7 @@ import torch
 from kvferry.mappings.capture import load_model
 from kvferry.mappings.errors import Incompatible
 from kvferry.mappings.geometry import ModelIdentity, check_pair, geometry_of
-from kvferry.mappings.rope import RopeSpec, cos_sin, rotate, unrotate
+from kvferry.mappings.rope import cos_sin, rotate, unrotate
 
 from conftest import save_tiny, tiny_config
 
@@ -74,7 +74,6 @@ def test_unsupported_architecture_is_refused():
 
 
 def test_tokenizer_mismatch_is_refused(tiny_models, tmp_path):
-    from tokenizers import Tokenizer
     import shutil, json
 
     a = load_model(tiny_models["llama"])

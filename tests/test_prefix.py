@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvferry.client.client import ClientOptions, TranslateClient
-from kvferry.client.prefix import CorruptBlock, Namespace, block_hashes, decode_block, encode_block, model_id
+from kvferry.client.prefix import CorruptBlock, Namespace, block_hashes, decode_block, encode_block
 from kvferry.client.prefix_cache import PrefixCache, publish_source
 from kvferry.client.stores import MemoryStore, RedisStore, StoreUnavailable
 from kvferry.mappings.artifact import save

@@ -1,6 +1,5 @@
 """`kvferry serve` as a real process: config from flags/env/file, graceful drain on SIGTERM."""
 
-import os
 import re
 import signal
 import subprocess

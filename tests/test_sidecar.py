@@ -6,7 +6,6 @@ import torch
 
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.client.importers import PagedKVPool, to_dynamic_cache
-from kvferry.client.messages import PAGED
 from kvferry.mappings.artifact import save
 from kvferry.mappings.capture import capture_kv
 from kvferry.mappings.fit import identity_mapset
@@ -192,7 +191,6 @@ def test_pipelining_first_block_before_last_chunk(sidecar, family):
 
 
 def test_cancel_mid_stream_frees_the_session(sidecar):
-    import gc
     import time
 
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
