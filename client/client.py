@@ -52,6 +52,10 @@ class ClientOptions:
     """PEM client key, for mutual TLS."""
     tls_server_name: str = ""
     """Override the name checked against the server certificate."""
+    auth_token: str = ""
+    """Bearer token sent as 'authorization' call metadata (the sidecar's auth_tokens_file maps it to a tenant)."""
+    endpoints: tuple[str, ...] = ()
+    """More sidecars to fail over to (host:port): a retryable error moves the next attempt to the next endpoint."""
 
     def channel_args(self) -> list[tuple[str, object]]:
         opts: list[tuple[str, object]] = [("grpc.max_receive_message_length", self.max_message_bytes),
@@ -59,6 +63,12 @@ class ClientOptions:
         if self.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return opts
+
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else None
+
+    def addresses(self) -> tuple[str, ...]:
+        return (self.target,) + tuple(e for e in self.endpoints if e != self.target)
 
     def credentials(self):
         if not self.tls_root_certs:
@@ -145,19 +155,41 @@ def _delay(opts: ClientOptions, attempt: int) -> float:
     return opts.backoff * (2 ** attempt) * (0.5 + random.random())
 
 
+class _Endpoints:
+    """One channel and stub per endpoint; ``stub`` is the current one, ``fail_over`` moves to the next."""
+
+    def __init__(self, options: ClientOptions, make_channel):
+        creds, args = options.credentials(), options.channel_args()
+        self.channels = [make_channel(addr, creds, args) for addr in options.addresses()]
+        self.stubs = [pb_grpc.TranslateServiceStub(c) for c in self.channels]
+        self.current = 0
+
+    @property
+    def stub(self) -> pb_grpc.TranslateServiceStub:
+        return self.stubs[self.current]
+
+    def fail_over(self) -> None:
+        self.current = (self.current + 1) % len(self.stubs)
+
+
+def _sync_channel(addr, creds, args):
+    return grpc.secure_channel(addr, creds, args) if creds else grpc.insecure_channel(addr, args)
+
+
+def _aio_channel(addr, creds, args):
+    return grpc.aio.secure_channel(addr, creds, args) if creds else grpc.aio.insecure_channel(addr, args)
+
+
 class TranslateClient:
     """Blocking client."""
 
     def __init__(self, options: ClientOptions | str = ClientOptions()):
         self.options = ClientOptions(target=options) if isinstance(options, str) else options
-        creds = self.options.credentials()
-        args = self.options.channel_args()
-        self.channel = (grpc.secure_channel(self.options.target, creds, args) if creds
-                        else grpc.insecure_channel(self.options.target, args))
-        self.stub = pb_grpc.TranslateServiceStub(self.channel)
+        self.endpoints = _Endpoints(self.options, _sync_channel)
 
     def close(self) -> None:
-        self.channel.close()
+        for c in self.endpoints.channels:
+            c.close()
 
     def __enter__(self):
         return self
@@ -166,7 +198,8 @@ class TranslateClient:
         self.close()
 
     def list_mappings(self, name_prefix: str = "") -> list[pb.MappingInfo]:
-        return list(self.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix), timeout=self.options.timeout).mappings)
+        return list(self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix), timeout=self.options.timeout,
+                                                     metadata=self.options.metadata()).mappings)
 
     def translate(self, cache, map_name: str, version: str = "", timeout: float | None = -1.0, **spec_kw) -> TranslateResult:
         """Translate a source cache (HF cache or list of (K, V) [1, H, T, D]) through ``map_name``."""
@@ -176,12 +209,15 @@ class TranslateClient:
         for attempt in range(self.options.retries + 1):
             col = _Collector()
             try:
-                for msg in self.stub.Translate(encode_requests(spec, layers, self.options.chunk_tokens), timeout=timeout):
+                call = self.endpoints.stub.Translate(encode_requests(spec, layers, self.options.chunk_tokens), timeout=timeout,
+                                                     metadata=self.options.metadata())
+                for msg in call:
                     col.take(msg)
                 return col.result(attempt + 1)
             except grpc.RpcError as err:
                 if attempt >= self.options.retries or not _retryable(err):
                     raise
+                self.endpoints.fail_over()
                 time.sleep(_delay(self.options, attempt))
         raise AssertionError("unreachable")
 
@@ -191,14 +227,11 @@ class AsyncTranslateClient:
 
     def __init__(self, options: ClientOptions | str = ClientOptions()):
         self.options = ClientOptions(target=options) if isinstance(options, str) else options
-        creds = self.options.credentials()
-        args = self.options.channel_args()
-        self.channel = (grpc.aio.secure_channel(self.options.target, creds, args) if creds
-                        else grpc.aio.insecure_channel(self.options.target, args))
-        self.stub = pb_grpc.TranslateServiceStub(self.channel)
+        self.endpoints = _Endpoints(self.options, _aio_channel)
 
     async def close(self) -> None:
-        await self.channel.close()
+        for c in self.endpoints.channels:
+            await c.close()
 
     async def __aenter__(self):
         return self
@@ -207,7 +240,8 @@ class AsyncTranslateClient:
         await self.close()
 
     async def list_mappings(self, name_prefix: str = "") -> list[pb.MappingInfo]:
-        resp = await self.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix), timeout=self.options.timeout)
+        resp = await self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
+                                                      timeout=self.options.timeout, metadata=self.options.metadata())
         return list(resp.mappings)
 
     async def translate(self, cache, map_name: str, version: str = "", timeout: float | None = -1.0, **spec_kw) -> TranslateResult:
@@ -217,12 +251,14 @@ class AsyncTranslateClient:
         for attempt in range(self.options.retries + 1):
             col = _Collector()
             try:
-                call = self.stub.Translate(encode_requests(spec, layers, self.options.chunk_tokens), timeout=timeout)
+                call = self.endpoints.stub.Translate(encode_requests(spec, layers, self.options.chunk_tokens), timeout=timeout,
+                                                     metadata=self.options.metadata())
                 async for msg in call:
                     col.take(msg)
                 return col.result(attempt + 1)
             except grpc.RpcError as err:
                 if attempt >= self.options.retries or not _retryable(err):
                     raise
+                self.endpoints.fail_over()
                 await asyncio.sleep(_delay(self.options, attempt))
         raise AssertionError("unreachable")

@@ -1,6 +1,6 @@
 """The tensor wire codec shared by client and sidecar: torch tensors <-> kvferry.v1 messages.
 
-Encoding copies each tensor's bytes once (into the protobuf message); decoding wraps the
+Encoding copies each tensor's bytes once (strided view -> bytes, no intermediate contiguous copy); decoding wraps the
 received bytes without copying (torch.frombuffer) until a dtype or device change needs one.
 """
 
@@ -38,12 +38,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _NAMES.get(dtype, str(dtype))
 
 
-def encode_tensor(t: torch.Tensor) -> pb.Tensor:
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's elements in C order as bytes: one copy, straight from a strided view (no .contiguous() first)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    return pb.Tensor(dtype=dtype_to_pb(t.dtype), shape=list(t.shape), data=t.view(torch.uint8).numpy().tobytes())
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy().tobytes()
+
+
+def encode_tensor(t: torch.Tensor) -> pb.Tensor:
+    return pb.Tensor(dtype=dtype_to_pb(t.dtype), shape=list(t.shape), data=tensor_bytes(t))
 
 
 def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, expect_dtype: torch.dtype | None = None,

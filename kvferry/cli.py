@@ -36,7 +36,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
     settings = FitSettings(k=a.k, seq_len=a.seq_len, max_tokens=a.max_tokens, subsample=a.subsample, seed=a.seed,
-                           inputs=a.inputs, per_head=a.per_head)
+                           inputs=a.inputs, per_head=a.per_head, dtype=a.dtype)
     src, tgt = load_model(a.source, a.source_name), load_model(a.target, a.target_name)
     ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet)
     if ms is not None:
@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--inputs", choices=["kv", "same"], default="kv",
                    help="kv: each map reads the source layers' K and V; same: K from K, V from V")
     f.add_argument("--per-head", action="store_true", help="block-diagonal maps (target head j reads one source head)")
+    f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights' stored and applied dtype (bfloat16: faster apply; evaluate it before serving)")
     f.add_argument("--seq-len", type=int, default=512)
     f.add_argument("--max-tokens", type=int, default=None)
     f.add_argument("--subsample", type=float, default=1.0, help="fraction of positions kept")

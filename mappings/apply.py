@@ -1,7 +1,8 @@
 """Apply a MapSet to a source cache: batched, any device, dtype-preserving, and streaming.
 
 Keys: un-rotate with the source RoPE, map in position-free space, rotate with the target RoPE
-at the same absolute positions. Values: map directly.
+at the same absolute positions. Values: map directly. The matmul runs in the maps' dtype (float32
+or bfloat16); a bfloat16 map's output is rounded to bfloat16 before any cast to the output dtype.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class StreamingApplier:
             raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens past the declared {self.tokens}")
         if self.out_dtype is None:
             self.out_dtype = tensor.dtype
-        pos = torch.arange(self.start_position + start, self.start_position + start + n, device=tensor.device)
-        self._feats.setdefault(key, []).append((start, to_features(tensor, sg.rope if kind == "k" else None, pos)))
+        pos = range(self.start_position + start, self.start_position + start + n)
+        feats = to_features(tensor, sg.rope if kind == "k" else None, pos).to(self.ms.dtype)
+        self._feats.setdefault(key, []).append((start, feats))
         self._next[key] = start + n
         yield from self._advance()
 
@@ -107,10 +109,11 @@ class StreamingApplier:
                 continue
             x = torch.cat([self._slice((s, c), a, ready) for s in sources for c in inputs], dim=-1)
             y = torch.addmm(b.to(x.device), x.reshape(-1, x.shape[-1]), w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
-            pos = torch.arange(self.start_position + a, self.start_position + ready, device=x.device)
+            # a bf16 map's output carries bf16 precision: round to it, so the evidence holds for bf16 on the wire too
+            pos = range(self.start_position + a, self.start_position + ready)
             for i, (t, kind) in enumerate(keys):
                 out = from_features(y[..., i * width : (i + 1) * width], tg.kv_heads, tg.rope if kind == "k" else None, pos)
-                self._out[(t, kind)].append((a, out.to(self.out_dtype)))
+                self._out[(t, kind)].append((a, out.to(y.dtype).to(self.out_dtype)))
                 self._produced[(t, kind)] = ready
             self._done[gi] = ready
         self._trim()

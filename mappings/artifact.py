@@ -30,6 +30,7 @@ from .geometry import ModelIdentity, check_pair, digest
 FORMAT = "kvferry.maps"
 FORMAT_VERSION = 1
 KINDS = ("k", "v")
+MAP_DTYPES = (torch.float32, torch.bfloat16)  # what maps are stored and applied in
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?$")
 
@@ -94,16 +95,27 @@ class MapSet:
     def layer(self, target_layer: int, kind: str) -> LayerMap:
         return self.maps[(target_layer, kind)]
 
-    def to(self, device=None, dtype=torch.float32) -> "MapSet":
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the maps are stored and applied in (float32, or bfloat16 for half the FLOP cost)."""
+        return next(iter(self.maps.values())).weight.dtype if self.maps else torch.float32
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "MapSet":
+        """Move the maps (and, with ``dtype``, convert them: the evidence was measured in the stored dtype)."""
         for m in self.maps.values():
-            m.weight = m.weight.to(device=device, dtype=dtype)
-            m.bias = m.bias.to(device=device, dtype=dtype)
+            m.weight = m.weight.to(device=device, dtype=dtype or m.weight.dtype)
+            m.bias = m.bias.to(device=device, dtype=dtype or m.bias.dtype)
+        self._fused = None
         return self
 
     def validate(self) -> None:
         check_name(self.source.name), check_name(self.target.name), check_version(self.version)
         check_pair(self.source, self.target)
         sg, tg = self.source.geometry, self.target.geometry
+        dtype = self.dtype
+        if dtype not in MAP_DTYPES:
+            raise ArtifactError(f"map weights are {dtype}; kvferry applies maps in float32 or bfloat16. "
+                                "Refit with --dtype float32 (or bfloat16)")
         for t in range(tg.layers):
             for kind in KINDS:
                 m = self.maps.get((t, kind))
@@ -117,6 +129,9 @@ class MapSet:
                 if tuple(m.weight.shape) != want or tuple(m.bias.shape) != (tg.kv_width,):
                     raise ArtifactError(f"layer {t}{kind}: weight {tuple(m.weight.shape)} / bias {tuple(m.bias.shape)}, "
                                         f"expected {want} / ({tg.kv_width},) for these geometries")
+                if m.weight.dtype != dtype or m.bias.dtype != dtype:
+                    raise ArtifactError(f"layer {t}{kind}: weight/bias dtype {m.weight.dtype}/{m.bias.dtype} differs from the "
+                                        f"other maps' {dtype}; every map of a set shares one dtype. Refit the map")
                 if not (torch.isfinite(m.weight).all() and torch.isfinite(m.bias).all()):
                     raise ArtifactError(f"layer {t}{kind}: weights contain NaN or Inf")
 
@@ -124,8 +139,8 @@ class MapSet:
 def _tensors(ms: MapSet) -> dict[str, torch.Tensor]:
     out = {}
     for (t, kind), m in sorted(ms.maps.items()):
-        out[f"layer.{t}.{kind}.weight"] = m.weight.detach().float().cpu().contiguous()
-        out[f"layer.{t}.{kind}.bias"] = m.bias.detach().float().cpu().contiguous()
+        out[f"layer.{t}.{kind}.weight"] = m.weight.detach().cpu().contiguous()
+        out[f"layer.{t}.{kind}.bias"] = m.bias.detach().cpu().contiguous()
         out[f"layer.{t}.{kind}.sources"] = torch.tensor(m.source_layers, dtype=torch.int64)
     return out
 

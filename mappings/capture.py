@@ -38,7 +38,7 @@ def load_model(path: str | Path, name: str | None = None, dtype: torch.dtype = t
     path = Path(path)
     if not (path / "config.json").exists():
         raise InvalidInput(f"{path} is not an HF model directory (no config.json); pass the folder that holds config.json")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device).eval()
     tok = AutoTokenizer.from_pretrained(path)
     ident = ModelIdentity(name or path.name, geometry_of(model.config), tokenizer_fingerprint(tok), weights_digest(path))
     return LoadedModel(model, tok, ident)

@@ -35,3 +35,11 @@ class Unavailable(KvferryError):
 
 class Unsupported(KvferryError):
     """The request asks for something this build does not implement."""
+
+
+class Unauthenticated(KvferryError):
+    """The call carries no valid credentials (missing or unknown bearer token)."""
+
+
+class PermissionDenied(KvferryError):
+    """The caller is known but asks for something its identity does not allow (another tenant's namespace)."""

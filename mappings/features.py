@@ -7,14 +7,14 @@ import torch
 from .rope import RopeSpec, rotate, unrotate
 
 
-def to_features(kv: torch.Tensor, spec: RopeSpec | None, positions: torch.Tensor) -> torch.Tensor:
+def to_features(kv: torch.Tensor, spec: RopeSpec | None, positions: torch.Tensor | range) -> torch.Tensor:
     """[B, H, T, D] cache tensor -> [B, T, H*D] float32; keys (spec given) are un-rotated first."""
     x = unrotate(kv, spec, positions) if spec is not None else kv.float()
     b, h, t, d = x.shape
     return x.transpose(1, 2).reshape(b, t, h * d)
 
 
-def from_features(x: torch.Tensor, heads: int, spec: RopeSpec | None, positions: torch.Tensor) -> torch.Tensor:
+def from_features(x: torch.Tensor, heads: int, spec: RopeSpec | None, positions: torch.Tensor | range) -> torch.Tensor:
     """[B, T, H*D] -> [B, H, T, D]; keys (spec given) are rotated at ``positions``."""
     b, t, w = x.shape
     kv = x.reshape(b, t, heads, w // heads).transpose(1, 2)

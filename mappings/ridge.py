@@ -43,18 +43,30 @@ def _solve_path(train: GramStats, xi: torch.Tensor, yi: torch.Tensor):
     return mx, my, e, q, q.T @ cxy, scale
 
 
-def heldout_r2_path(train: GramStats, heldout: GramStats, xi, yi, lambdas=DEFAULT_LAMBDAS) -> torch.Tensor:
-    """Held-out R² for every lambda in ``lambdas`` (same order)."""
+def rounding_variance(dtype: str) -> float:
+    """Relative error variance that storing x and W in ``dtype`` adds to each product term: 2 u²/3 (u = unit roundoff)."""
+    return {"float32": 0.0, "bfloat16": 2 * (2.0 ** -8) ** 2 / 3}[dtype]
+
+
+def heldout_r2_path(train: GramStats, heldout: GramStats, xi, yi, lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0) -> torch.Tensor:
+    """Held-out R² for every lambda in ``lambdas`` (same order).
+
+    ``rounding`` > 0: the map will run with inputs and weights rounded to a short float (bfloat16), which adds
+    noise of expected energy rounding * sum_i E[x_i²] |W_i|² per row; counting it steers the choice towards the
+    larger lambdas whose smaller weights survive the rounding."""
     mx, my, e, q, a, scale = _solve_path(train, xi, yi)
     hxx, hxy, hyy = _centred(heldout, xi, yi, mx, my)
     mh = heldout.sy[yi] / heldout.n
     sst = (heldout.syy[yi] - heldout.n * mh * mh).sum().clamp(min=1e-30)
     m, p = q.T @ hxx @ q, q.T @ hxy
     r, g = (a * p).sum(1), a @ a.T
+    md = q.T @ (q * (heldout.sxx.diagonal()[xi] / heldout.n)[:, None]) if rounding else None  # qᵀ diag(E x²) q
     out = []
     for lam in lambdas:
         f = 1.0 / (e + lam * scale)
         sse = hyy - 2 * (f * r).sum() + f @ ((m * g) @ f)
+        if md is not None:
+            sse = sse + rounding * heldout.n * (f @ ((md * g) @ f))
         out.append(1.0 - sse / sst)
     return torch.stack(out)
 
@@ -72,7 +84,7 @@ def cols(layers: list[int] | tuple[int, ...], width: int) -> torch.Tensor:
 
 
 def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, blocks: dict[int, torch.Tensor], k: int,
-                   lambdas=DEFAULT_LAMBDAS) -> tuple[list[int], RidgeFit]:
+                   lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0) -> tuple[list[int], RidgeFit]:
     """Greedy forward selection of k candidate blocks (source layers) by held-out R², then a refit on all rows.
 
     ``blocks`` maps a candidate (a source layer) to its x columns; the chosen blocks' columns are
@@ -87,7 +99,7 @@ def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, block
             if cand in chosen:
                 continue
             xi = torch.cat([blocks[c] for c in sorted(chosen + [cand])])
-            path = heldout_r2_path(train, heldout, xi, yi, lambdas)
+            path = heldout_r2_path(train, heldout, xi, yi, lambdas, rounding)
             i = int(torch.argmax(path))
             trial[cand] = (float(path[i]), lambdas[i])
         cand, (r2, lam) = max(trial.items(), key=lambda kv: kv[1][0])

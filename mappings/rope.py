@@ -81,21 +81,31 @@ def inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     return _CACHE[spec]
 
 
-def cos_sin(spec: RopeSpec, positions: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(spec: RopeSpec, positions: torch.Tensor | range, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [..., T, head_dim] (float32), as the model's rotary embedding computes them.
 
-    The last call's result is reused when the same spec and positions come again (the common case
-    while one request's layers stream through)."""
-    global _LAST
-    last = _LAST  # one atomic read: (spec, positions tensor, device, value)
-    if last is not None and last[1] is positions and last[0] == spec and last[2] == str(device):
-        return last[3]
-    value = _cos_sin(spec, positions, device)
-    _LAST = (spec, positions, str(device), value)
-    return value
+    ``positions`` as a ``range`` (step 1, the streaming case) is served from a per-spec table of
+    every position seen so far, grown by doubling, so a request's layers share one computation."""
+    if isinstance(positions, range):
+        if positions.step != 1:
+            positions = torch.tensor(positions)
+        else:
+            cos, sin = _table(spec, positions.stop, device)
+            return cos[positions.start : positions.stop], sin[positions.start : positions.stop]
+    return _cos_sin(spec, positions, device)
 
 
-_LAST: tuple | None = None
+_TABLES: dict[tuple[RopeSpec, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _table(spec: RopeSpec, upto: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (spec, str(device))
+    have = _TABLES.get(key)  # one atomic read; a grown table replaces the entry whole
+    if have is None or have[0].shape[0] < upto:
+        size = max(upto, 2 * (have[0].shape[0] if have else 1024))
+        have = _cos_sin(spec, torch.arange(size), device)
+        _TABLES[key] = have
+    return have
 
 
 def _cos_sin(spec: RopeSpec, positions: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,13 +131,13 @@ def _rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     return out
 
 
-def rotate(k: torch.Tensor, spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
+def rotate(k: torch.Tensor, spec: RopeSpec, positions: torch.Tensor | range) -> torch.Tensor:
     """Apply RoPE to position-free keys ``k`` [..., heads, T, head_dim] (computed in float32)."""
     cos, sin = cos_sin(spec, positions, k.device)
     return _rotate(k, cos.unsqueeze(-3), sin.unsqueeze(-3), 1.0)
 
 
-def unrotate(k: torch.Tensor, spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
+def unrotate(k: torch.Tensor, spec: RopeSpec, positions: torch.Tensor | range) -> torch.Tensor:
     """Invert :func:`rotate` exactly (RoPE is orthogonal up to the attention scaling)."""
     cos, sin = cos_sin(spec, positions, k.device)
     _, scale = inv_freq(spec)

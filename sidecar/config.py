@@ -59,6 +59,13 @@ class SidecarConfig:
     """PEM server private key."""
     tls_client_ca: str = ""
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    auth_tokens_file: str = ""
+    """File of '<tenant> <token>' lines (a mounted Secret); when set, kvferry calls need 'authorization: Bearer <token>'
+    and the token's tenant is the caller's prefix-store namespace."""
+    auth_mtls_tenant: bool = False
+    """With mutual TLS and no tokens: the client certificate's common name is the caller's tenant."""
+    max_stream_seconds: float = 300.0
+    """Server-side deadline of one Translate stream, on top of the client's; past it, DEADLINE_EXCEEDED."""
     redis_url: str = ""
     """Shared prefix store: redis://[user@]host:port/db or rediss:// (TLS); empty uses the in-process store."""
     redis_password: str = ""
@@ -93,6 +100,10 @@ class SidecarConfig:
             raise InvalidInput("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidInput("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.auth_mtls_tenant and not self.tls_client_ca:
+            raise InvalidInput("auth_mtls_tenant takes the tenant from client certificates: set tls_client_ca (mutual TLS)")
+        if self.max_stream_seconds <= 0:
+            raise InvalidInput("max_stream_seconds must be positive")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidInput("redis_url must start with redis://, rediss:// or unix://")
         if self.redis_url and self.prefix_cache and not (self.prefix_secret or self.prefix_secret_file):
@@ -112,6 +123,14 @@ class SidecarConfig:
             except OSError as e:
                 raise InvalidInput(f"cannot read {name}_file {path}: {e}") from None
         return getattr(self, name)
+
+    def authenticator(self):
+        """The configured caller authentication (reads auth_tokens_file), or None when calls are not authenticated."""
+        from .auth import Authenticator
+
+        if self.auth_tokens_file:
+            return Authenticator.from_file(self.auth_tokens_file, self.auth_mtls_tenant)
+        return Authenticator(mtls_identity=True) if self.auth_mtls_tenant else None
 
     @property
     def gates(self) -> Gates:

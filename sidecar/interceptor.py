@@ -9,6 +9,8 @@ import grpc
 
 from kvferry.mappings import errors as e
 
+from .auth import CALLER, PROTECTED_PREFIX
+
 log = logging.getLogger("kvferry.rpc")
 
 STATUS = {
@@ -20,6 +22,9 @@ STATUS = {
     e.Unavailable: grpc.StatusCode.UNAVAILABLE,
     e.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
     e.ArtifactError: grpc.StatusCode.FAILED_PRECONDITION,
+    e.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    e.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -31,21 +36,28 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every handler: KvferryError -> its status; anything else -> INTERNAL, logged."""
+    """Wraps every handler: authenticates kvferry calls (when configured), then KvferryError -> its
+    status; anything else -> INTERNAL, logged."""
 
-    def __init__(self, metrics=None):
+    def __init__(self, metrics=None, authenticator=None):
         self.metrics = metrics
+        self.auth = authenticator
+
+    def _authenticate(self, context, full_method: str) -> None:
+        if self.auth is not None and self.auth.enabled and full_method.startswith(PROTECTED_PREFIX):
+            CALLER.set(self.auth.identify(context.invocation_metadata(), context.auth_context()))
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        method = details.method.rsplit("/", 1)[-1]
+        full_method = details.method
+        method = full_method.rsplit("/", 1)[-1]
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method),
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method, full_method),
                                                        handler.request_deserializer, handler.response_serializer)
         if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method),
+            return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method, full_method),
                                                          handler.request_deserializer, handler.response_serializer)
         return handler
 
@@ -64,10 +76,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._done(method, code, t0)
         await context.abort(code, msg)
 
-    def _unary(self, fn, method):
+    def _unary(self, fn, method, full_method):
         async def wrapper(request, context):
             t0 = time.perf_counter()
             try:
+                self._authenticate(context, full_method)
                 out = await fn(request, context)
             except grpc.aio.AbortError:
                 raise
@@ -78,10 +91,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapper
 
-    def _stream(self, fn, method):
+    def _stream(self, fn, method, full_method):
         async def wrapper(request_iterator, context):
             t0 = time.perf_counter()
             try:
+                self._authenticate(context, full_method)
                 async for item in fn(request_iterator, context):
                     yield item
             except grpc.aio.AbortError:

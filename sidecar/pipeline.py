@@ -40,6 +40,13 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
     limits.check(spec.num_tokens, spec.num_tokens * sg.layers * 2 * sg.kv_width * elem)
 
 
+def default_target_dtype(source_dtype: torch.dtype, map_dtype: torch.dtype) -> torch.dtype:
+    """Unless the request names one: the source dtype, or the map's when it is narrower (a bfloat16 map's output
+    carries bfloat16 precision; wider bytes would carry no more information)."""
+    narrower = torch.empty((), dtype=map_dtype).element_size() < torch.empty((), dtype=source_dtype).element_size()
+    return map_dtype if narrower else source_dtype
+
+
 class TranslateSession:
     """One request's state: per (layer, kind) the next expected token, the applier, partial pages.
 
@@ -54,7 +61,7 @@ class TranslateSession:
                  expect_chunks: bool = True, keep_output: bool = False):
         check_spec(spec, ms, limits)
         self.spec, self.ms = spec, ms
-        self.out_dtype = spec.target_dtype or spec.source_dtype
+        self.out_dtype = spec.target_dtype or default_target_dtype(spec.source_dtype, ms.dtype)
         self.cached = cached or None
         self.skip = int(cached[0][0].shape[2]) if cached else 0
         self.expect_chunks = expect_chunks

@@ -44,8 +44,9 @@ class Sidecar:
         from .prefix_flow import PrefixService
 
         self.prefix = PrefixService(config, self.metrics) if config.prefix_cache else None
+        self.authenticator = config.authenticator()
         self.servicer = TranslateServicer(self.registry, config.limits, self.metrics, config.max_streams, config.gate_arm,
-                                          self.prefix)
+                                          self.prefix, config.max_stream_seconds)
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
@@ -58,7 +59,7 @@ class Sidecar:
             import torch
 
             torch.set_num_threads(c.threads)
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)], options=channel_options(c.max_message_bytes))
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics, self.authenticator)], options=channel_options(c.max_message_bytes))
         pb_grpc.add_TranslateServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.extra_handlers:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 from kvferry.client import wire
 from kvferry.mappings.errors import InvalidInput, TooLarge, Unavailable, Unsupported
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
+from .auth import tenant_for
 from .pipeline import TranslateSession
 
 RETRY_AFTER_KEY = "kvferry-retry-after-ms"
@@ -33,15 +36,37 @@ def mapping_info(entry, arm: str) -> pb.MappingInfo:
     )
 
 
+async def _before(requests, deadline: float):
+    """The request stream, cut off at ``deadline`` (loop time): a stalled client cannot hold a stream slot forever."""
+    loop = asyncio.get_running_loop()
+    it = aiter(requests)
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise TimeoutError("the Translate stream ran past the sidecar's max_stream_seconds; send faster or split the prompt")
+        try:
+            msg = await asyncio.wait_for(anext(it), remaining)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise TimeoutError("no request message arrived before the sidecar's max_stream_seconds ran out") from None
+        yield msg
+
+
 class TranslateServicer(pb_grpc.TranslateServiceServicer):
-    def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None):
+    def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None,
+                 max_stream_seconds: float = 300.0):
         self.registry, self.limits, self.metrics = registry, limits, metrics
+        self.max_stream_seconds = max_stream_seconds
         self.prefix = prefix  # PrefixService or None
         self._background: set[asyncio.Task] = set()
         self.max_streams, self.gate_arm = max_streams, gate_arm
         self.active = 0
         self.draining = False
         self.sessions: weakref.WeakSet = weakref.WeakSet()  # live request state, for memory accounting
+        # One compute thread: torch's intra-op (OpenMP) pool belongs to the thread that enters it, so spreading
+        # map work over the default executor's threads would start one spinning pool per thread and oversubscribe.
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-compute")
 
     async def ListMappings(self, request, context):
         return pb.ListMappingsResponse(mappings=[mapping_info(e, self.gate_arm) for e in self.registry.entries(request.name_prefix)])
@@ -63,10 +88,11 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
             self.metrics.streams.dec()
 
     async def _translate(self, request_iterator):
-        first = await anext(request_iterator, None)
+        requests = _before(request_iterator, asyncio.get_running_loop().time() + self.max_stream_seconds)
+        first = await anext(requests, None)
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidInput("a Translate stream must open with a header message")
-        spec = wire.spec_from_pb(first.header)
+        spec = dataclasses.replace(wire.spec_from_pb(first.header), tenant=tenant_for(first.header.tenant))
         ms = self.registry.resolve(spec.map_name, spec.map_version)
         plan, cached_blocks = None, 0
         if spec.prefix_key:
@@ -84,7 +110,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
         for block in session.initial_blocks():
             yield wire.block_to_pb(block)
-        async for req in request_iterator:
+        async for req in requests:
             if req.WhichOneof("msg") != "chunk":
                 raise InvalidInput("after the header, a Translate stream carries only chunks")
             c = req.chunk
@@ -93,7 +119,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
                 raise InvalidInput(f"chunk for layer {c.layer}: kind must be KV_KIND_KEY or KV_KIND_VALUE")
             session.check_chunk_header(c.layer, kind, c.token_start, c.token_end)
             chunk = wire.chunk_from_pb(c, session.expected_shape(c.token_end - c.token_start), spec.source_dtype)
-            for block in await asyncio.to_thread(session.add, chunk):
+            for block in await asyncio.get_running_loop().run_in_executor(self.compute, session.add, chunk):
                 yield wire.block_to_pb(block)
         stats = session.finish()
         stats.cached_blocks = cached_blocks

@@ -159,3 +159,22 @@ def redis_url(redis_server):
         redis_server.restart()
     redis_server.client.flushall()
     return redis_server.url
+
+
+def make_certs(tmp_path: Path) -> Path:
+    """A throwaway CA, and server and client certificates it signed (CN=server, CN=client), via openssl."""
+    import subprocess
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvferry-test-ca",
+        "-keyout", str(tmp_path / "ca.key"), "-out", str(tmp_path / "ca.pem"))
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(tmp_path / f"{name}.key"),
+            "-out", str(tmp_path / f"{name}.csr"))
+        ext = tmp_path / f"{name}.ext"
+        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        run("x509", "-req", "-in", str(tmp_path / f"{name}.csr"), "-CA", str(tmp_path / "ca.pem"), "-CAkey",
+            str(tmp_path / "ca.key"), "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(tmp_path / f"{name}.pem"))
+    return tmp_path

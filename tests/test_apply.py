@@ -101,3 +101,16 @@ def test_identity_map_through_a_real_cache_gives_the_models_logits(tiny_models, 
         got = m.model(input_ids=ids[:, -1:], past_key_values=to_dynamic_cache(mapped, m.model.config)).logits[0, -1]
         want = m.model(input_ids=ids).logits[0, -1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_maps_round_their_output_to_bfloat16(llama):
+    """A bf16 map computes in bf16 and its output carries bf16 precision, whatever dtype it is returned in."""
+    ident = _two_layer_shift_map(llama.identity)
+    kv = make_kv(layers=2, tokens=20, heads=2, head_dim=16)
+    ref = apply(ident, kv, positions=7)
+    out = apply(ident.to(dtype=torch.bfloat16), kv, positions=7)
+    for (rk, rv), (k, v) in zip(ref, out):
+        assert k.dtype == torch.float32  # the input's dtype
+        torch.testing.assert_close(k, k.bfloat16().float(), rtol=0, atol=0)
+        torch.testing.assert_close(k, rk, rtol=5e-2, atol=5e-2)
+        torch.testing.assert_close(v, rv, rtol=5e-2, atol=5e-2)

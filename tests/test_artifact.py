@@ -125,3 +125,17 @@ def test_wrong_shapes_are_refused():
     ms.maps[(1, "k")].weight = torch.zeros(10, 48)
     with pytest.raises(ArtifactError, match="expected"):
         ms.validate()
+
+
+def test_bfloat16_maps_keep_their_dtype_and_mixed_or_other_dtypes_are_refused(tmp_path):
+    ms = golden_mapset().to(dtype=torch.bfloat16)
+    back = load(save(ms, tmp_path))
+    assert back.dtype == torch.bfloat16
+    assert all(m.weight.dtype == torch.bfloat16 and m.bias.dtype == torch.bfloat16 for m in back.maps.values())
+    half = golden_mapset().to(dtype=torch.float16)
+    with pytest.raises(ArtifactError, match="float32 or bfloat16"):
+        half.validate()
+    mixed = golden_mapset()
+    mixed.maps[(1, "v")].weight = mixed.maps[(1, "v")].weight.bfloat16()
+    with pytest.raises(ArtifactError, match="shares one dtype"):
+        mixed.validate()

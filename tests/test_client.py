@@ -1,7 +1,6 @@
 """Client behaviour against a real sidecar: async API, retries, TLS, fallback, the cascade."""
 
 import asyncio
-import subprocess
 import time
 
 import grpc
@@ -14,7 +13,7 @@ from kvferry.mappings.artifact import save
 from kvferry.mappings.capture import capture_kv
 from kvferry.mappings.fit import identity_mapset
 
-from conftest import RunningSidecar, make_kv
+from conftest import RunningSidecar, make_certs, make_kv
 
 
 @pytest.fixture(scope="module")
@@ -68,24 +67,8 @@ def test_unavailable_gives_up_after_retries():
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def _certs(tmp_path):
-    def run(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvferry-test-ca",
-        "-keyout", str(tmp_path / "ca.key"), "-out", str(tmp_path / "ca.pem"))
-    for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(tmp_path / f"{name}.key"),
-            "-out", str(tmp_path / f"{name}.csr"))
-        ext = tmp_path / f"{name}.ext"
-        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        run("x509", "-req", "-in", str(tmp_path / f"{name}.csr"), "-CA", str(tmp_path / "ca.pem"), "-CAkey",
-            str(tmp_path / "ca.key"), "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(tmp_path / f"{name}.pem"))
-    return tmp_path
-
-
 def test_mutual_tls(sidecar_factory, maps_dir, tmp_path):
-    d = _certs(tmp_path)
+    d = make_certs(tmp_path)
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"),
                          tls_client_ca=str(d / "ca.pem"))
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)

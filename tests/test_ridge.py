@@ -66,3 +66,31 @@ def test_greedy_selection_finds_the_informative_layers():
     assert chosen == [1, 3]
     assert fit.heldout_r2 > 0.999
     assert cols([1, 3], w).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_rounding_aware_path_matches_rounded_weights_and_prefers_smaller_weights():
+    """The bf16 noise term predicts the held-out loss of maps applied with rounded inputs and weights."""
+    from kvferry.mappings.ridge import rounding_variance
+
+    g = torch.Generator().manual_seed(5)
+    n, dx, dy = 4000, 24, 6
+    base = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    x = base @ torch.randn(4, dx, generator=g, dtype=torch.float64) + 1e-3 * torch.randn(n, dx, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(dx, dy, generator=g, dtype=torch.float64) + 0.01 * torch.randn(n, dy, generator=g, dtype=torch.float64)
+    tr, ho = GramStats(dx, dy), GramStats(dx, dy)
+    tr.add(x[:3000], y[:3000])
+    ho.add(x[3000:], y[3000:])
+    lambdas = (1e-8, 1e-6, 1e-4, 1e-2)
+    xi, yi = torch.arange(dx), torch.arange(dy)
+    plain = heldout_r2_path(tr, ho, xi, yi, lambdas)
+    noisy = heldout_r2_path(tr, ho, xi, yi, lambdas, rounding_variance("bfloat16"))
+    assert rounding_variance("float32") == 0.0
+    assert torch.all(noisy <= plain + 1e-12)  # rounding only adds error
+    assert int(torch.argmax(noisy)) > int(torch.argmax(plain))  # near-collinear inputs: a larger lambda wins in bf16
+    yh, xh = y[3000:], x[3000:]
+    sst = ((yh - yh.mean(0)) ** 2).sum()
+    for lam, predicted in zip(lambdas, noisy):  # the prediction is an expectation: check it on the real rounding
+        w, b = solve(tr, xi, yi, lam)
+        got = (xh.bfloat16().double() @ w.bfloat16().double() + b)
+        r2 = 1 - ((yh - got) ** 2).sum() / sst
+        assert abs(float(r2) - float(predicted)) < 0.5 * (1 - float(predicted)) + 1e-3

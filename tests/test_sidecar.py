@@ -73,6 +73,20 @@ def test_dtype_conversion_and_start_position(client, family):
     torch.testing.assert_close(out[2][1].float(), kv[2][1].float(), rtol=1e-2, atol=1e-2)
 
 
+def test_a_bfloat16_map_returns_bfloat16_unless_asked_otherwise(sidecar_factory, tmp_path, family):
+    s = family["S"]
+    save(identity_mapset(s.identity, version="2.0.0").to(dtype=torch.bfloat16), tmp_path)
+    sc = sidecar_factory(maps_dir=str(tmp_path), force_maps=True)
+    kv = make_kv(layers=4, tokens=12, heads=2, head_dim=32)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        res = c.translate(kv, "S__S-self", **_spec_kw(s))
+        assert res.info.dtype == torch.bfloat16 and res.layers()[0][1].dtype == torch.bfloat16
+        torch.testing.assert_close(res.layers()[3][1], kv[3][1].bfloat16())
+        wide = c.translate(kv, "S__S-self", target_dtype=torch.float32, **_spec_kw(s))
+        assert wide.info.dtype == torch.float32
+        torch.testing.assert_close(wide.layers()[3][1], kv[3][1].bfloat16().float())  # the precision is the map's
+
+
 def _code(client, *args, **kw) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as e:
         client.translate(*args, **kw)

@@ -1,0 +1,108 @@
+"""Who is calling: a bearer token (compared in constant time) or the mutual-TLS client certificate.
+
+The caller's identity picks its prefix-store tenant; a request may not name another tenant. The
+interceptor authenticates each kvferry call once and leaves the caller in a context variable that
+the servicer reads through ``tenant_for``. Health checks stay open (kubelet probes carry no token).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvferry.mappings.errors import InvalidInput, PermissionDenied, Unauthenticated
+
+_TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+PROTECTED_PREFIX = "/kvferry."  # every kvferry service; health and reflection stay open
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: str
+    """The tenant namespace this caller's prefix blocks live in ("" when unauthenticated and unnamed)."""
+    via: str
+    """How it was established: "token", "mtls" or "none"."""
+
+
+CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("kvferry_caller", default=Caller("", "none"))
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Authenticator:
+    """Bearer tokens from a file of ``<tenant> <token>`` lines, and/or mTLS identities (certificate CN)."""
+
+    def __init__(self, tokens: dict[str, str] | None = None, mtls_identity: bool = False):
+        for tenant in (tokens or {}).values():
+            if not _TENANT.match(tenant):
+                raise InvalidInput(f"tenant {tenant!r} in the auth tokens must be 1-64 of letters, digits, '.', '_' or '-'")
+        self._tokens = [(_digest(tok), tenant) for tok, tenant in (tokens or {}).items()]
+        self.mtls_identity = mtls_identity
+
+    @classmethod
+    def from_file(cls, path: str, mtls_identity: bool = False) -> "Authenticator":
+        tokens: dict[str, str] = {}
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise InvalidInput(f"cannot read auth_tokens_file {path}: {e}") from None
+        for no, line in enumerate(lines, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) != 2 or len(parts[1]) < 16:
+                raise InvalidInput(f"{path}:{no}: expected '<tenant> <token>' with a token of at least 16 characters")
+            if parts[1] in tokens:
+                raise InvalidInput(f"{path}:{no}: this token is already given to tenant {tokens[parts[1]]!r}")
+            tokens[parts[1]] = parts[0]
+        if not tokens:
+            raise InvalidInput(f"{path} holds no '<tenant> <token>' lines; every call would be refused")
+        return cls(tokens, mtls_identity)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tokens) or self.mtls_identity
+
+    def identify(self, metadata, auth_context: dict) -> Caller:
+        """Raises Unauthenticated when credentials are required and missing or wrong."""
+        if self._tokens:
+            header = next((v for k, v in metadata or () if k == "authorization"), None)
+            if header is None:
+                raise Unauthenticated("this sidecar requires 'authorization: Bearer <token>' call metadata")
+            scheme, _, token = str(header).partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                raise Unauthenticated("the authorization metadata must read 'Bearer <token>'")
+            presented, found = _digest(token.strip()), None
+            for digest, tenant in self._tokens:  # no early exit: the time does not depend on which token matched
+                if hmac.compare_digest(digest, presented):
+                    found = tenant
+            if found is None:
+                raise Unauthenticated("unknown bearer token")
+            return Caller(found, "token")
+        if self.mtls_identity:
+            names = auth_context.get("x509_common_name") or []
+            if not names:
+                raise Unauthenticated("this sidecar takes the tenant from the client certificate's common name; "
+                                      "connect with mutual TLS")
+            cn = names[0].decode() if isinstance(names[0], bytes) else str(names[0])
+            if not _TENANT.match(cn):
+                raise PermissionDenied(f"client certificate CN {cn!r} is not a valid tenant name")
+            return Caller(cn, "mtls")
+        return Caller("", "none")
+
+
+def tenant_for(requested: str) -> str:
+    """The tenant a request runs under: the caller's, when authenticated; a different one is refused."""
+    caller = CALLER.get()
+    if caller.via == "none":
+        return requested
+    if requested and requested != caller.tenant:
+        raise PermissionDenied(f"this call is authenticated as tenant {caller.tenant!r} and cannot use tenant {requested!r}")
+    return caller.tenant

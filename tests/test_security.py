@@ -1,0 +1,187 @@
+"""Security: bearer tokens and mTLS identities pick the tenant, stalled streams are cut off, names
+cannot escape the registry, and nothing loads a code-executing format (real sidecar, real Redis)."""
+
+import dataclasses
+import re
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
+from kvferry.mappings.artifact import save
+from kvferry.mappings.errors import InvalidInput, PermissionDenied, Unauthenticated
+from kvferry.mappings.fit import identity_mapset
+from kvferry.sidecar.auth import Authenticator
+from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+from conftest import ROOT, make_certs, make_kv
+
+ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef00"
+
+
+@pytest.fixture(scope="module")
+def maps_dir(tmp_path_factory, family):
+    root = tmp_path_factory.mktemp("maps")
+    save(identity_mapset(family["S"].identity, version="1.0.0"), root)
+    return root
+
+
+@pytest.fixture
+def tokens_file(tmp_path):
+    f = tmp_path / "tokens"
+    f.write_text(f"# tenant token\nalice {ALICE}\nbob {BOB}\n")
+    return f
+
+
+def _kw(family):
+    s = family["S"]
+    return dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
+
+
+def _code(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code()
+
+
+def test_bearer_tokens_gate_every_kvferry_call_but_not_health(sidecar_factory, maps_dir, tokens_file, family):
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, auth_tokens_file=str(tokens_file))
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+        assert _code(lambda: c.translate(kv, "S__S-self", **_kw(family))) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: c.list_mappings()) == grpc.StatusCode.UNAUTHENTICATED
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token="x" * 30)) as c:
+        assert _code(lambda: c.translate(kv, "S__S-self", **_kw(family))) == grpc.StatusCode.UNAUTHENTICATED
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
+        assert c.translate(kv, "S__S-self", **_kw(family)).stats.tokens == 8
+        assert [m.name for m in c.list_mappings()] == ["S__S-self"]
+        # a caller cannot pick another tenant's namespace
+        assert _code(lambda: c.translate(kv, "S__S-self", tenant="bob", **_kw(family))) == grpc.StatusCode.PERMISSION_DENIED
+        assert c.translate(kv, "S__S-self", tenant="alice", **_kw(family)).stats.tokens == 8
+    with grpc.insecure_channel(sc.address) as ch:  # kubelet probes carry no token
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_token_picks_the_prefix_namespace(sidecar_factory, maps_dir, tokens_file, family, redis_url):
+    import redis
+
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, auth_tokens_file=str(tokens_file), redis_url=redis_url,
+                         prefix_secret="s" * 32, prefix_block_size=16)
+    kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32), list(range(100, 132))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
+        c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
+    r = redis.Redis.from_url(redis_url)
+    for _ in range(100):  # write-back runs off the critical path
+        if r.keys("kvf:*"):
+            break
+        time.sleep(0.05)
+    tenants = {k.decode().split(":")[1] for k in r.keys("kvf:*")}
+    assert tenants == {"alice"}
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=BOB)) as c:
+        assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0  # bob sees none of alice's
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
+        assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 2
+
+
+def test_mtls_identity_is_the_tenant(sidecar_factory, maps_dir, tmp_path, family, redis_url):
+    import redis
+
+    d = make_certs(tmp_path)
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"),
+                         tls_client_ca=str(d / "ca.pem"), auth_mtls_tenant=True, redis_url=redis_url, prefix_secret="s" * 32,
+                         prefix_block_size=16)
+    opts = ClientOptions(target=sc.address, tls_root_certs=str(d / "ca.pem"), tls_client_cert=str(d / "client.pem"),
+                         tls_client_key=str(d / "client.key"), retries=0, timeout=10)
+    kv, ids = make_kv(layers=4, tokens=16, heads=2, head_dim=32), list(range(16))
+    with TranslateClient(opts) as c:
+        c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
+        assert _code(lambda: c.translate(kv, "S__S-self", tenant="other", **_kw(family))) == grpc.StatusCode.PERMISSION_DENIED
+    r = redis.Redis.from_url(redis_url)
+    for _ in range(100):
+        if r.keys("kvf:*"):
+            break
+        time.sleep(0.05)
+    assert {k.decode().split(":")[1] for k in r.keys("kvf:*")} == {"client"}  # the certificate's CN
+
+
+def test_authenticator_compares_digests_and_reads_its_file(tmp_path):
+    auth = Authenticator({ALICE: "alice", BOB: "bob"})
+    assert auth.identify([("authorization", f"Bearer {BOB}")], {}).tenant == "bob"
+    assert auth.identify([("authorization", f"bearer {ALICE}")], {}).tenant == "alice"
+    for md in ([], [("authorization", ALICE)], [("authorization", "Bearer " + ALICE[:-1])], [("authorization", "Basic x")]):
+        with pytest.raises(Unauthenticated):
+            auth.identify(md, {})
+    assert ALICE not in repr(auth.__dict__)  # only digests are kept
+    bad = tmp_path / "bad"
+    for text, needle in (("alice short\n", "at least 16"), ("", "no '<tenant> <token>'"),
+                         (f"alice {ALICE}\nbob {ALICE}\n", "already given"), (f"a/b {ALICE}\n", "tenant")):
+        bad.write_text(text)
+        with pytest.raises(InvalidInput, match=needle):
+            Authenticator.from_file(str(bad))
+    mtls = Authenticator(mtls_identity=True)
+    assert mtls.identify([], {"x509_common_name": [b"svc-a"]}).tenant == "svc-a"
+    with pytest.raises(Unauthenticated):
+        mtls.identify([], {})
+    with pytest.raises(PermissionDenied):
+        mtls.identify([], {"x509_common_name": [b"../etc"]})
+
+
+def test_a_stalled_stream_is_cut_off_by_the_server_deadline(sidecar_factory, maps_dir, family):
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_stream_seconds=1.0)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self", **_kw(family)), kv, 8))
+
+    def stall():
+        yield reqs[0]
+        time.sleep(4)  # never sends the chunks
+
+    t0 = time.perf_counter()
+    with grpc.insecure_channel(sc.address) as ch:
+        code = _code(lambda: list(pb_grpc.TranslateServiceStub(ch).Translate(stall(), timeout=30)))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.perf_counter() - t0 < 3.5
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:  # the slot was freed
+        assert c.translate(kv, "S__S-self", **_kw(family)).stats.tokens == 8
+    assert sc.sidecar.servicer.active == 0
+
+
+@pytest.mark.parametrize("name,version", [("../../etc/passwd", ""), ("S__S-self", "../../1.0.0"), ("S__S-self/../x", "1.0.0"),
+                                          ("/abs", "1.0.0"), ("S__S-self", "1.0.0/../../x")])
+def test_map_names_cannot_leave_the_registry(sidecar_factory, maps_dir, family, name, version):
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+        assert _code(lambda: c.translate(kv, name, version, **_kw(family))) == grpc.StatusCode.NOT_FOUND
+
+
+def test_no_code_executing_formats_anywhere():
+    """safetensors and protobuf only: no pickle, no torch.load, no eval of data."""
+    banned = re.compile(r"\bimport pickle\b|\bpickle\.|\btorch\.load\(|\bmarshal\.|\bshelve\b|(?<![.\w])eval\(|(?<![.\w])exec\(|yaml\.load\(")
+    offenders = []
+    for folder in ("kvferry", "mappings", "sidecar", "client", "scripts"):
+        for f in (ROOT / folder).rglob("*.py"):
+            if "_pb2" in f.name:
+                continue
+            for no, line in enumerate(f.read_text().splitlines(), 1):
+                if banned.search(line):
+                    offenders.append(f"{f.relative_to(ROOT)}:{no}: {line.strip()}")
+    assert not offenders, offenders
+    pickled = [p for p in (ROOT / "models").rglob("*") if p.is_file() and p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+    assert not pickled, f"pickled weights shipped: {pickled}"
+
+
+def test_header_sizes_are_checked_before_allocation(sidecar_factory, maps_dir, family):
+    """A header declaring a huge request is refused at once, whatever bytes follow."""
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_tokens=1 << 20, max_request_bytes=1 << 20)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    spec = make_spec(kv, "S__S-self", **_kw(family))
+    huge = dataclasses.replace(spec, num_tokens=8000)  # 16 MB of source KV declared, within max_position_embeddings
+    reqs = list(encode_requests(huge, [], 8))
+    with grpc.insecure_channel(sc.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=10))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max-request-bytes" in e.value.details()
