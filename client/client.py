@@ -91,17 +91,19 @@ class TranslateResult:
 
 
 def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: int,
-                    order: str = "tokens") -> Iterator[pb.TranslateRequest]:
+                    order: str = "tokens", encoded: bool = False) -> Iterator[pb.TranslateRequest | bytes]:
     """Header, then chunks. ``order="tokens"``: each token range for every layer before the next range,
     so the sidecar can map and return range by range while the rest is in flight; ``"layers"``: layer by
-    layer. Tensors are sliced, not copied, until encoding."""
+    layer. Tensors are sliced, not copied, until encoding; ``encoded=True`` yields the chunks as serialised
+    bytes written straight from the tensor views (what the client sends)."""
     yield wire.spec_to_pb(spec)
     views = [(layer, kind, (t[0] if t.dim() == 4 else t)) for layer, (k, v) in enumerate(layers) for kind, t in (("k", k), ("v", v))]
     n = views[0][2].shape[1] if views else 0
     ranges = [(s, min(s + chunk_tokens, n)) for s in range(0, n, chunk_tokens)]
     pairs = [(r, v) for r in ranges for v in views] if order == "tokens" else [(r, v) for v in views for r in ranges]
     for (s, e), (layer, kind, t) in pairs:
-        yield wire.chunk_to_pb(Chunk(layer, kind, s, e, t[:, s:e]))
+        chunk = Chunk(layer, kind, s, e, t[:, s:e])
+        yield wire.encode_chunk_request(chunk) if encoded else wire.chunk_to_pb(chunk)
 
 
 def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
@@ -124,7 +126,12 @@ class _Collector:
         self.t0 = time.perf_counter()
         self.first_block = 0.0
 
-    def take(self, msg: pb.TranslateResponse) -> None:
+    def take(self, msg: pb.TranslateResponse | Block) -> None:
+        if isinstance(msg, Block):  # decoded in place by wire.decode_response
+            if not self.blocks:
+                self.first_block = time.perf_counter() - self.t0
+            self.blocks.append(msg)
+            return
         which = msg.WhichOneof("msg")
         if which == "header":
             self.info = wire.info_from_pb(msg.header)
@@ -155,18 +162,30 @@ def _delay(opts: ClientOptions, attempt: int) -> float:
     return opts.backoff * (2 ** attempt) * (0.5 + random.random())
 
 
+TRANSLATE_METHOD = "/kvferry.v1.TranslateService/Translate"
+
+
 class _Endpoints:
-    """One channel and stub per endpoint; ``stub`` is the current one, ``fail_over`` moves to the next."""
+    """One channel per endpoint; ``stub`` and ``translate`` use the current one, ``fail_over`` moves to the next.
+
+    ``translate`` sends pre-encoded chunks and decodes blocks in place (wire.serialize_request/decode_response);
+    the stub serves the other RPCs."""
 
     def __init__(self, options: ClientOptions, make_channel):
         creds, args = options.credentials(), options.channel_args()
         self.channels = [make_channel(addr, creds, args) for addr in options.addresses()]
         self.stubs = [pb_grpc.TranslateServiceStub(c) for c in self.channels]
+        self.translates = [c.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize_request,
+                                           response_deserializer=wire.decode_response) for c in self.channels]
         self.current = 0
 
     @property
     def stub(self) -> pb_grpc.TranslateServiceStub:
         return self.stubs[self.current]
+
+    @property
+    def translate(self):
+        return self.translates[self.current]
 
     def fail_over(self) -> None:
         self.current = (self.current + 1) % len(self.stubs)
@@ -209,8 +228,8 @@ class TranslateClient:
         for attempt in range(self.options.retries + 1):
             col = _Collector()
             try:
-                call = self.endpoints.stub.Translate(encode_requests(spec, layers, self.options.chunk_tokens), timeout=timeout,
-                                                     metadata=self.options.metadata())
+                call = self.endpoints.translate(encode_requests(spec, layers, self.options.chunk_tokens, encoded=True),
+                                                timeout=timeout, metadata=self.options.metadata())
                 for msg in call:
                     col.take(msg)
                 return col.result(attempt + 1)
@@ -251,8 +270,8 @@ class AsyncTranslateClient:
         for attempt in range(self.options.retries + 1):
             col = _Collector()
             try:
-                call = self.endpoints.stub.Translate(encode_requests(spec, layers, self.options.chunk_tokens), timeout=timeout,
-                                                     metadata=self.options.metadata())
+                call = self.endpoints.translate(encode_requests(spec, layers, self.options.chunk_tokens, encoded=True),
+                                                timeout=timeout, metadata=self.options.metadata())
                 async for msg in call:
                     col.take(msg)
                 return col.result(attempt + 1)

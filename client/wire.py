@@ -62,17 +62,7 @@ def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, e
         raise InvalidInput(f"{what}: dtype {dtype_name(dtype)} but the header declared {dtype_name(expect_dtype)}")
     if expect_shape is not None and shape != tuple(expect_shape):
         raise InvalidInput(f"{what}: shape {list(shape)}, expected {list(expect_shape)}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    want = numel * torch.empty((), dtype=dtype).element_size()
-    if len(msg.data) != want:
-        raise InvalidInput(f"{what}: {len(msg.data)} bytes for shape {list(shape)} {dtype_name(dtype)}; expected {want}")
-    if want == 0:
-        return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only buffer: we never write into it
-        return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    return _view(msg.data, dtype, shape, what)  # each read of a bytes field copies it: read it once, here
 
 
 # ---- messages <-> protobuf -------------------------------------------------------------------
@@ -131,6 +121,157 @@ def chunk_from_pb(m: pb.SourceChunk, expect_shape=None, expect_dtype=None) -> Ch
 def block_to_pb(b: Block) -> pb.TranslateResponse:
     return pb.TranslateResponse(block=pb.TargetBlock(layer=b.layer, token_start=b.start, token_end=b.end,
                                                      block_index=b.index, key=encode_tensor(b.key), value=encode_tensor(b.value)))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _scalar(field: int, value: int) -> list[bytes]:
+    return [_varint(field << 3), _varint(value)] if value else []  # proto3 leaves zero scalars out
+
+
+def _tensor_fields(t: torch.Tensor) -> list[bytes]:
+    """The fields of a kvferry.v1.Tensor: dtype, packed shape, then the data, taken straight from the tensor."""
+    shape = b"".join(_varint(int(s)) for s in t.shape)
+    data = tensor_bytes(t)
+    out = _scalar(1, dtype_to_pb(t.dtype))
+    if shape:
+        out += [b"\x12", _varint(len(shape)), shape]
+    if data:
+        out += [b"\x1a", _varint(len(data)), data]
+    return out
+
+
+def _length_delimited(field: int, parts: list[bytes]) -> list[bytes]:
+    return [_varint(field << 3 | 2), _varint(sum(len(p) for p in parts)), *parts]
+
+
+def encode_block_response(b: Block) -> bytes:
+    """A TranslateResponse carrying ``b``, serialised without building protobuf objects: the same bytes as
+    ``block_to_pb(b).SerializeToString()`` (checked in the tests), with one copy of the tensor data fewer."""
+    body = (_scalar(1, b.layer) + _scalar(2, b.start) + _scalar(3, b.end) + _scalar(4, b.index)
+            + _length_delimited(5, _tensor_fields(b.key)) + _length_delimited(6, _tensor_fields(b.value)))
+    return b"".join(_length_delimited(2, body))
+
+
+def encode_chunk_request(c: Chunk) -> bytes:
+    """A TranslateRequest carrying chunk ``c``: the bytes of ``chunk_to_pb(c).SerializeToString()``, built
+    straight from the tensor (one copy of its data fewer, no protobuf objects)."""
+    body = (_scalar(1, c.layer) + _scalar(2, KIND_TO_PB[c.kind]) + _scalar(3, c.start) + _scalar(4, c.end)
+            + _length_delimited(5, _tensor_fields(c.tensor)))
+    return b"".join(_length_delimited(2, body))
+
+
+def serialize_request(msg) -> bytes:
+    """The Translate request serializer: pre-encoded chunks pass through, messages (the header) are serialised."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def serialize_response(msg) -> bytes:
+    """The Translate response serializer: pre-encoded bytes pass through, messages are serialised."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def _read_varint(buf, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        i += 1
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(buf, start: int, end: int):
+    """(field number, value) pairs of one message: ints for varints, (offset, end) for length-delimited.
+    Raises ValueError on other wire types or malformed input."""
+    i = start
+    while i < end:
+        tag, i = _read_varint(buf, i)
+        field, kind = tag >> 3, tag & 7
+        if kind == 0:
+            value, i = _read_varint(buf, i)
+            yield field, value
+        elif kind == 2:
+            n, i = _read_varint(buf, i)
+            if i + n > end:
+                raise ValueError("field runs past the message")
+            yield field, (i, i + n)
+            i += n
+        else:
+            raise ValueError("unexpected wire type")
+
+
+def _fast_block(data: bytes) -> Block:
+    """Parse a TranslateResponse{block} in the canonical form encode_block_response writes; the tensors
+    view the received bytes (no copy). Raises ValueError on anything else (the caller then uses protobuf)."""
+    buf = memoryview(data)
+    (field, (lo, hi)), = list(_fields(buf, 0, len(buf)))
+    if field != 2:
+        raise ValueError("not a block")
+    seen, vals, tensors = set(), {1: 0, 2: 0, 3: 0, 4: 0}, {}
+    for f, v in _fields(buf, lo, hi):
+        if f in seen or f not in (1, 2, 3, 4, 5, 6) or isinstance(v, tuple) != (f >= 5):
+            raise ValueError("non-canonical block")
+        seen.add(f)
+        if f < 5:
+            vals[f] = v
+            continue
+        t = {1: 0, 2: (0, 0), 3: (0, 0)}
+        for tf, tv in _fields(buf, *v):
+            if tf not in t or isinstance(tv, tuple) != (tf != 1):
+                raise ValueError("non-canonical tensor")
+            t[tf] = tv
+        shape, j = [], t[2][0]
+        while j < t[2][1]:
+            s_, j = _read_varint(buf, j)
+            shape.append(s_)
+        tensors[f] = (t[1], tuple(shape), buf[t[3][0] : t[3][1]])
+    what = f"block layer {vals[1]} [{vals[2]}, {vals[3]})"
+    kv = []
+    for f, name in ((5, "key"), (6, "value")):
+        code, shape, raw = tensors.get(f, (0, (), b""))
+        if code not in _FROM_PB:
+            raise ValueError("unknown dtype")
+        try:
+            kv.append(_view(raw, _FROM_PB[code], shape, f"{what} {name}"))
+        except InvalidInput as e:
+            raise ValueError(str(e)) from None
+    return Block(vals[1], vals[2], vals[3], vals[4], kv[0], kv[1])
+
+
+def _view(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    want = numel * torch.empty((), dtype=dtype).element_size()
+    if len(raw) != want:
+        raise InvalidInput(f"{what}: {len(raw)} bytes for shape {list(shape)} {dtype_name(dtype)}; expected {want}")
+    if want == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffer: we never write into it
+        return torch.frombuffer(raw, dtype=dtype).view(shape)
+
+
+def decode_response(data: bytes):
+    """The Translate response deserializer: a Block for block messages (parsed in place), else the
+    TranslateResponse (header, trailer, or any block not in canonical form)."""
+    if data[:1] == b"\x12":
+        try:
+            return _fast_block(data)
+        except ValueError:
+            pass
+    return pb.TranslateResponse.FromString(data)
 
 
 def block_from_pb(m: pb.TargetBlock) -> Block:

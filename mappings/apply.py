@@ -89,7 +89,7 @@ class StreamingApplier:
         if self.out_dtype is None:
             self.out_dtype = tensor.dtype
         pos = range(self.start_position + start, self.start_position + start + n)
-        feats = to_features(tensor, sg.rope if kind == "k" else None, pos).to(self.ms.dtype)
+        feats = to_features(tensor, sg.rope if kind == "k" else None, pos, self.ms.dtype)
         self._feats.setdefault(key, []).append((start, feats))
         self._next[key] = start + n
         yield from self._advance()

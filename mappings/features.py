@@ -7,11 +7,16 @@ import torch
 from .rope import RopeSpec, rotate, unrotate
 
 
-def to_features(kv: torch.Tensor, spec: RopeSpec | None, positions: torch.Tensor | range) -> torch.Tensor:
-    """[B, H, T, D] cache tensor -> [B, T, H*D] float32; keys (spec given) are un-rotated first."""
-    x = unrotate(kv, spec, positions) if spec is not None else kv.float()
+def to_features(kv: torch.Tensor, spec: RopeSpec | None, positions: torch.Tensor | range,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, H, T, D] cache tensor -> [B, T, H*D] in ``dtype``; keys (spec given) are un-rotated first, in float32.
+
+    The head/token transpose and the cast happen in one pass."""
+    x = unrotate(kv, spec, positions) if spec is not None else kv
     b, h, t, d = x.shape
-    return x.transpose(1, 2).reshape(b, t, h * d)
+    out = torch.empty(b, t, h, d, dtype=dtype, device=x.device)
+    out.copy_(x.transpose(1, 2))
+    return out.view(b, t, h * d)
 
 
 def from_features(x: torch.Tensor, heads: int, spec: RopeSpec | None, positions: torch.Tensor | range) -> torch.Tensor:

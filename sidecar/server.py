@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvferry.client import wire
 from kvferry.v1 import translate_pb2 as pb
-from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from .config import SidecarConfig
 from .interceptor import ErrorInterceptor
@@ -30,6 +30,18 @@ SERVICE = pb.DESCRIPTOR.services_by_name["TranslateService"].full_name
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
+
+
+def translate_handlers(servicer) -> grpc.GenericRpcHandler:
+    """TranslateService's handlers, as the generated stub registers them, except that Translate's response
+    serializer passes pre-encoded blocks through (see wire.encode_block_response)."""
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Translate": grpc.stream_stream_rpc_method_handler(servicer.Translate, request_deserializer=pb.TranslateRequest.FromString,
+                                                           response_serializer=wire.serialize_response),
+        "ListMappings": grpc.unary_unary_rpc_method_handler(servicer.ListMappings,
+                                                            request_deserializer=pb.ListMappingsRequest.FromString,
+                                                            response_serializer=pb.ListMappingsResponse.SerializeToString),
+    })
 
 
 class Sidecar:
@@ -60,7 +72,7 @@ class Sidecar:
 
             torch.set_num_threads(c.threads)
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics, self.authenticator)], options=channel_options(c.max_message_bytes))
-        pb_grpc.add_TranslateServiceServicer_to_server(self.servicer, self.server)
+        self.server.add_generic_rpc_handlers((translate_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.extra_handlers:
             self.server.add_generic_rpc_handlers(self.extra_handlers)

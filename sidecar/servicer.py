@@ -53,6 +53,11 @@ async def _before(requests, deadline: float):
         yield msg
 
 
+def _add_and_encode(session: TranslateSession, chunk) -> list[bytes]:
+    """Map what the chunk completes and serialise it, on the compute thread (the event loop keeps receiving)."""
+    return [wire.encode_block_response(b) for b in session.add(chunk)]
+
+
 class TranslateServicer(pb_grpc.TranslateServiceServicer):
     def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None,
                  max_stream_seconds: float = 300.0):
@@ -109,7 +114,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         g = ms.target.geometry
         yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
         for block in session.initial_blocks():
-            yield wire.block_to_pb(block)
+            yield wire.encode_block_response(block)
         async for req in requests:
             if req.WhichOneof("msg") != "chunk":
                 raise InvalidInput("after the header, a Translate stream carries only chunks")
@@ -119,8 +124,8 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
                 raise InvalidInput(f"chunk for layer {c.layer}: kind must be KV_KIND_KEY or KV_KIND_VALUE")
             session.check_chunk_header(c.layer, kind, c.token_start, c.token_end)
             chunk = wire.chunk_from_pb(c, session.expected_shape(c.token_end - c.token_start), spec.source_dtype)
-            for block in await asyncio.get_running_loop().run_in_executor(self.compute, session.add, chunk):
-                yield wire.block_to_pb(block)
+            for encoded in await asyncio.get_running_loop().run_in_executor(self.compute, _add_and_encode, session, chunk):
+                yield encoded
         stats = session.finish()
         stats.cached_blocks = cached_blocks
         if plan is not None and session.outputs:
