@@ -21,6 +21,12 @@ demo: $(STAMP)
 test: $(STAMP) $(HELM) redis-server
 	$(BIN)/python -m pytest -q tests
 
+# The request-stream fuzz at benchmark size: 10,000 generated streams against a real sidecar (README, Reliability).
+.PHONY: fuzz
+fuzz: $(STAMP)
+	KVFERRY_FUZZ_CASES=10000 KVFERRY_FUZZ_REPORT=runs/results/fuzz.json $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py
+	cat runs/results/fuzz.json
+
 # The tests start a real redis-server (Debian's package) on a free loopback port.
 .PHONY: redis-server
 redis-server:

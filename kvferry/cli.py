@@ -114,6 +114,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvferry", description="Cross-model KV-cache translation.")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from kvferry import __version__
+
+    ap.add_argument("--version", action="version", version=f"kvferry {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     f = sub.add_parser("fit", help="fit closed-form ridge maps source->target and write a versioned artifact")
@@ -175,13 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     fm.add_argument("--dest", type=Path, required=True)
     fm.set_defaults(func=cmd_fetch_maps)
 
-    from kvferry import bench_maps, bench_redis, bench_translate
+    from kvferry import bench_load, bench_maps, bench_redis, bench_translate
 
     b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bench_translate.add_parser(bsub)
     bench_maps.add_parser(bsub)
     bench_redis.add_parser(bsub)
+    bench_load.add_parser(bsub)
 
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")

@@ -118,6 +118,11 @@ volumeMounts:
     mountPath: /etc/kvferry-redis
     readOnly: true
   {{- end }}
+  {{- if .Values.auth.existingSecret }}
+  - name: kvferry-auth
+    mountPath: /etc/kvferry-auth
+    readOnly: true
+  {{- end }}
 {{- end -}}
 
 {{/* Volumes the sidecar container needs. */}}
@@ -146,6 +151,11 @@ volumeMounts:
 - name: kvferry-redis
   secret:
     secretName: {{ include "kvferry.redisSecretName" . }}
+{{- end }}
+{{- if .Values.auth.existingSecret }}
+- name: kvferry-auth
+  secret:
+    secretName: {{ .Values.auth.existingSecret }}
 {{- end }}
 {{- end -}}
 

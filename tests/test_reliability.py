@@ -1,0 +1,103 @@
+"""Faults under load (real sidecars on loopback, a real redis-server): nothing that should succeed fails,
+and nothing is lost."""
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.mappings.artifact import save
+from kvferry.mappings.fit import identity_mapset
+
+from conftest import make_kv
+
+WORKERS, PER_WORKER = 4, 12
+
+
+@pytest.fixture(scope="module")
+def maps_dir(tmp_path_factory, family):
+    root = tmp_path_factory.mktemp("maps")
+    save(identity_mapset(family["S"].identity, version="1.0.0"), root)
+    return root
+
+
+def _kw(family):
+    s = family["S"]
+    return dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
+
+
+def _load(options: ClientOptions, family, during, token_ids: bool = False):
+    """WORKERS threads x PER_WORKER translates; ``during()`` runs once the load is under way.
+    Returns (results checked against their input, errors)."""
+    ok, errors = [], []
+    started = threading.Barrier(WORKERS + 1)
+
+    def worker(w: int):
+        kv = make_kv(layers=4, tokens=64, heads=2, head_dim=32, seed=w)
+        with TranslateClient(options) as c:
+            started.wait()
+            for i in range(PER_WORKER):
+                ids = list(range(w * 1000 + i * 64, w * 1000 + i * 64 + 64)) if token_ids else ()
+                try:
+                    res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
+                    torch.testing.assert_close(res.layers()[2][0], kv[2][0], rtol=1e-5, atol=1e-5)  # nothing lost or mixed up
+                    ok.append(res)
+                except (grpc.RpcError, AssertionError) as e:  # noqa: PERF203
+                    errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(WORKERS)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(0.2)
+    during()
+    for t in threads:
+        t.join(120)
+    return ok, errors
+
+
+def test_redis_killed_mid_load_fails_no_streamed_request(sidecar_factory, maps_dir, family, redis_url, redis_server):
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret="s" * 32,
+                         prefix_block_size=16)
+    ok, errors = _load(ClientOptions(target=sc.address, retries=0, timeout=30), family, redis_server.stop, token_ids=True)
+    assert not errors, errors[:3]
+    assert len(ok) == WORKERS * PER_WORKER
+    assert sc.sidecar.metrics.prefix_store_errors._value.get() >= 1  # the outage was noticed, and served through
+
+
+def test_sigterm_under_load_drains_and_clients_fail_over(sidecar_factory, maps_dir, family):
+    a = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, drain_seconds=10, drain_notice_seconds=1.0)
+    b = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    health = {}
+
+    def drain_a():
+        done = threading.Thread(target=lambda: a.call(a.sidecar.drain()))
+        done.start()
+        time.sleep(0.3)
+        with grpc.insecure_channel(a.address) as ch:
+            health["a"] = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="kvferry.v1.TranslateService"), timeout=5).status
+        done.join(30)
+
+    opts = ClientOptions(target=a.address, endpoints=(b.address,), retries=4, backoff=0.02, timeout=30)
+    ok, errors = _load(opts, family, drain_a)
+    assert not errors, errors[:3]
+    assert len(ok) == WORKERS * PER_WORKER
+    assert health["a"] == health_pb2.HealthCheckResponse.NOT_SERVING
+    served = lambda sc: sc.sidecar.metrics.requests.labels("Translate", "OK")._value.get()  # noqa: E731
+    assert served(a) > 0 and served(b) > 0  # both took load: a until it drained, b after
+    assert served(a) + served(b) == WORKERS * PER_WORKER  # every in-flight stream on a finished
+    refused = a.sidecar.metrics.requests.labels("Translate", "UNAVAILABLE")._value.get()
+    assert refused >= 1 or served(b) == WORKERS * PER_WORKER  # new streams on the draining sidecar were turned away
+
+
+def test_failover_skips_an_endpoint_that_is_down(sidecar_factory, maps_dir, family):
+    b = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    opts = ClientOptions(target="127.0.0.1:1", endpoints=(b.address,), retries=2, backoff=0.01, timeout=10)
+    with TranslateClient(opts) as c:
+        res = c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family))
+    assert res.attempts == 2 and res.stats.tokens == 8
