@@ -1,14 +1,20 @@
 """The headline use: a source model reads a long prompt, the target reuses its cache via the sidecar.
 
-``Cascade.generate`` translates the source cache for all but the last ``refresh`` tokens, imports
-it into the target's HF cache, lets the target recompute the last ``refresh`` tokens on top, and
-decodes. Whenever the mapped path cannot be taken (sidecar unreachable, map gated off or unknown,
-prompt too short), it runs the target's own prefill instead and says why.
+``Cascade.generate`` translates the source cache, imports all but the last ``refresh`` tokens into
+the target's HF cache, lets the target recompute the last ``refresh`` tokens on top, and decodes.
+The rollout policy decides per request whether the mapped path is taken (kill switch, canary share,
+minimum prompt length, pinned version); whenever it is not, or cannot be (sidecar unreachable, map
+gated off or unknown), the target runs its own prefill and the result says why. Mapped requests feed
+live quality monitoring: the drift of the refreshed tail (free) and, for a share, a shadow full
+prefill off the critical path. A map whose live quality crosses its gate is switched off.
 """
 
 from __future__ import annotations
 
+import logging
+import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,12 +22,18 @@ import torch
 from prometheus_client import Counter
 
 from kvferry.mappings.capture import cache_layers
+from kvferry.mappings.drift import Drift, QueryTap, tail_drift
 
 from .client import TranslateClient, TranslateResult
 from .importers import to_dynamic_cache
+from .monitor import QualityMonitor, Thresholds, shadow_scores
+from .rollout import MapRollout, PolicyStore
+
+log = logging.getLogger("kvferry.cascade")
 
 FALLBACKS = Counter("kvferry_client_fallbacks_total", "Requests that took the target's own prefill, by reason", ["reason"])
 MAPPED = Counter("kvferry_client_mapped_total", "Requests served from a translated cache")
+PATHS = Counter("kvferry_client_requests_total", "Cascade requests by map, path taken and why", ["map", "path", "reason"])
 
 _REASONS = {
     grpc.StatusCode.UNAVAILABLE: "sidecar_unavailable",
@@ -32,24 +44,8 @@ _REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class CascadePolicy:
-    """When and how the target reuses a translated cache."""
-
-    map_name: str
-    """Map to use, "<source>__<target>"."""
-    map_version: str = ""
-    """Exact version, or "" for the newest servable one."""
-    refresh: int = 16
-    """r: the target recomputes the last r prompt tokens itself."""
-    min_tokens: int = 64
-    """Prompts shorter than this take the target's own prefill (mapping would not pay)."""
-
-    def __post_init__(self) -> None:
-        if self.refresh < 1:
-            raise ValueError("refresh must be >= 1: the target computes at least the last prompt token")
-        if self.min_tokens <= self.refresh:
-            raise ValueError("min_tokens must exceed refresh")
+class _NoVersion(LookupError):
+    """"latest" found nothing servable; the message starts with the fallback reason code."""
 
 
 @dataclass
@@ -61,6 +57,8 @@ class CascadeResult:
     total_seconds: float
     translate: TranslateResult | None = None
     timings: dict = field(default_factory=dict)
+    drift: Drift | None = None  # mapped vs recomputed tail, when the source cache covered the tail
+    shadow: Future | None = None  # resolves to (top1, top10, kl) when this request was shadow-checked
 
 
 @torch.no_grad()
@@ -75,11 +73,22 @@ def _decode(model, first_logits: torch.Tensor, cache, max_new_tokens: int, eos: 
 
 
 class Cascade:
-    def __init__(self, target_model, client: TranslateClient | None, policy: CascadePolicy, source_identity=None):
+    """``rollout``: a MapRollout for fixed controls, or a PolicyStore (a reloadable policy file) shared by engines."""
+
+    def __init__(self, target_model, client: TranslateClient | None, map_name: str,
+                 rollout: MapRollout | PolicyStore = MapRollout(), source_identity=None, seed: int | None = None):
         self.target = target_model
         self.client = client
-        self.policy = policy
+        self.map_name = map_name
+        self.store = rollout if isinstance(rollout, PolicyStore) else PolicyStore.static(map_name, rollout)
+        self.monitor = QualityMonitor(self.store)
         self.source_identity = source_identity
+        self._rng = random.Random(seed)
+        self._shadow = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-shadow")
+        self._evidence: dict[tuple[str, str], object] = {}
+        from kvferry.mappings.geometry import geometry_of
+
+        self._target_geometry = geometry_of(target_model.config).fingerprint  # maps for another model are never used
 
     @torch.no_grad()
     def full_prefill(self, prompt_ids: torch.Tensor, max_new_tokens: int, reason: str = "baseline") -> CascadeResult:
@@ -90,36 +99,115 @@ class Cascade:
         return CascadeResult(tokens, "fallback", reason, ttft, time.perf_counter() - t0)
 
     def _fallback(self, prompt_ids, max_new_tokens, reason: str) -> CascadeResult:
-        FALLBACKS.labels(reason.split(":")[0]).inc()
+        code = reason.split(":")[0]
+        FALLBACKS.labels(code).inc()
+        PATHS.labels(self.map_name, "fallback", code).inc()
+        log.info("map %s: full prefill (%s)", self.map_name, reason)
         return self.full_prefill(prompt_ids, max_new_tokens, reason)
+
+    def _latest(self) -> str:
+        listed = [m for m in self.client.list_mappings(self.map_name) if m.name == self.map_name]
+        servable = [m for m in listed if m.servable]
+        if not servable:
+            code = "map_gated_or_incompatible" if listed else "map_not_found"
+            raise _NoVersion(f"{code}: no servable version of {self.map_name} on the sidecar"
+                             + "".join(f"; {m.version}: {m.gate_reason}" for m in listed))
+        from kvferry.mappings.artifact import version_key
+
+        return max((m.version for m in servable), key=version_key)
+
+    def _thresholds(self, version: str, rollout: MapRollout) -> Thresholds:
+        key = (self.map_name, version)
+        if key not in self._evidence:
+            try:
+                found = [m for m in self.client.list_mappings(self.map_name) if m.name == self.map_name and m.version == version]
+                self._evidence[key] = found[0].evidence if found else None
+            except grpc.RpcError:
+                return Thresholds.resolve(rollout, None)  # try again next time
+        return Thresholds.resolve(rollout, self._evidence[key])
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, source_kv, max_new_tokens: int = 32) -> CascadeResult:
-        """``source_kv``: the source's cache for (at least) the first n - refresh prompt tokens."""
-        n, r = prompt_ids.shape[1], self.policy.refresh
-        if n < self.policy.min_tokens:
-            return self._fallback(prompt_ids, max_new_tokens, f"short_prompt: {n} < min_tokens {self.policy.min_tokens}")
+        """``source_kv``: the source's cache for the prompt: all n tokens (then the refreshed tail is also
+        translated and feeds the drift signal), or at least the first n - refresh."""
+        name, n = self.map_name, prompt_ids.shape[1]
+        rollout = self.store.get(name)
+        r = rollout.refresh
+        off = self.store.off_reason(name)
+        if off:
+            return self._fallback(prompt_ids, max_new_tokens, off)
+        if n < rollout.min_tokens:
+            return self._fallback(prompt_ids, max_new_tokens, f"short_prompt: {n} < min_tokens {rollout.min_tokens}")
         if self.client is None:
             return self._fallback(prompt_ids, max_new_tokens, "no_sidecar: no client configured")
-        layers = [(k[:, :, : n - r], v[:, :, : n - r]) for k, v in cache_layers(source_kv)]
+        if self._rng.random() * 100 >= rollout.canary_percent:
+            return self._fallback(prompt_ids, max_new_tokens, f"canary_holdout: outside the {rollout.canary_percent:g}% canary")
+        layers = cache_layers(source_kv)
+        send = min(int(layers[0][0].shape[2]), n) if layers else 0
+        if send < n - r:
+            return self._fallback(prompt_ids, max_new_tokens, f"short_source_cache: {send} tokens < {n - r}")
         kw = {}
         if self.source_identity is not None:
             kw = dict(source_geometry=self.source_identity.geometry.fingerprint, tokenizer=self.source_identity.tokenizer)
         t0 = time.perf_counter()
         try:
-            res = self.client.translate(layers, self.policy.map_name, self.policy.map_version,
-                                        token_ids=prompt_ids[0, : n - r].tolist(), **kw)
+            version = self.store.pinned_version(name, self._latest)
+            res = self.client.translate([(k[:, :, :send], v[:, :, :send]) for k, v in layers], name, version,
+                                        token_ids=prompt_ids[0, :send].tolist(), **kw)
         except grpc.RpcError as err:
             reason = _REASONS.get(err.code(), "sidecar_error")
             return self._fallback(prompt_ids, max_new_tokens, f"{reason}: {err.code().name}: {err.details()}")
+        except _NoVersion as err:
+            return self._fallback(prompt_ids, max_new_tokens, str(err))
         except ConnectionError as err:
             return self._fallback(prompt_ids, max_new_tokens, f"sidecar_error: {err}")
         t1 = time.perf_counter()
-        cache = to_dynamic_cache(res.layers(), self.target.config, device=self.target.device, dtype=self.target.dtype)
+        if res.info.geometry != self._target_geometry:
+            return self._fallback(prompt_ids, max_new_tokens, f"map_incompatible: {name} {res.info.map_version} was fitted for "
+                                  f"target geometry {res.info.geometry[:12]}…, this model is {self._target_geometry[:12]}…")
+        mapped = res.layers()
+        cache = to_dynamic_cache([(k[:, :, : n - r], v[:, :, : n - r]) for k, v in mapped], self.target.config,
+                                 device=self.target.device, dtype=self.target.dtype)
         t2 = time.perf_counter()
-        logits = self.target(input_ids=prompt_ids[:, n - r :], past_key_values=cache).logits[0, -1]
-        ttft = time.perf_counter() - t0
+        tap = QueryTap(self.target, _rope(self.target)) if send > n - r else None  # records this thread's pass only
+        try:
+            logits = self.target(input_ids=prompt_ids[:, n - r :], past_key_values=cache).logits[0, -1]
+            ttft = time.perf_counter() - t0
+            drift = None
+            if tap is not None:
+                m = send - (n - r)
+                true = [(k[:, :, n - r : send], v[:, :, n - r : send]) for k, v in cache_layers(cache)]
+                drift = tail_drift([(k[:, :, n - r : send], v[:, :, n - r : send]) for k, v in mapped], true,
+                                   [q[:, :m] for q in tap.queries(range(n - r, n))])
+        finally:
+            if tap is not None:
+                tap.close()
+        thresholds = self._thresholds(res.info.map_version, rollout)
+        if drift is not None:
+            self.monitor.observe_drift(name, res.info.map_version, drift, thresholds)
+        shadow = None
+        if rollout.shadow_percent and self._rng.random() * 100 < rollout.shadow_percent:
+            shadow = self._shadow.submit(self._shadow_check, prompt_ids, logits.detach().clone(), res.info.map_version, thresholds)
         tokens = _decode(self.target, logits, cache, max_new_tokens, self.target.config.eos_token_id)
         MAPPED.inc()
+        PATHS.labels(name, "mapped", "mapped").inc()
         return CascadeResult(tokens, "mapped", f"mapped {res.info.map_name} {res.info.map_version}, refresh r={r}", ttft,
-                             time.perf_counter() - t0, res, {"translate": t1 - t0, "import": t2 - t1, "refresh_first_token": ttft - (t2 - t0)})
+                             time.perf_counter() - t0, res,
+                             {"translate": t1 - t0, "import": t2 - t1, "refresh_first_token": ttft - (t2 - t0)}, drift, shadow)
+
+    @torch.no_grad()
+    def _shadow_check(self, prompt_ids, mapped_logits, version: str, thresholds: Thresholds) -> tuple[bool, float, float]:
+        """Off the critical path: the target's own full prefill, compared with what the mapped path produced."""
+        full = self.target(input_ids=prompt_ids).logits[0, -1]
+        top1, top10, kl = shadow_scores(full, mapped_logits)
+        self.monitor.observe_shadow(self.map_name, version, top1, top10, kl, thresholds)
+        return top1, top10, kl
+
+    def close(self) -> None:
+        self._shadow.shutdown(wait=True)
+
+
+def _rope(model):
+    from kvferry.mappings.geometry import geometry_of
+
+    return geometry_of(model.config).rope

@@ -111,6 +111,16 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return demo.run(a)
 
 
+def cmd_rollout(a: argparse.Namespace) -> int:
+    from kvferry.client.rollout import update_policy_file
+
+    enabled = True if a.enable else False if a.disable else None
+    entry = update_policy_file(a.policy, a.map, enabled=enabled, version=a.version, canary_percent=a.canary,
+                               shadow_percent=a.shadow, min_tokens=a.min_tokens, refresh=a.refresh)
+    print(f"{a.policy}: {a.map} -> {entry}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvferry", description="Cross-model KV-cache translation.")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -178,7 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     fm.add_argument("--dest", type=Path, required=True)
     fm.set_defaults(func=cmd_fetch_maps)
 
-    from kvferry import bench_load, bench_maps, bench_redis, bench_translate
+    r = sub.add_parser("rollout", help="change one map's entry in a rollout policy file (canary, version pin, kill switch)")
+    r.add_argument("policy", type=Path, help="the policy TOML the engines' PolicyStore watches")
+    r.add_argument("map", help="map name, <source>__<target>")
+    r.add_argument("--version", default=None, help='pin a version (a rollback is pinning the previous one) or "latest"')
+    r.add_argument("--canary", type=float, default=None, help="percent of eligible requests on the mapped path")
+    r.add_argument("--shadow", type=float, default=None, help="percent of mapped requests shadow-checked")
+    r.add_argument("--min-tokens", type=int, default=None)
+    r.add_argument("--refresh", type=int, default=None)
+    onoff = r.add_mutually_exclusive_group()
+    onoff.add_argument("--enable", action="store_true", help="kill switch off (mapping allowed)")
+    onoff.add_argument("--disable", action="store_true", help="kill switch on: every request takes the full prefill")
+    r.set_defaults(func=cmd_rollout)
+
+    from kvferry import bench_load, bench_maps, bench_redis, bench_rollout, bench_translate
 
     b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -186,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_maps.add_parser(bsub)
     bench_redis.add_parser(bsub)
     bench_load.add_parser(bsub)
+    bench_rollout.add_parser(bsub)
 
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")

@@ -56,8 +56,9 @@ def _long_prompt(tokenizer) -> tuple[str, str]:
 
 def run(a: argparse.Namespace) -> int:
     from kvferry.cli import _quiet_transformers
-    from kvferry.client.cascade import Cascade, CascadePolicy
+    from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
+    from kvferry.client.rollout import MapRollout
     from kvferry.mappings.capture import capture_kv, load_model
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig
@@ -80,8 +81,7 @@ def run(a: argparse.Namespace) -> int:
         ids = target.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         n = ids.shape[1]
         with TranslateClient(ClientOptions(target=sc.address)) as client:
-            policy = CascadePolicy(ms.name, ms.version, refresh=16)
-            cascade = Cascade(target.model, client, policy, source.identity)
+            cascade = Cascade(target.model, client, ms.name, MapRollout(version=ms.version, refresh=16), source.identity)
             t0 = time.perf_counter()
             with torch.no_grad():
                 src_kv = capture_kv(source.model, ids)

@@ -17,7 +17,8 @@ import torch
 
 from .apply import apply
 from .artifact import MapSet
-from .capture import LayerKV, LoadedModel, capture_kv, read_corpus, to_dynamic_cache, token_windows
+from .capture import LayerKV, LoadedModel, cache_layers, capture_kv, read_corpus, to_dynamic_cache, token_windows
+from .drift import Drift, QueryTap, tail_drift
 from .errors import InvalidInput
 from .features import to_features
 from .recall import make_probe, probe_fillers
@@ -183,6 +184,8 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
     layer_err = _LayerError(ms.target.geometry.layers)
     greedy = {arm: [] for arm in ("truncate", "mapped", "mapped_refresh", "mapped_sinks")}
     tap = _AttnTap(target.model)
+    qtap = QueryTap(target.model, ms.target.geometry.rope)
+    drifts: list[Drift] = []
     iterator = prompts
     if progress:
         from tqdm import tqdm
@@ -198,6 +201,11 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
                 cache = to_dynamic_cache(kv, target.model.config) if kv is not None else None
                 logits[arm] = target.model(input_ids=tail, past_key_values=cache).logits[0, -1].float()
                 attn[arm] = tap.take()
+                if arm == "mapped_refresh" and s.refresh > 1:  # the free drift signal, as the client measures it live
+                    n = ids.shape[1]
+                    drifts.append(tail_drift(_slice(mapped, n - s.refresh, n - 1),
+                                             _slice(cache_layers(cache), n - s.refresh, n - 1),
+                                             [q[:, : s.refresh - 1] for q in qtap.queries(range(n - s.refresh, n))]))
             for arm, sc in scores.items():
                 sc.add(logits["gold"], logits[arm], attn["gold"], attn[arm])
             if pi < s.greedy_prompts:
@@ -214,7 +222,11 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
                     tap.out.clear()
     finally:
         tap.close()
+        qtap.close()
     arms_out = {arm: sc.result(arm not in ("no_context", "truncate")) for arm, sc in scores.items()}
+    if drifts:
+        arms_out["mapped_refresh"]["drift_attn_cos"] = sum(d.mean_attn_cos for d in drifts) / len(drifts)
+        arms_out["mapped_refresh"]["drift_rel_err"] = sum(d.mean_rel_err for d in drifts) / len(drifts)
     for arm in arms_out:
         if arm in greedy and greedy[arm]:
             arms_out[arm]["greedy_agree"] = sum(greedy[arm]) / len(greedy[arm])

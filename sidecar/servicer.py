@@ -31,7 +31,8 @@ def mapping_info(entry, arm: str) -> pb.MappingInfo:
         tokenizer_fingerprint=ms.source.tokenizer, content_sha256=ms.content_sha256, servable=entry.servable,
         gate_reason=entry.reason,
         evidence=pb.MapEvidence(arm=arm, top1=ev.get("top1", 0.0), top10=ev.get("top10", 0.0), kl=ev.get("kl", 0.0),
-                                attn_cos=ev.get("attn_cos", 0.0),
+                                attn_cos=ev.get("attn_cos", 0.0), drift_attn_cos=ev.get("drift_attn_cos", 0.0),
+                                drift_rel_err=ev.get("drift_rel_err", 0.0),
                                 recommended_refresh=int((ms.evidence or {}).get("recommended_refresh", 0))),
     )
 

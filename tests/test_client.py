@@ -7,7 +7,8 @@ import grpc
 import pytest
 import torch
 
-from kvferry.client.cascade import FALLBACKS, Cascade, CascadePolicy
+from kvferry.client.cascade import FALLBACKS, Cascade
+from kvferry.client.rollout import MapRollout
 from kvferry.client.client import AsyncTranslateClient, ClientOptions, TranslateClient
 from kvferry.mappings.artifact import save
 from kvferry.mappings.capture import capture_kv
@@ -95,19 +96,19 @@ def test_cascade_mapped_path_matches_full_prefill_and_falls_back(sidecar_factory
     ids = torch.randint(2, 4096, (1, 120))
     src = capture_kv(s.model, ids)
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        cascade = Cascade(s.model, c, CascadePolicy("S__S-self", refresh=8, min_tokens=32), s.identity)
+        cascade = Cascade(s.model, c, "S__S-self", MapRollout(refresh=8, min_tokens=32), s.identity)
         mapped = cascade.generate(ids, src, max_new_tokens=12)
         gold = cascade.full_prefill(ids, 12)
         assert mapped.path == "mapped" and mapped.tokens == gold.tokens
         before = _counter("short_prompt")
         short = cascade.generate(ids[:, :20], capture_kv(s.model, ids[:, :20]), max_new_tokens=4)
         assert short.path == "fallback" and short.reason.startswith("short_prompt") and _counter("short_prompt") == before + 1
-        missing = Cascade(s.model, c, CascadePolicy("S__S-self", "7.7.7", refresh=8, min_tokens=32), s.identity)
+        missing = Cascade(s.model, c, "S__S-self", MapRollout(version="7.7.7", refresh=8, min_tokens=32), s.identity)
         res = missing.generate(ids, src, max_new_tokens=12)
         assert res.path == "fallback" and res.reason.startswith("map_not_found") and res.tokens == gold.tokens
     sc.stop()
     with TranslateClient(ClientOptions(target=sc.address, retries=1, backoff=0.01, timeout=2)) as c:
-        down = Cascade(s.model, c, CascadePolicy("S__S-self", refresh=8, min_tokens=32), s.identity)
+        down = Cascade(s.model, c, "S__S-self", MapRollout(refresh=8, min_tokens=32), s.identity)
         res = down.generate(ids, src, max_new_tokens=12)
     assert res.path == "fallback" and res.reason.startswith("sidecar_unavailable") and res.tokens == gold.tokens
 
@@ -117,6 +118,6 @@ def test_gated_map_falls_back(sidecar_factory, maps_dir, family):
     sc = sidecar_factory(maps_dir=str(maps_dir))  # gates on: the identity map has no evidence
     ids = torch.randint(2, 4096, (1, 80))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        res = Cascade(s.model, c, CascadePolicy("S__S-self", refresh=8, min_tokens=32), s.identity).generate(
+        res = Cascade(s.model, c, "S__S-self", MapRollout(refresh=8, min_tokens=32), s.identity).generate(
             ids, capture_kv(s.model, ids), max_new_tokens=4)
     assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible")

@@ -195,20 +195,24 @@ class ListMappingsRequest(_message.Message):
     def __init__(self, name_prefix: _Optional[str] = ...) -> None: ...
 
 class MapEvidence(_message.Message):
-    __slots__ = ("arm", "top1", "top10", "kl", "attn_cos", "recommended_refresh")
+    __slots__ = ("arm", "top1", "top10", "kl", "attn_cos", "recommended_refresh", "drift_attn_cos", "drift_rel_err")
     ARM_FIELD_NUMBER: _ClassVar[int]
     TOP1_FIELD_NUMBER: _ClassVar[int]
     TOP10_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
     ATTN_COS_FIELD_NUMBER: _ClassVar[int]
     RECOMMENDED_REFRESH_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_ATTN_COS_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_REL_ERR_FIELD_NUMBER: _ClassVar[int]
     arm: str
     top1: float
     top10: float
     kl: float
     attn_cos: float
     recommended_refresh: int
-    def __init__(self, arm: _Optional[str] = ..., top1: _Optional[float] = ..., top10: _Optional[float] = ..., kl: _Optional[float] = ..., attn_cos: _Optional[float] = ..., recommended_refresh: _Optional[int] = ...) -> None: ...
+    drift_attn_cos: float
+    drift_rel_err: float
+    def __init__(self, arm: _Optional[str] = ..., top1: _Optional[float] = ..., top10: _Optional[float] = ..., kl: _Optional[float] = ..., attn_cos: _Optional[float] = ..., recommended_refresh: _Optional[int] = ..., drift_attn_cos: _Optional[float] = ..., drift_rel_err: _Optional[float] = ...) -> None: ...
 
 class MappingInfo(_message.Message):
     __slots__ = ("name", "version", "source", "target", "tokenizer_fingerprint", "content_sha256", "servable", "gate_reason", "evidence")

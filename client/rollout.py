@@ -1,0 +1,256 @@
+"""Rollout controls: one policy, per map, reloadable without a restart.
+
+Per map: a kill switch, the canary share of eligible requests that take the mapped path, the minimum
+prompt length, the tail-refresh length, the version to serve ("latest" is resolved once per rollout
+and pinned), the shadow-check share, and the live-quality window and thresholds. The policy is a TOML
+file (a mounted ConfigMap)::
+
+    [maps.S__T]
+    enabled = true
+    canary_percent = 10
+    version = "1.1.0"        # or "latest"; rolling back is changing this line
+    shadow_percent = 5
+
+``PolicyStore`` re-reads it when it changes. A map the quality monitor switches off stays off until its
+entry in the file changes (say, a rollback to the previous version) or ``reenable`` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from prometheus_client import Gauge
+
+from kvferry.mappings.errors import InvalidInput
+
+log = logging.getLogger("kvferry.rollout")
+
+ENABLED = Gauge("kvferry_rollout_enabled", "1 when the map may take the mapped path (kill switch on and not auto-disabled)", ["map"])
+CANARY = Gauge("kvferry_rollout_canary_percent", "Share of eligible requests sent down the mapped path", ["map"])
+AUTO_OFF = Gauge("kvferry_rollout_auto_disabled", "1 while live quality monitoring holds the map off (alert on this)", ["map"])
+
+_VERSION = re.compile(r"^(latest|\d+\.\d+\.\d+(-[0-9A-Za-z.-]+)?)$")
+
+
+@dataclass(frozen=True)
+class MapRollout:
+    """How one map is rolled out. Thresholds left at None come from the map's evidence (its manifest)."""
+
+    enabled: bool = True
+    """Kill switch: False sends every request to the target's own prefill."""
+    canary_percent: float = 100.0
+    """Share (0-100) of eligible requests that take the mapped path; the rest run the target's own prefill."""
+    min_tokens: int = 64
+    """Prompts shorter than this take the target's own prefill (mapping would not pay)."""
+    refresh: int = 16
+    """r: the target recomputes the last r prompt tokens itself (and measures drift on them)."""
+    version: str = "latest"
+    """The map version to serve, or "latest": resolved to the newest servable version once, then pinned."""
+    shadow_percent: float = 0.0
+    """Share (0-100) of mapped requests that also run the target's full prefill off the critical path."""
+    window: int = 50
+    """Rolling window (samples) of each live-quality signal."""
+    min_samples: int = 10
+    """Samples a window needs before it can switch the map off."""
+    min_drift_attn_cos: float | None = None
+    """Switch off when the window's mean drift attention cosine falls below this (default: evidence - 0.05)."""
+    min_shadow_top10: float | None = None
+    """Switch off when the window's mean shadow top-10 overlap falls below this (default: evidence - 0.10)."""
+    max_shadow_kl: float | None = None
+    """Switch off when the window's mean shadow KL rises above this (default: 3 x evidence + 0.02)."""
+
+    def __post_init__(self) -> None:
+        for name in ("canary_percent", "shadow_percent"):
+            if not 0 <= getattr(self, name) <= 100:
+                raise InvalidInput(f"{name} must be within 0-100, got {getattr(self, name)}")
+        if self.refresh < 1:
+            raise InvalidInput("refresh must be >= 1: the target computes at least the last prompt token")
+        if self.min_tokens <= self.refresh:
+            raise InvalidInput("min_tokens must exceed refresh")
+        if not _VERSION.match(self.version):
+            raise InvalidInput(f"version {self.version!r}: use 'latest' or a semantic version such as 1.1.0")
+        if self.window < 1 or not 1 <= self.min_samples <= self.window:
+            raise InvalidInput("window must be >= 1 and min_samples within 1..window")
+
+
+@dataclass(frozen=True)
+class RolloutPolicy:
+    """Every map's rollout; maps not listed get ``default``."""
+
+    maps: dict[str, MapRollout] = field(default_factory=dict)
+    default: MapRollout = MapRollout()
+
+    def get(self, name: str) -> MapRollout:
+        return self.maps.get(name, self.default)
+
+    @classmethod
+    def from_toml(cls, text: str, where: str = "policy") -> "RolloutPolicy":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise InvalidInput(f"{where}: not valid TOML ({e})") from None
+        known = {f.name for f in fields(MapRollout)}
+
+        def build(section: dict, label: str, base: MapRollout = MapRollout()) -> MapRollout:
+            unknown = set(section) - known
+            if unknown:
+                raise InvalidInput(f"{where}: unknown keys in {label}: {', '.join(sorted(unknown))}")
+            return replace(base, **section)
+
+        default = build(data.get("default", {}), "[default]")
+        maps = {name: build(sec, f"[maps.{name}]", default) for name, sec in data.get("maps", {}).items()}
+        extra = set(data) - {"default", "maps"}
+        if extra:
+            raise InvalidInput(f"{where}: unknown sections {', '.join(sorted(extra))}; use [default] and [maps.<name>]")
+        return cls(maps, default)
+
+
+def to_toml(policy: RolloutPolicy) -> str:
+    """The policy as TOML (only the fields that differ from their defaults), for ``kvferry rollout``."""
+    def body(r: MapRollout, base: MapRollout) -> list[str]:
+        out = []
+        for f in fields(MapRollout):
+            v = getattr(r, f.name)
+            if v != getattr(base, f.name) and v is not None:
+                out.append(f"{f.name} = " + ("true" if v is True else "false" if v is False else f'"{v}"' if isinstance(v, str) else repr(v)))
+        return out
+
+    lines = []
+    if policy.default != MapRollout():
+        lines += ["[default]", *body(policy.default, MapRollout()), ""]
+    for name in sorted(policy.maps):
+        lines += [f"[maps.{name}]", *body(policy.maps[name], policy.default), ""]
+    return "\n".join(lines)
+
+
+def update_policy_file(path: str | Path, name: str, **changes) -> MapRollout:
+    """Change one map's entry in a policy file atomically (a rollback, a canary step, the kill switch)."""
+    path = Path(path)
+    policy = RolloutPolicy.from_toml(path.read_text(), str(path)) if path.exists() else RolloutPolicy()
+    entry = replace(policy.get(name), **{k: v for k, v in changes.items() if v is not None})
+    new = RolloutPolicy({**policy.maps, name: entry}, policy.default)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(to_toml(new))
+    os.replace(tmp, path)
+    return entry
+
+
+class PolicyStore:
+    """The live policy: re-read from ``path`` when the file changes (checked at most every ``reload_seconds``),
+    plus the maps the quality monitor switched off and the versions "latest" resolved to."""
+
+    def __init__(self, policy: RolloutPolicy | None = None, path: str | Path | None = None, reload_seconds: float = 2.0):
+        self.path = Path(path) if path else None
+        self.reload_seconds = reload_seconds
+        self._lock = threading.Lock()
+        self._policy = policy or RolloutPolicy()
+        self._stamp: tuple | None = None
+        self._checked = 0.0
+        self._auto_off: dict[str, str] = {}
+        self._resolved: dict[str, str] = {}
+        if self.path:
+            self._reload(force=True)
+
+    @classmethod
+    def static(cls, name: str, rollout: MapRollout) -> "PolicyStore":
+        return cls(RolloutPolicy({name: rollout}))
+
+    def _reload(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < self.reload_seconds:
+            return
+        self._checked = now
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            if force:
+                raise InvalidInput(f"cannot read rollout policy {self.path}: {e}") from None
+            log.error("rollout policy %s unreadable (%s); keeping the last one", self.path, e)
+            return
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        try:
+            new = RolloutPolicy.from_toml(self.path.read_text(), str(self.path))
+        except InvalidInput as e:
+            if force:
+                raise
+            log.error("rollout policy rejected, keeping the last good one: %s", e)
+            self._stamp = stamp
+            return
+        self._apply(new)
+        self._stamp = stamp
+
+    def _apply(self, new: RolloutPolicy) -> None:
+        old = self._policy
+        for name in set(old.maps) | set(new.maps):
+            if old.get(name) != new.get(name):
+                log.info("rollout policy for %s: %s", name, new.get(name))
+                self._resolved.pop(name, None)  # a changed entry is a new rollout: resolve "latest" again
+                if self._auto_off.pop(name, None) is not None:
+                    log.warning("rollout: %s re-enabled by a policy change", name)
+                    AUTO_OFF.labels(name).set(0)
+        self._policy = new
+
+    def set_policy(self, policy: RolloutPolicy) -> None:
+        """Replace the policy in process (tests, embedding code); a file, if any, still wins when it changes."""
+        with self._lock:
+            self._apply(policy)
+
+    def get(self, name: str) -> MapRollout:
+        with self._lock:
+            if self.path:
+                self._reload()
+            r = self._policy.get(name)
+            on = r.enabled and name not in self._auto_off
+        ENABLED.labels(name).set(1 if on else 0)
+        CANARY.labels(name).set(r.canary_percent)
+        return r
+
+    def off_reason(self, name: str) -> str:
+        """Why the map may not take the mapped path now ("" if it may)."""
+        r = self.get(name)
+        with self._lock:
+            if not r.enabled:
+                return "disabled: kill switch in the rollout policy"
+            if name in self._auto_off:
+                return "auto_disabled: " + self._auto_off[name]
+        return ""
+
+    def disable(self, name: str, reason: str) -> None:
+        """Switch a map off for new requests until re-enabled (the quality monitor calls this)."""
+        with self._lock:
+            if name in self._auto_off:
+                return
+            self._auto_off[name] = reason
+        AUTO_OFF.labels(name).set(1)
+        ENABLED.labels(name).set(0)
+        log.error("rollout: %s switched off by live quality monitoring: %s", name, reason)
+
+    def reenable(self, name: str) -> None:
+        with self._lock:
+            self._auto_off.pop(name, None)
+            self._resolved.pop(name, None)
+        AUTO_OFF.labels(name).set(0)
+        log.warning("rollout: %s re-enabled by hand", name)
+
+    def pinned_version(self, name: str, resolve) -> str:
+        """The version to request: the policy's, or "latest" resolved once (``resolve()``) and pinned."""
+        r = self.get(name)
+        if r.version != "latest":
+            return r.version
+        with self._lock:
+            if name in self._resolved:
+                return self._resolved[name]
+        version = resolve()
+        with self._lock:
+            self._resolved.setdefault(name, version)
+            log.info("rollout: %s latest resolved to %s, pinned until the policy changes", name, version)
+            return self._resolved[name]

@@ -1,0 +1,218 @@
+"""Rollout controls against a real sidecar and the shipped models: the policy, the drift signal, shadow
+checks, the automatic switch-off of a degraded map, and the kill switch under load."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvferry.client.cascade import Cascade
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.rollout import MapRollout, PolicyStore, RolloutPolicy
+from kvferry.mappings.artifact import save, write_evidence
+from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_windows
+from kvferry.mappings.drift import QueryTap
+from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.geometry import geometry_of
+
+from conftest import DATA
+
+EVIDENCE = {"arms": {"mapped_refresh": {"top1": 1.0, "top10": 1.0, "kl": 0.0, "attn_cos": 1.0,
+                                        "drift_attn_cos": 1.0, "drift_rel_err": 0.0}}, "recommended_refresh": 8}
+
+
+@pytest.fixture(scope="module")
+def maps_dir(tmp_path_factory, family):
+    """S -> S: an exact map 1.0.0, and 2.0.0 = the same with noise in its weights, carrying the same (good)
+    offline evidence: the kind of map only live monitoring can catch."""
+    root = tmp_path_factory.mktemp("maps")
+    ident = family["S"].identity
+    write_evidence(save(identity_mapset(ident, version="1.0.0"), root), EVIDENCE)
+    bad = identity_mapset(ident, version="2.0.0")
+    g = torch.Generator().manual_seed(0)
+    for m in bad.maps.values():
+        m.weight = m.weight + 0.25 * torch.randn(m.weight.shape, generator=g)
+    write_evidence(save(bad, root), EVIDENCE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def prompts(family):
+    tok = family["S"].tokenizer
+    return [w[None] for w in token_windows(tok, list(read_corpus([DATA / "heldout.jsonl"])), 96)[:12]]
+
+
+def _policy_file(path, **entry) -> None:
+    body = "\n".join(f"{k} = {v!r}".replace("'", '"').replace("True", "true").replace("False", "false") for k, v in entry.items())
+    path.write_text(f"[maps.S__S-self]\n{body}\n")
+    time.sleep(0.01)
+
+
+def test_policy_file_parsing_and_validation(tmp_path):
+    p = RolloutPolicy.from_toml('[default]\nrefresh = 8\nmin_tokens = 32\n[maps.a__b]\ncanary_percent = 10\nversion = "1.2.0"\n')
+    assert p.get("a__b") == MapRollout(refresh=8, min_tokens=32, canary_percent=10, version="1.2.0")
+    assert p.get("other").refresh == 8 and p.get("other").canary_percent == 100
+    for text, needle in (("[maps.x]\ncanary = 5\n", "unknown keys"), ("[maps.x]\ncanary_percent = 150\n", "0-100"),
+                         ('[maps.x]\nversion = "../1"\n', "semantic version"), ("[mapz.x]\n", "unknown sections"),
+                         ("[maps.x\n", "TOML")):
+        with pytest.raises(InvalidInput, match=needle):
+            RolloutPolicy.from_toml(text)
+
+
+def test_store_reloads_pins_latest_once_per_rollout_and_clears_auto_off(tmp_path):
+    f = tmp_path / "policy.toml"
+    _policy_file(f, enabled=True, refresh=8, min_tokens=32)
+    store = PolicyStore(path=f, reload_seconds=0)
+    calls = []
+
+    def resolve():
+        calls.append(1)
+        return f"1.{len(calls)}.0"
+
+    assert store.pinned_version("S__S-self", resolve) == "1.1.0"
+    assert store.pinned_version("S__S-self", resolve) == "1.1.0" and len(calls) == 1  # pinned, not re-resolved
+    store.disable("S__S-self", "drift")
+    assert store.off_reason("S__S-self").startswith("auto_disabled: drift")
+    _policy_file(f, enabled=True, refresh=8, min_tokens=32, canary_percent=50.0)  # a new rollout
+    assert store.off_reason("S__S-self") == ""
+    assert store.pinned_version("S__S-self", resolve) == "1.2.0"
+    _policy_file(f, enabled=False, refresh=8, min_tokens=32)
+    assert store.off_reason("S__S-self").startswith("disabled: kill switch")
+    f.write_text("[maps.S__S-self]\nrefresh = -1\n")  # a broken edit keeps the last good policy
+    assert store.get("S__S-self").enabled is False and store.get("S__S-self").refresh == 8
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_query_tap_sees_the_queries_the_attention_used(tiny_models, arch):
+    """Attention recomputed from tapped queries and the cached K/V equals the model's own (the input of o_proj)."""
+    m = load_model(tiny_models[arch])
+    ids = torch.randint(2, 4096, (1, 12))
+    seen = []
+    hooks = [l.self_attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0][0].detach()))
+             for l in m.model.model.layers]
+    tap = QueryTap(m.model, geometry_of(m.model.config).rope)
+    with torch.no_grad():
+        out = m.model(input_ids=ids, use_cache=True)
+    tap.close()
+    for h in hooks:
+        h.remove()
+    from kvferry.mappings.drift import _attend
+
+    for layer, (q, (k, v)) in enumerate(zip(tap.queries(range(12)), [(l.keys, l.values) for l in out.past_key_values.layers])):
+        mine = _attend(q, k[0].float(), v[0].float())  # [H, T, d]
+        torch.testing.assert_close(mine.transpose(0, 1).reshape(12, -1), seen[layer].float(), rtol=1e-4, atol=1e-4)
+
+
+def _run(cascade, family, prompts, count):
+    s = family["S"]
+    out = []
+    for ids in prompts[:count]:
+        res = cascade.generate(ids, capture_kv(s.model, ids), max_new_tokens=4)
+        if res.shadow is not None:
+            res.shadow.result(60)
+        out.append(res)
+    return out
+
+
+@pytest.mark.parametrize("signal", ["drift_attn_cos", "shadow"])
+def test_a_degraded_map_is_caught_live_and_switched_off(sidecar_factory, maps_dir, family, prompts, tmp_path, signal):
+    s = family["S"]
+    sc = sidecar_factory(maps_dir=str(maps_dir))  # gates on: both versions carry passing evidence
+    f = tmp_path / "policy.toml"
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        _policy_file(f, version="1.0.0", refresh=8, min_tokens=32, shadow_percent=100.0, window=4, min_samples=3)
+        good = Cascade(s.model, c, "S__S-self", PolicyStore(path=f, reload_seconds=0), s.identity, seed=0)
+        ok = _run(good, family, prompts, 4)
+        assert all(r.path == "mapped" for r in ok)
+        assert all(r.drift.mean_attn_cos > 0.9999 and r.drift.mean_rel_err < 1e-4 for r in ok)  # exact map: no drift
+        assert all(r.shadow.result()[1] == 1.0 for r in ok)
+
+        only_shadow = {"min_drift_attn_cos": -1.0} if signal == "shadow" else {}  # let the shadow checks do it
+        _policy_file(f, version="2.0.0", refresh=8, min_tokens=32, shadow_percent=100.0, window=4, min_samples=3, **only_shadow)
+        store = PolicyStore(path=f, reload_seconds=0)
+        bad = Cascade(s.model, c, "S__S-self", store, s.identity, seed=0)
+        runs = _run(bad, family, prompts, 8)
+        mapped = [r for r in runs if r.path == "mapped"]
+        assert mapped and mapped[0].translate.info.map_version == "2.0.0"
+        assert all(r.drift.mean_attn_cos < 0.99 and r.drift.mean_rel_err > 0.05 for r in mapped)  # the drift signal rises
+        shadows = [r.shadow.result() for r in mapped]
+        top10, kl = sum(x[1] for x in shadows) / len(shadows), sum(x[2] for x in shadows) / len(shadows)
+        assert top10 < 0.9 or kl > 0.02  # shadow agreement falls below the gate (evidence top-10 1.0 - 0.1; KL 3 x 0 + 0.02)
+        assert len(mapped) <= 4  # switched off within the window
+        assert store.off_reason("S__S-self").startswith(f"auto_disabled: {signal}")
+        later = runs[len(mapped):]
+        assert later and all(r.path == "fallback" and r.reason.startswith("auto_disabled") for r in later)
+        for r, ids in zip(later, prompts[len(mapped):]):  # and the fallback answers are the target's own
+            assert r.tokens == bad.full_prefill(ids, 4).tokens
+        assert store.off_reason("S__S-self").startswith("auto_disabled")
+        store.reenable("S__S-self")
+        assert store.off_reason("S__S-self") == ""
+
+
+def test_canary_share_and_kill_switch_under_load(sidecar_factory, maps_dir, family, prompts, tmp_path):
+    s = family["S"]
+    sc = sidecar_factory(maps_dir=str(maps_dir))
+    f = tmp_path / "policy.toml"
+    _policy_file(f, version="1.0.0", refresh=8, min_tokens=32, canary_percent=50.0)
+    store = PolicyStore(path=f, reload_seconds=0)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        cascade = Cascade(s.model, c, "S__S-self", store, s.identity, seed=1)
+        kv = capture_kv(s.model, prompts[0])
+        paths = [cascade.generate(prompts[0], kv, max_new_tokens=1).path for _ in range(40)]
+        assert 10 <= paths.count("mapped") <= 30  # about half, seeded
+        _policy_file(f, version="1.0.0", refresh=8, min_tokens=32)  # full rollout
+        gold = cascade.full_prefill(prompts[0], 6).tokens
+        results, errors, flipped = [], [], threading.Event()
+
+        def worker():
+            local = Cascade(s.model, c, "S__S-self", store, s.identity)
+            while len(results) < 60:
+                try:
+                    results.append((flipped.is_set(), local.generate(prompts[0], kv, max_new_tokens=6)))
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for t in threads:
+            t.start()
+        while len(results) < 15:
+            time.sleep(0.01)
+        _policy_file(f, version="1.0.0", refresh=8, min_tokens=32, enabled=False)  # the kill switch, under load
+        flipped.set()
+        for t in threads:
+            t.join(120)
+    assert not errors
+    assert all(r.tokens == gold for _, r in results)  # nothing dropped or wrong, whichever path
+    before = [r for was_flipped, r in results if not was_flipped]
+    after = [r for was_flipped, r in results if was_flipped]
+    assert any(r.path == "mapped" for r in before)
+    assert after[-10:] and all(r.path == "fallback" and r.reason.startswith("disabled") for r in after[-10:])
+
+
+def test_rollback_is_one_command_and_the_file_round_trips(tmp_path):
+    import subprocess
+    import sys
+
+    f = tmp_path / "policy.toml"
+    run = lambda *args: subprocess.run([sys.executable, "-m", "kvferry", "rollout", str(f), "S__T", *args],  # noqa: E731
+                                       capture_output=True, text=True)
+    assert run("--version", "1.1.0", "--canary", "10", "--shadow", "5").returncode == 0
+    store = PolicyStore(path=f, reload_seconds=0)
+    assert store.get("S__T") == MapRollout(version="1.1.0", canary_percent=10, shadow_percent=5)
+    assert run("--version", "1.0.0").returncode == 0  # the rollback
+    assert store.get("S__T").version == "1.0.0" and store.get("S__T").canary_percent == 10
+    bad = run("--canary", "150")
+    assert bad.returncode != 0 and "0-100" in bad.stderr
+    assert run("--disable").returncode == 0 and store.off_reason("S__T").startswith("disabled")
+
+
+def test_a_map_for_another_target_model_is_never_used(sidecar_factory, maps_dir, family, prompts):
+    """The S->S map offered to T: the response names S as the target geometry, so the cascade refuses it."""
+    t = family["T"]
+    sc = sidecar_factory(maps_dir=str(maps_dir))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        cascade = Cascade(t.model, c, "S__S-self", MapRollout(version="1.0.0", refresh=8, min_tokens=32), family["S"].identity)
+        res = cascade.generate(prompts[0], capture_kv(family["S"].model, prompts[0]), max_new_tokens=2)
+    assert res.path == "fallback" and res.reason.startswith("map_incompatible")
