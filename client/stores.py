@@ -42,6 +42,11 @@ class MemoryStore:
                 out.append(item[0])
         return out
 
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        now = time.monotonic()
+        with self._lock:
+            return [k in self._data and self._data[k][1] >= now for k in keys]
+
     def put_many(self, items: list[tuple[str, bytes]], ttl: float) -> int:
         written = 0
         with self._lock:
@@ -88,6 +93,18 @@ class RedisStore:
             return []
         try:
             return list(self._redis.mget(keys))
+        except self._errors as e:
+            raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
+
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        """Which keys are stored, without fetching them (a cheap probe for schedulers)."""
+        if not keys:
+            return []
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return [bool(r) for r in pipe.execute()]
         except self._errors as e:
             raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
 

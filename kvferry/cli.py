@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     onoff.add_argument("--disable", action="store_true", help="kill switch on: every request takes the full prefill")
     r.set_defaults(func=cmd_rollout)
 
-    from kvferry import bench_load, bench_maps, bench_redis, bench_rollout, bench_translate
+    from kvferry import bench_load, bench_maps, bench_redis, bench_rollout, bench_translate, bench_vllm
 
     b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_redis.add_parser(bsub)
     bench_load.add_parser(bsub)
     bench_rollout.add_parser(bsub)
+    bench_vllm.add_parser(bsub)
 
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")

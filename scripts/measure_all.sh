@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Re-measure every number quoted in README.md and docs/benchmarks.md (writes runs/results/).
-# Usage: scripts/measure_all.sh            (about 20 minutes on 2 CPU cores)
+# Re-measure every number quoted in README.md, docs/benchmarks.md and docs/rollout.md (writes runs/results/).
+# Usage: scripts/measure_all.sh            (about 35 minutes on 2 CPU cores; the vLLM bench needs `make test-vllm` first)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 K=.venv/bin/kvferry
@@ -12,5 +12,14 @@ for T in T T64; do
   $K fit --source models/S --target models/$T --out maps --version 1.0.0 --overwrite --quiet | tee $R/fit_S__$T.txt
   $K eval maps/S__$T/1.0.0 --source models/S --target models/$T --prompts 100 --write --json $R/eval_S__$T.json --quiet | tee $R/eval_S__$T.txt
 done
+$K fit --source models/S --target models/T --out maps --version 1.1.0 --dtype bfloat16 --overwrite --quiet | tee $R/fit_S__T_1.1.0.txt
+$K eval maps/S__T/1.1.0 --source models/S --target models/T --prompts 100 --write --json $R/eval_S__T_1.1.0.json --quiet | tee $R/eval_S__T_1.1.0.txt
 $K --threads 2 bench translate --json $R/bench_translate.json | tee $R/bench_translate.txt
+$K --threads 2 bench translate --version 1.0.0 --json $R/bench_translate_fp32.json | tee $R/bench_translate_fp32.txt
 $K --threads 2 bench redis --json $R/bench_redis.json | tee $R/bench_redis.txt
+$K --threads 2 bench rollout --json $R/bench_rollout.json | tee $R/bench_rollout.txt
+$K --threads 2 bench load --clients 32 --requests 200 --json $R/bench_load.json | tee $R/bench_load.txt
+make fuzz | tee $R/fuzz.txt
+if [ -x .venv-vllm/bin/kvferry ]; then
+  .venv-vllm/bin/kvferry bench vllm --json $R/bench_vllm.json | tee $R/bench_vllm.txt
+fi

@@ -121,3 +121,17 @@ def test_gated_map_falls_back(sidecar_factory, maps_dir, family):
         res = Cascade(s.model, c, "S__S-self", MapRollout(refresh=8, min_tokens=32), s.identity).generate(
             ids, capture_kv(s.model, ids), max_new_tokens=4)
     assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible")
+
+
+def test_vllm_connector_settings_are_validated_once():
+    from kvferry.client.connector_config import ConnectorConfig
+    from kvferry.mappings.errors import InvalidInput
+
+    cfg = ConnectorConfig.from_extra({"redis_url": "redis://r:6379/0", "prefix_secret": "x" * 32, "prefix_block_size": "256",
+                                      "refresh": 16, "sidecar": "s:1", "map_name": "S__T", "timeout": "5"})
+    assert cfg.prefix_block_size == 256 and cfg.timeout == 5.0 and cfg.secret() == b"x" * 32
+    for extra, needle in (({"prefix_secret": "x"}, "redis_url"), ({"redis_url": "redis://r"}, "prefix_secret"),
+                          ({"redis_url": "redis://r", "prefix_secret": "x", "bogus": 1}, "unknown"),
+                          ({"redis_url": "redis://r", "prefix_secret": "x", "refresh": 64, "min_tokens": 32}, "min_tokens")):
+        with pytest.raises(InvalidInput, match=needle):
+            ConnectorConfig.from_extra(extra)

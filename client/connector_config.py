@@ -1,0 +1,64 @@
+"""The vLLM connector's settings (``kv_connector_extra_config``), typed and validated once.
+
+Kept apart from :mod:`kvferry.client.vllm_connector` so it can be checked without vLLM installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvferry.mappings.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config``, typed and validated once."""
+
+    redis_url: str = ""
+    """The prefix store both engines share (redis:// or rediss://)."""
+    prefix_secret: str = ""
+    """HMAC key of block hashes; the sidecar's prefix_secret (or use prefix_secret_file)."""
+    prefix_secret_file: str = ""
+    """File holding the prefix secret."""
+    prefix_block_size: int = 256
+    """Tokens per prefix block: the sidecar's prefix_block_size, a multiple of vLLM's block size."""
+    tenant: str = "default"
+    """Prefix-store namespace (with sidecar auth, the token's tenant)."""
+    sidecar: str = ""
+    """Consumer: host:port of the kvferry sidecar."""
+    map_name: str = ""
+    """Consumer: the map to use, <source>__<target>."""
+    map_version: str = ""
+    """Consumer: exact version, or "" for the newest servable one."""
+    min_tokens: int = 64
+    """Consumer: shorter prompts are left to vLLM's own prefill."""
+    refresh: int = 16
+    """Consumer: the target recomputes at least the last ``refresh`` prompt tokens itself."""
+    auth_token: str = ""
+    """Consumer: bearer token for the sidecar."""
+    timeout: float = 30.0
+    """Consumer: deadline of one translation, seconds."""
+    status_seconds: float = 5.0
+    """Consumer: how long the scheduler trusts its last look at the map's status."""
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidInput("kvferry connector: redis_url (redis:// or rediss://) is required: the engines share the prefix store")
+        if not (self.prefix_secret or self.prefix_secret_file):
+            raise InvalidInput("kvferry connector: prefix_secret (or prefix_secret_file) is required")
+        if self.prefix_block_size < 1 or self.min_tokens <= self.refresh or self.refresh < 1:
+            raise InvalidInput("kvferry connector: prefix_block_size >= 1 and min_tokens > refresh >= 1")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(extra) - set(known)
+        if unknown:
+            raise InvalidInput(f"kvferry connector: unknown kv_connector_extra_config keys {sorted(unknown)}")
+        cast = {"int": int, "float": float}
+        return cls(**{k: cast.get(str(known[k].type), str)(v) for k, v in extra.items()})
+
+    def secret(self) -> bytes:
+        return (Path(self.prefix_secret_file).read_text().strip() if self.prefix_secret_file else self.prefix_secret).encode()

@@ -1,0 +1,273 @@
+"""kvferry as a vLLM KV connector (``KVConnectorBase_V1``), loaded by an unmodified vLLM::
+
+    --kv-transfer-config '{"kv_connector": "KvferryConnector",
+                           "kv_connector_module_path": "kvferry.client.vllm_connector",
+                           "kv_role": "kv_consumer",            # the target engine; "kv_producer" on the source
+                           "kv_connector_extra_config": {"sidecar": "127.0.0.1:50551", "map_name": "S__T",
+                                                         "redis_url": "redis://…", "prefix_secret": "…"}}'
+
+Producer (the source engine): after a prompt's prefill, its source KV blocks go to the prefix store
+(the same HMAC-keyed blocks as ``publish_source``). Consumer (the target engine): the scheduler asks
+the store how many leading blocks of the prompt are published (a side-effect-free probe) and, if the
+map is servable, reports them as matched tokens, minus the tail the target recomputes itself. The
+worker then asks the sidecar to translate that prefix by key (paged, in vLLM's block size) and writes
+the pages into vLLM's paged KV cache; vLLM computes only the uncovered tail. If the translation fails,
+the blocks are reported as load errors and vLLM recomputes them: a request never fails because of us.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from kvferry.mappings.errors import InvalidInput
+
+from .connector_config import ConnectorConfig
+from .prefix import Namespace, block_hashes
+
+log = logging.getLogger("kvferry.vllm")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class _Load:
+    req_id: str
+    token_ids: list[int]  # the prefix to translate (whole prefix blocks)
+    block_ids: list[int]  # vLLM blocks of the request, in order
+    start: int  # first token not already in vLLM's own cache
+
+
+@dataclass
+class _Save:
+    req_id: str
+    token_ids: list[int]  # the prompt
+    block_ids: list[int]
+
+
+@dataclass
+class KvferryMetadata(KVConnectorMetadata):
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.cfg = ConnectorConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        self.block_size = vllm_config.cache_config.block_size
+        if self.cfg.prefix_block_size % self.block_size:
+            raise InvalidInput(f"kvferry connector: prefix_block_size {self.cfg.prefix_block_size} must be a multiple of "
+                               f"vLLM's block size {self.block_size}")
+        self.consumer = self._kv_transfer_config.is_kv_consumer
+        self.producer = self._kv_transfer_config.is_kv_producer
+        self.model_path = vllm_config.model_config.model
+        self._secret = self.cfg.secret()
+        self._store = None
+        self._client = None
+        self._identity_ns: Namespace | None = None
+        self._status: tuple[float, Namespace | None, bool] = (0.0, None, False)
+        self._pending: dict[str, _Load] = {}
+        self._load_errors: set[int] = set()
+        self._collected: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._save_meta: dict[str, _Save] = {}
+        self._lock = threading.Lock()
+        self.stats = {"matched_tokens": 0, "loaded_tokens": 0, "load_failures": 0, "published_blocks": 0}
+
+    # ---- shared helpers ------------------------------------------------------------------------
+    def store(self):
+        if self._store is None:
+            from .stores import RedisStore
+
+            self._store = RedisStore(self.cfg.redis_url)
+        return self._store
+
+    def client(self):
+        if self._client is None:
+            from .client import ClientOptions, TranslateClient
+
+            self._client = TranslateClient(ClientOptions(target=self.cfg.sidecar, timeout=self.cfg.timeout, retries=1,
+                                                         auth_token=self.cfg.auth_token))
+        return self._client
+
+    def _source_namespace(self) -> tuple[Namespace | None, bool]:
+        """The map's source namespace and whether the map is servable, from ListMappings (cached)."""
+        checked, ns, ok = self._status
+        if time.monotonic() - checked < self.cfg.status_seconds:
+            return ns, ok
+        ns, ok = None, False
+        try:
+            for m in self.client().list_mappings(self.cfg.map_name):
+                if m.name == self.cfg.map_name and (m.version == self.cfg.map_version or not self.cfg.map_version) and m.servable:
+                    ns = Namespace(self.cfg.tenant, f"{m.source.fingerprint}:{m.tokenizer_fingerprint}")
+                    ok = True
+                    break
+        except Exception as e:  # noqa: BLE001 - a sidecar outage means "no match", never a failed request
+            log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
+        self._status = (time.monotonic(), ns, ok)
+        return ns, ok
+
+    # ---- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.consumer:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        n = len(prompt)
+        if n < self.cfg.min_tokens:
+            return 0, False
+        ns, ok = self._source_namespace()
+        if not ok:
+            return 0, False
+        usable = (n - self.cfg.refresh) // self.cfg.prefix_block_size  # whole prefix blocks before the refreshed tail
+        if usable < 1:
+            return 0, False
+        hashes = block_hashes(self._secret, ns, prompt[: usable * self.cfg.prefix_block_size], self.cfg.prefix_block_size)
+        try:
+            present = self.store().exists_many([ns.key(h) for h in hashes])
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvferry: prefix store unavailable (%s); prefilling normally", e)
+            return 0, False
+        blocks = next((i for i, p in enumerate(present) if not p), len(present))
+        matched = blocks * self.cfg.prefix_block_size
+        return max(0, matched - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if num_external_tokens > 0:
+            total = request.num_computed_tokens + num_external_tokens
+            self._pending[request.request_id] = _Load(request.request_id, list(request.prompt_token_ids[:total]), [],
+                                                      request.num_computed_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = KvferryMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self._pending.pop(new.req_id, None)
+            if load is not None:
+                load.block_ids = list(new.block_ids[0])
+                meta.loads.append(load)
+            elif self.producer and new.prompt_token_ids:
+                done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+                if done >= len(new.prompt_token_ids) >= self.cfg.prefix_block_size:
+                    meta.saves.append(_Save(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0])))
+        self._pending.clear()
+        return meta
+
+    # ---- worker side ---------------------------------------------------------------------------
+    @staticmethod
+    def _kv_views(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views [blocks, kv_heads, block_size, head_dim] of vLLM's CPU cache layer.
+
+        The layer is [blocks, kv_heads, block_size, 2 * head_dim]; per block and head its memory holds the
+        keys dims-major ([head_dim, block_size]: the kernel reads one dim across tokens) and then the values
+        token-major ([block_size, head_dim]). Checked against the HF model's own cache in tests/test_vllm.py."""
+        nb, heads, bs, width = kv_cache.shape
+        d = width // 2
+        halves = kv_cache.view(nb, heads, 2, bs * d)
+        return halves[:, :, 0].view(nb, heads, d, bs).transpose(2, 3), halves[:, :, 1].view(nb, heads, bs, d)
+
+    def _attention_layers(self, forward_context) -> dict[int, torch.Tensor]:
+        out = {}
+        for name, layer in forward_context.no_compile_layers.items():
+            kv = getattr(layer, "kv_cache", None)
+            m = _LAYER.search(name)
+            if kv is None or m is None:
+                continue
+            out[int(m.group(1))] = kv[0] if isinstance(kv, (list, tuple)) else kv
+        return out
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvferryMetadata) or not meta.loads:
+            return
+        layers = self._attention_layers(forward_context)
+        for load in meta.loads:
+            try:
+                self._load(load, layers)
+                self.stats["loaded_tokens"] += len(load.token_ids) - load.start
+            except Exception as e:  # noqa: BLE001 - vLLM recomputes these blocks; the request goes on
+                self.stats["load_failures"] += 1
+                first, last = load.start // self.block_size, (len(load.token_ids) - 1) // self.block_size
+                self._load_errors.update(load.block_ids[first : last + 1])
+                log.warning("kvferry: translation for %s failed (%s); vLLM recomputes %d blocks", load.req_id, e,
+                            last - first + 1)
+
+    def _load(self, load: _Load, layers: dict[int, torch.Tensor]) -> None:
+        ns, ok = self._source_namespace()
+        if not ok:
+            raise RuntimeError("map not servable")
+        key = block_hashes(self._secret, ns, load.token_ids, self.cfg.prefix_block_size)[-1].hex()
+        res = self.client().translate(None, self.cfg.map_name, self.cfg.map_version, token_ids=load.token_ids, prefix_key=key,
+                                      tenant=self.cfg.tenant, layout="paged", block_size=self.block_size,
+                                      source_geometry=ns.model.split(":")[0], tokenizer=ns.model.split(":")[1])
+        if res.info.num_tokens < len(load.token_ids):
+            raise RuntimeError(f"the sidecar translated {res.info.num_tokens} of {len(load.token_ids)} tokens")
+        for b in res.blocks:  # pages of block_size tokens: [block_size, kv_heads, head_dim]
+            if b.end <= load.start:
+                continue
+            cache = layers[b.layer]
+            k_view, v_view = self._kv_views(cache, self.block_size)
+            dest = load.block_ids[b.start // self.block_size]
+            k_view[dest].copy_(b.key.transpose(0, 1).to(cache.dtype))
+            v_view[dest].copy_(b.value.transpose(0, 1).to(cache.dtype))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads synchronously
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvferryMetadata) or not meta.saves:
+            return
+        m = _LAYER.search(layer_name)
+        if m is None:
+            return
+        k_view, v_view = self._kv_views(kv_layer, self.block_size)
+        for save in meta.saves:
+            n = len(save.token_ids) // self.cfg.prefix_block_size * self.cfg.prefix_block_size
+            blocks = torch.tensor(save.block_ids[: (n + self.block_size - 1) // self.block_size])
+            k = k_view[blocks].permute(1, 0, 2, 3).reshape(k_view.shape[1], -1, k_view.shape[3])[:, :n]  # [H, n, D]
+            v = v_view[blocks].permute(1, 0, 2, 3).reshape(v_view.shape[1], -1, v_view.shape[3])[:, :n]
+            self._collected.setdefault(save.req_id, {})[int(m.group(1))] = (k.clone(), v.clone())
+            self._save_meta[save.req_id] = save
+
+    def wait_for_save(self):
+        for req_id in list(self._collected):
+            layers = self._collected.pop(req_id)
+            save = self._save_meta.pop(req_id)
+            n = len(save.token_ids) // self.cfg.prefix_block_size * self.cfg.prefix_block_size
+            try:
+                self._publish(save.token_ids[:n], [layers[i] for i in sorted(layers)])
+            except Exception as e:  # noqa: BLE001 - a failed publish is a future miss, never a failed request
+                log.warning("kvferry: publishing %s failed: %s", req_id, e)
+
+    def _publish(self, token_ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        from .prefix_cache import publish_source
+
+        key = publish_source([(k[None], v[None]) for k, v in layers], token_ids, self._identity(), store=self.store(),
+                             secret=self._secret, tenant=self.cfg.tenant, block_size=self.cfg.prefix_block_size)
+        self.stats["published_blocks"] += len(token_ids) // self.cfg.prefix_block_size
+        log.info("kvferry: published %d source tokens (prefix key %s…)", len(token_ids), key[:12])
+
+    def _identity(self):
+        if self._identity_ns is None:
+            from transformers import AutoConfig, AutoTokenizer
+
+            from kvferry.mappings.geometry import ModelIdentity, geometry_of, tokenizer_fingerprint
+
+            cfg = AutoConfig.from_pretrained(self.model_path)
+            tok = AutoTokenizer.from_pretrained(self.model_path)
+            self._identity_ns = ModelIdentity(Path(self.model_path).name, geometry_of(cfg), tokenizer_fingerprint(tok), "")
+        return self._identity_ns
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self):
+        if self._client is not None:
+            self._client.close()

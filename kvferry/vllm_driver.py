@@ -1,0 +1,102 @@
+"""Run one vLLM engine (optionally with the kvferry connector) and serve batches over stdin/stdout.
+
+    python -m kvferry.vllm_driver --model models/T --role kv_consumer --extra '{"sidecar": …}'
+
+Prints ``{"ready": true, "block_size": …}`` once the engine is up, then for each JSON line on stdin
+(``{"prompts": [[ids…], …], "max_tokens": 8}``) one JSON line with, per prompt, the generated token
+ids, the first token's top logprobs, the prompt tokens served from cache (``num_cached_tokens``:
+vLLM's own count, external loads included) and the time to first token. Each engine lives in its own
+process because vLLM keeps the KV connector in a process-wide singleton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+class EngineProcess:
+    """Start a driver process and talk to it: ``batch(prompts)`` -> per-prompt results."""
+
+    def __init__(self, model: str, role: str = "none", extra: dict | None = None, env: dict | None = None,
+                 max_model_len: int = 8192):
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry.vllm_driver", "--model", str(model), "--role", role,
+                                      "--extra", json.dumps(extra or {}), "--max-model-len", str(max_model_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, **(env or {})})
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the vLLM driver exited (code {self.proc.wait()}); see its stderr")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def batch(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["results"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--role", choices=["none", "kv_producer", "kv_consumer", "kv_both"], default="none")
+    ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=None)
+    a = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if a.role != "none":
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KvferryConnector", kv_role=a.role,
+                                                    kv_connector_module_path="kvferry.client.vllm_connector",
+                                                    kv_connector_extra_config=json.loads(a.extra))
+    if a.block_size:
+        kw["block_size"] = a.block_size
+    llm = LLM(model=a.model, dtype="float32", max_model_len=a.max_model_len, enforce_eager=True, enable_prefix_caching=False,
+              max_num_batched_tokens=a.max_model_len, seed=0, **kw)
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    print(json.dumps({"ready": True, "block_size": block_size}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=5)
+        out = []
+        for ids in job["prompts"]:  # one at a time: a clean TTFT per prompt
+            first = SamplingParams(temperature=0.0, max_tokens=1)
+            t0 = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)
+            ttft = time.perf_counter() - t0
+            res = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+            comp = res.outputs[0]
+            top = comp.logprobs[0] if comp.logprobs else {}
+            out.append({"tokens": list(comp.token_ids), "num_cached_tokens": res.num_cached_tokens, "ttft_s": ttft,
+                        "top_logprobs": {str(t): lp.logprob for t, lp in top.items()}})
+        print(json.dumps({"results": out}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
