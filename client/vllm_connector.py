@@ -78,6 +78,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._collected: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._save_meta: dict[str, _Save] = {}
+        self._prefilling: dict[str, _Save] = {}  # scheduler side: prompts whose prefill has not finished
         self._lock = threading.Lock()
         self.stats = {"matched_tokens": 0, "loaded_tokens": 0, "load_failures": 0, "published_blocks": 0}
 
@@ -151,12 +152,33 @@ class KvferryConnector(KVConnectorBase_V1):
             if load is not None:
                 load.block_ids = list(new.block_ids[0])
                 meta.loads.append(load)
-            elif self.producer and new.prompt_token_ids:
-                done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-                if done >= len(new.prompt_token_ids) >= self.cfg.prefix_block_size:
-                    meta.saves.append(_Save(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0])))
+            elif self.producer and new.prompt_token_ids and len(new.prompt_token_ids) >= self.cfg.prefix_block_size:
+                self._prefilling[new.req_id] = _Save(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0]))
+                self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        if self.producer and self._prefilling:  # chunked prefill: a prompt completes in a later step
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                save = self._prefilling.get(req_id)
+                if save is None:
+                    continue
+                if req_id in cached.resumed_req_ids:  # preempted and resumed: its blocks were replaced
+                    self._prefilling.pop(req_id)
+                    continue
+                if cached.new_block_ids[i]:
+                    save.block_ids += list(cached.new_block_ids[i][0])
+                self._maybe_save(meta, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         self._pending.clear()
         return meta
+
+    def _maybe_save(self, meta: KvferryMetadata, req_id: str, computed_after_step: int) -> None:
+        """Publish once the whole prompt is in vLLM's cache (at the end of this step's forward)."""
+        save = self._prefilling[req_id]
+        if computed_after_step >= len(save.token_ids):
+            meta.saves.append(self._prefilling.pop(req_id))
+
+    def request_finished(self, request, block_ids):
+        self._prefilling.pop(request.request_id, None)
+        return False, None
 
     # ---- worker side ---------------------------------------------------------------------------
     @staticmethod

@@ -22,12 +22,15 @@ class EngineProcess:
     """Start a driver process and talk to it: ``batch(prompts)`` -> per-prompt results."""
 
     def __init__(self, model: str, role: str = "none", extra: dict | None = None, env: dict | None = None,
-                 max_model_len: int = 8192):
+                 max_model_len: int = 8192, max_num_batched_tokens: int | None = None):
         import subprocess
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry.vllm_driver", "--model", str(model), "--role", role,
-                                      "--extra", json.dumps(extra or {}), "--max-model-len", str(max_model_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, **(env or {})})
+        cmd = [sys.executable, "-m", "kvferry.vllm_driver", "--model", str(model), "--role", role,
+               "--extra", json.dumps(extra or {}), "--max-model-len", str(max_model_len)]
+        if max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="below the prompt length: chunked prefill")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -78,7 +82,7 @@ def main() -> None:
     if a.block_size:
         kw["block_size"] = a.block_size
     llm = LLM(model=a.model, dtype="float32", max_model_len=a.max_model_len, enforce_eager=True, enable_prefix_caching=False,
-              max_num_batched_tokens=a.max_model_len, seed=0, **kw)
+              max_num_batched_tokens=a.max_num_batched_tokens or a.max_model_len, seed=0, **kw)
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     print(json.dumps({"ready": True, "block_size": block_size}), flush=True)
     for line in sys.stdin:

@@ -57,7 +57,7 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
     consumer = lambda model, name: {**common, "sidecar": sidecar.address, "map_name": name, "status_seconds": 0}  # noqa: E731
     try:
         with EngineProcess(MODELS / "T", "kv_consumer", consumer(MODELS / "T", "S__T")) as target, \
-                EngineProcess(MODELS / "S", "kv_producer", common) as source:
+                EngineProcess(MODELS / "S", "kv_producer", common, max_num_batched_tokens=256) as source:  # chunked prefill
             bs = target.info["block_size"]
             covered = (LENGTH - 16) // PREFIX_BLOCK * PREFIX_BLOCK  # whole prefix blocks before the refreshed tail
             baseline = target.batch(prompts)  # nothing published yet: T's own prefill
