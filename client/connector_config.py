@@ -36,6 +36,9 @@ class ConnectorConfig:
     """Consumer: shorter prompts are left to vLLM's own prefill."""
     refresh: int = 16
     """Consumer: the target recomputes at least the last ``refresh`` prompt tokens itself."""
+    policy_file: str = ""
+    """Consumer: the rollout policy file (see kvferry.client.rollout): kill switch, canary share, version pin,
+    min_tokens and refresh for map_name, re-read when it changes. Empty: the fields above apply as they are."""
     auth_token: str = ""
     """Consumer: bearer token for the sidecar."""
     timeout: float = 30.0

@@ -17,6 +17,7 @@ the blocks are reported as load errors and vLLM recomputes them: a request never
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import threading
@@ -40,6 +41,7 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 @dataclass
 class _Load:
     req_id: str
+    version: str  # the map version the scheduler chose (policy pin or configured)
     token_ids: list[int]  # the prefix to translate (whole prefix blocks)
     block_ids: list[int]  # vLLM blocks of the request, in order
     start: int  # first token not already in vLLM's own cache
@@ -73,8 +75,14 @@ class KvferryConnector(KVConnectorBase_V1):
         self._store = None
         self._client = None
         self._identity_ns: Namespace | None = None
-        self._status: tuple[float, Namespace | None, bool] = (0.0, None, False)
+        self._status: tuple[float, Namespace | None, bool, str] = (0.0, None, False, "")
+        self._policy = None
+        if self.cfg.policy_file and self.consumer:
+            from .rollout import PolicyStore
+
+            self._policy = PolicyStore(path=self.cfg.policy_file, reload_seconds=1.0)
         self._pending: dict[str, _Load] = {}
+        self._versions: dict[str, str] = {}  # scheduler side: the version chosen when the tokens were matched
         self._load_errors: set[int] = set()
         self._collected: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._save_meta: dict[str, _Save] = {}
@@ -98,35 +106,53 @@ class KvferryConnector(KVConnectorBase_V1):
                                                          auth_token=self.cfg.auth_token))
         return self._client
 
-    def _source_namespace(self) -> tuple[Namespace | None, bool]:
-        """The map's source namespace and whether the map is servable, from ListMappings (cached)."""
-        checked, ns, ok = self._status
-        if time.monotonic() - checked < self.cfg.status_seconds:
+    def _source_namespace(self, version: str) -> tuple[Namespace | None, bool]:
+        """The map's source namespace and whether ``version`` ("": any) is servable, from ListMappings (cached)."""
+        checked, ns, ok, seen = self._status
+        if time.monotonic() - checked < self.cfg.status_seconds and seen == version:
             return ns, ok
         ns, ok = None, False
         try:
             for m in self.client().list_mappings(self.cfg.map_name):
-                if m.name == self.cfg.map_name and (m.version == self.cfg.map_version or not self.cfg.map_version) and m.servable:
+                if m.name == self.cfg.map_name and (m.version == version or not version) and m.servable:
                     ns = Namespace(self.cfg.tenant, f"{m.source.fingerprint}:{m.tokenizer_fingerprint}")
                     ok = True
                     break
         except Exception as e:  # noqa: BLE001 - a sidecar outage means "no match", never a failed request
             log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
-        self._status = (time.monotonic(), ns, ok)
+        self._status = (time.monotonic(), ns, ok, version)
         return ns, ok
+
+    def _rollout(self, request) -> tuple[str, int, int] | None:
+        """(version, min_tokens, refresh) for this request, or None when the rollout policy keeps it off the
+        mapped path (kill switch, automatic switch-off, outside the canary)."""
+        if self._policy is None:
+            return self.cfg.map_version, self.cfg.min_tokens, self.cfg.refresh
+        name = self.cfg.map_name
+        if self._policy.off_reason(name):
+            return None
+        r = self._policy.get(name)
+        bucket = int.from_bytes(hashlib.sha256(str(request.request_id).encode()).digest()[:4], "little") % 10000
+        if bucket >= r.canary_percent * 100:  # a stable per-request draw: the scheduler may ask more than once
+            return None
+        return (self.cfg.map_version if r.version == "latest" else r.version), r.min_tokens, r.refresh
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.consumer:
             return 0, False
+        plan = self._rollout(request)
+        if plan is None:
+            return 0, False
+        version, min_tokens, refresh = plan
         prompt = list(request.prompt_token_ids or [])
         n = len(prompt)
-        if n < self.cfg.min_tokens:
+        if n < min_tokens:
             return 0, False
-        ns, ok = self._source_namespace()
+        ns, ok = self._source_namespace(version)
         if not ok:
             return 0, False
-        usable = (n - self.cfg.refresh) // self.cfg.prefix_block_size  # whole prefix blocks before the refreshed tail
+        usable = (n - refresh) // self.cfg.prefix_block_size  # whole prefix blocks before the refreshed tail
         if usable < 1:
             return 0, False
         hashes = block_hashes(self._secret, ns, prompt[: usable * self.cfg.prefix_block_size], self.cfg.prefix_block_size)
@@ -137,12 +163,15 @@ class KvferryConnector(KVConnectorBase_V1):
             return 0, False
         blocks = next((i for i, p in enumerate(present) if not p), len(present))
         matched = blocks * self.cfg.prefix_block_size
+        if matched > num_computed_tokens:
+            self._versions[request.request_id] = version
         return max(0, matched - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens > 0:
             total = request.num_computed_tokens + num_external_tokens
-            self._pending[request.request_id] = _Load(request.request_id, list(request.prompt_token_ids[:total]), [],
+            version = self._versions.pop(request.request_id, self.cfg.map_version)
+            self._pending[request.request_id] = _Load(request.request_id, version, list(request.prompt_token_ids[:total]), [],
                                                       request.num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -178,6 +207,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         self._prefilling.pop(request.request_id, None)
+        self._versions.pop(request.request_id, None)
         return False, None
 
     # ---- worker side ---------------------------------------------------------------------------
@@ -220,11 +250,11 @@ class KvferryConnector(KVConnectorBase_V1):
                             last - first + 1)
 
     def _load(self, load: _Load, layers: dict[int, torch.Tensor]) -> None:
-        ns, ok = self._source_namespace()
+        ns, ok = self._source_namespace(load.version)
         if not ok:
             raise RuntimeError("map not servable")
         key = block_hashes(self._secret, ns, load.token_ids, self.cfg.prefix_block_size)[-1].hex()
-        res = self.client().translate(None, self.cfg.map_name, self.cfg.map_version, token_ids=load.token_ids, prefix_key=key,
+        res = self.client().translate(None, self.cfg.map_name, load.version, token_ids=load.token_ids, prefix_key=key,
                                       tenant=self.cfg.tenant, layout="paged", block_size=self.block_size,
                                       source_geometry=ns.model.split(":")[0], tokenizer=ns.model.split(":")[1])
         if res.info.num_tokens < len(load.token_ids):

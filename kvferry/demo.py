@@ -101,6 +101,9 @@ def run(a: argparse.Namespace) -> int:
         t = mapped.timings
         print(f"                    (translate {t['translate'] * 1e3:.1f} ms over gRPC, import {t['import'] * 1e3:.1f} ms, "
               f"refresh + first token {t['refresh_first_token'] * 1e3:.1f} ms; {mapped.translate.stats.bytes_in / 2**20:.2f} MiB in)")
+    if mapped.drift is not None:
+        print(f"   drift signal (free, on the {mapped.drift.tokens} refreshed tokens): attention-output cosine "
+              f"{mapped.drift.mean_attn_cos:.3f}, K/V relative error {mapped.drift.mean_rel_err:.3f}")
     print(f"   greedy agreement over 32 tokens: {agree:.2f}")
     print(f"   recall answer: full prefill {'correct' if dec(gold.tokens).startswith(answer) else 'wrong'}, "
           f"kvferry {'correct' if dec(mapped.tokens).startswith(answer) else 'wrong'}")

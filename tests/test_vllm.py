@@ -6,12 +6,14 @@ loads the translation into its paged cache and computes only the tail.
 """
 
 import shutil
+import time
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this in its own venv")
 
-from kvferry.mappings.artifact import save  # noqa: E402
+from kvferry.client.rollout import update_policy_file  # noqa: E402
+from kvferry.mappings.artifact import save, write_evidence  # noqa: E402
 from kvferry.mappings.capture import read_corpus, token_windows  # noqa: E402
 from kvferry.mappings.fit import identity_mapset  # noqa: E402
 from kvferry.sidecar.background import BackgroundSidecar  # noqa: E402
@@ -48,12 +50,14 @@ def _published_kv_is_the_models_own(model, redis_url, ids):
 def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redis_url):
     s, t = family["S"], family["T"]
     maps = tmp_path / "maps"
-    save(identity_mapset(s.identity, version="1.0.0"), maps)
+    good = {"arms": {"mapped_refresh": {"top1": 1.0, "top10": 1.0, "kl": 0.0, "attn_cos": 1.0}}, "recommended_refresh": 16}
+    self_map = save(identity_mapset(s.identity, version="1.0.0"), maps)
+    write_evidence(self_map, good)
     shutil.copytree(MODELS.parent / "maps" / "S__T", maps / "S__T")  # the shipped map, with its evidence
     prompts = [w.tolist() for w in token_windows(t.tokenizer, list(read_corpus([DATA / "heldout.jsonl"])), LENGTH)[:PROMPTS]]
     common = {"redis_url": redis_url, "prefix_secret": SECRET, "prefix_block_size": PREFIX_BLOCK}
     sidecar = BackgroundSidecar(SidecarConfig(maps_dir=str(maps), port=0, reload_seconds=0, redis_url=redis_url,
-                                              prefix_secret=SECRET, prefix_block_size=PREFIX_BLOCK, force_maps=True))
+                                              prefix_secret=SECRET, prefix_block_size=PREFIX_BLOCK))  # gates on
     consumer = lambda model, name: {**common, "sidecar": sidecar.address, "map_name": name, "status_seconds": 0}  # noqa: E731
     try:
         with EngineProcess(MODELS / "T", "kv_consumer", consumer(MODELS / "T", "S__T")) as target, \
@@ -73,16 +77,28 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
         # kvferry eval's evidence for this map (mapped + refresh 16): top-1 0.90, 32-token greedy agreement 0.52
         assert first >= 0.6 and greedy >= 0.3, (first, greedy)
 
-        with EngineProcess(MODELS / "S", "kv_consumer", consumer(MODELS / "S", "S__S-self")) as self_map:
-            exact = self_map.batch(prompts)
+        policy = tmp_path / "policy.toml"
+        update_policy_file(policy, "S__S-self", enabled=True)
+        with EngineProcess(MODELS / "S", "kv_consumer", {**consumer(MODELS / "S", "S__S-self"), "policy_file": str(policy)}) as engine:
+            exact = engine.batch(prompts)
             assert all(r["num_cached_tokens"] >= covered for r in exact)
             for a, b in zip(source_out, exact):  # an exact map: the same tokens and logprobs as S's own prefill
                 assert a["tokens"] == b["tokens"]
                 for tok, lp in a["top_logprobs"].items():
                     assert abs(b["top_logprobs"][tok] - lp) < 1e-3
+            same = [r["tokens"] for r in source_out]
+            update_policy_file(policy, "S__S-self", enabled=False)  # the rollout kill switch
+            time.sleep(1.1)
+            off = engine.batch(prompts)
+            assert all(r["num_cached_tokens"] == 0 for r in off) and [r["tokens"] for r in off] == same
+            update_policy_file(policy, "S__S-self", enabled=True)
+            write_evidence(self_map, {**good, "arms": {"mapped_refresh": {**good["arms"]["mapped_refresh"], "top10": 0.1}}})
+            sidecar.call(sidecar.sidecar.reload())  # the map's evidence now fails the gate: it is gated off
+            time.sleep(1.1)
+            gated = engine.batch(prompts)
+            assert all(r["num_cached_tokens"] == 0 for r in gated) and [r["tokens"] for r in gated] == same
             sidecar.stop()
-            down = self_map.batch(prompts)  # sidecar gone: 0 matched tokens, vLLM's own prefill, same answers
-            assert all(r["num_cached_tokens"] == 0 for r in down)
-            assert [r["tokens"] for r in down] == [r["tokens"] for r in source_out]
+            down = engine.batch(prompts)  # sidecar gone: 0 matched tokens, vLLM's own prefill, same answers
+            assert all(r["num_cached_tokens"] == 0 for r in down) and [r["tokens"] for r in down] == same
     finally:
         sidecar.stop()
