@@ -7,8 +7,11 @@ name, version and content digest. Keys therefore reveal nothing about the text, 
 reuses the blocks of its shared prefix, and one tenant's keys can never equal another's.
 
 Value: one self-describing, checksummed blob per block holding every layer's K and V:
-    b"KVFB1\\n" + sha256(payload) + payload,  payload = safetensors (layer.{i}.k / layer.{i}.v,
-    each [kv_heads, block_size, head_dim], with metadata naming the format, tokens and namespace).
+    b"KVFB2\\n" + crc32(payload) (4 bytes, little-endian) + payload,  payload = safetensors
+    (layer.{i}.k / layer.{i}.v, each [kv_heads, block_size, head_dim], with metadata naming the
+    format, tokens and block hash). The checksum catches corruption and truncation (it is not a
+    signature: see SECURITY.md); CRC-32 runs at twice SHA-256's speed here, and reads are the hot path.
+    Blobs of format 1 (b"KVFB1\\n" + sha256) are still read. Tensors are read in place, without copies.
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ import hmac
 import json
 import re
 import struct
+import warnings
+import zlib
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kvferry.mappings.errors import InvalidInput, KvferryError
 
-MAGIC = b"KVFB1\n"
+MAGIC = b"KVFB2\n"
+MAGIC_V1 = b"KVFB1\n"  # sha256 checksum; still readable
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -87,21 +92,25 @@ def encode_block(layers: list[LayerKV], block_hash: bytes, tokens: int) -> bytes
     meta = {"format": "kvferry.block", "version": "1", "tokens": str(tokens), "hash": block_hash.hex(),
             "layers": str(len(layers))}
     payload = st_save(tensors, metadata=meta)
-    return MAGIC + hashlib.sha256(payload).digest() + payload
+    return MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload
 
 
 def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int], dtype: torch.dtype | None = None) -> list[LayerKV]:
     """Verify and unpack a blob; raises CorruptBlock on any mismatch."""
-    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 32:
+    view = memoryview(blob)
+    if blob.startswith(MAGIC) and len(blob) >= len(MAGIC) + 4:
+        start = len(MAGIC) + 4
+        if zlib.crc32(view[start:]) != int.from_bytes(blob[len(MAGIC) : start], "little"):
+            raise CorruptBlock("checksum mismatch")
+    elif blob.startswith(MAGIC_V1) and len(blob) >= len(MAGIC_V1) + 32:
+        start = len(MAGIC_V1) + 32
+        if hashlib.sha256(view[start:]).digest() != blob[len(MAGIC_V1) : start]:
+            raise CorruptBlock("checksum mismatch")
+    else:
         raise CorruptBlock("not a kvferry block (bad magic or truncated)")
-    digest, payload = blob[len(MAGIC) : len(MAGIC) + 32], blob[len(MAGIC) + 32 :]
-    if hashlib.sha256(payload).digest() != digest:
-        raise CorruptBlock("checksum mismatch")
     try:
-        n = int.from_bytes(payload[:8], "little")
-        meta = json.loads(payload[8 : 8 + n]).get("__metadata__", {})
-        tensors = st_load(payload)
-    except (SafetensorError, ValueError, UnicodeDecodeError) as e:
+        meta, tensors = _read_safetensors(view[start:])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CorruptBlock(f"unreadable payload: {e}") from None
     if meta.get("hash") != block_hash.hex() or meta.get("layers") != str(layers):
         raise CorruptBlock("block metadata does not match the requested hash or layer count")
@@ -114,6 +123,30 @@ def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, 
             k, v = k.to(dtype), v.to(dtype)
         out.append((k, v))
     return out
+
+
+def _read_safetensors(buf: memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Parse a safetensors payload into tensors that view ``buf`` (no copies); every offset is bounds-checked."""
+    n = int.from_bytes(buf[:8], "little")
+    if not 0 < n <= len(buf) - 8:
+        raise ValueError("bad header length")
+    header = json.loads(bytes(buf[8 : 8 + n]))
+    data = buf[8 + n :]
+    meta = header.pop("__metadata__", {}) or {}
+    tensors = {}
+    for name, info in header.items():
+        dtype = _ST_DTYPES[info["dtype"]]
+        shape = tuple(int(x) for x in info["shape"])
+        lo, hi = (int(x) for x in info["data_offsets"])
+        count = 1
+        for d in shape:
+            count *= d
+        if not 0 <= lo <= hi <= len(data) or hi - lo != count * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"tensor {name}: offsets [{lo}, {hi}) do not fit its shape or the payload")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: never written
+            tensors[name] = torch.frombuffer(data[lo:hi], dtype=dtype).view(shape) if count else torch.empty(shape, dtype=dtype)
+    return meta, tensors
 
 
 def split_blocks(layers: list[LayerKV], start: int, stop: int, block_size: int) -> list[list[LayerKV]]:

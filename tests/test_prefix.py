@@ -50,6 +50,30 @@ def test_block_roundtrip_and_corruption():
         decode_block(blob, b"\x02" * 32, 3, (2, BS, 8))
 
 
+def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
+    import hashlib
+    import json
+    import zlib
+
+    from kvferry.client.prefix import MAGIC, MAGIC_V1
+
+    layers = [tuple(t[0] for t in kv) for kv in make_kv(layers=2, tokens=8, heads=2, head_dim=16)]
+    h = b"\x01" * 32
+    blob = encode_block(layers, h, 8)
+    payload = blob[len(MAGIC) + 4 :]
+    v1 = MAGIC_V1 + hashlib.sha256(payload).digest() + payload
+    for got in (decode_block(blob, h, 2, (2, 8, 16)), decode_block(v1, h, 2, (2, 8, 16))):
+        torch.testing.assert_close(got[1][0], layers[1][0])
+    n = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + n])
+    header["layer.0.k"]["data_offsets"] = [0, 10 ** 9]  # claims more bytes than the blob holds
+    text = json.dumps(header).encode()
+    text += b" " * (n - len(text)) if len(text) <= n else b""
+    forged = len(text).to_bytes(8, "little") + text + payload[8 + n :]
+    with pytest.raises(CorruptBlock, match="offsets"):
+        decode_block(MAGIC + zlib.crc32(forged).to_bytes(4, "little") + forged, h, 2, (2, 8, 16))
+
+
 def test_memory_store_is_bounded_and_expires():
     s = MemoryStore(max_bytes=100)
     assert s.put_many([("a", b"x" * 40), ("b", b"y" * 40)], ttl=60) == 2
