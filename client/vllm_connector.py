@@ -70,6 +70,16 @@ class KvferryConnector(KVConnectorBase_V1):
                                f"vLLM's block size {self.block_size}")
         self.consumer = self._kv_transfer_config.is_kv_consumer
         self.producer = self._kv_transfer_config.is_kv_producer
+        if self.consumer and getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            # vLLM's default fails a request whose external KV did not load; kvferry's contract is that a failed
+            # translation costs only the prefill it would have saved. The scheduler reads the policy after
+            # creating its connector, so setting it here takes effect.
+            try:
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            except (AttributeError, TypeError, ValueError):
+                raise InvalidInput("kvferry connector: set kv_transfer_config.kv_load_failure_policy = 'recompute' so that "
+                                   "a failed translation is recomputed instead of failing the request") from None
+            log.info("kvferry: kv_load_failure_policy set to 'recompute' (a failed translation is recomputed by vLLM)")
         self.model_path = vllm_config.model_config.model
         self._secret = self.cfg.secret()
         self._store = None

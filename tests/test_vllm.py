@@ -100,5 +100,15 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
             sidecar.stop()
             down = engine.batch(prompts)  # sidecar gone: 0 matched tokens, vLLM's own prefill, same answers
             assert all(r["num_cached_tokens"] == 0 for r in down) and [r["tokens"] for r in down] == same
+        # A translation that fails after the scheduler matched the tokens (this sidecar derives other keys, so
+        # it finds nothing for them): the worker reports the blocks as load errors and vLLM recomputes them.
+        other = BackgroundSidecar(SidecarConfig(maps_dir=str(maps), port=0, reload_seconds=0, redis_url=redis_url,
+                                                prefix_secret="w" * 32, prefix_block_size=PREFIX_BLOCK, force_maps=True))
+        try:
+            with EngineProcess(MODELS / "S", "kv_consumer", {**common, "sidecar": other.address, "map_name": "S__S-self"}) as engine:
+                failed = engine.batch(prompts)
+            assert [r["tokens"] for r in failed] == same
+        finally:
+            other.stop()
     finally:
         sidecar.stop()
