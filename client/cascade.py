@@ -88,7 +88,7 @@ class Cascade:
         self._evidence: dict[tuple[str, str], object] = {}
         from kvferry.mappings.geometry import geometry_of
 
-        self._target_geometry = geometry_of(target_model.config).fingerprint  # maps for another model are never used
+        self._target_geometry = geometry_of(target_model.config)  # maps for another model are never used
 
     @torch.no_grad()
     def full_prefill(self, prompt_ids: torch.Tensor, max_new_tokens: int, reason: str = "baseline") -> CascadeResult:
@@ -162,14 +162,15 @@ class Cascade:
         except ConnectionError as err:
             return self._fallback(prompt_ids, max_new_tokens, f"sidecar_error: {err}")
         t1 = time.perf_counter()
-        if res.info.geometry != self._target_geometry:
+        if res.info.geometry != self._target_geometry.fingerprint:
             return self._fallback(prompt_ids, max_new_tokens, f"map_incompatible: {name} {res.info.map_version} was fitted for "
-                                  f"target geometry {res.info.geometry[:12]}…, this model is {self._target_geometry[:12]}…")
+                                  f"target geometry {res.info.geometry[:12]}…, this model is "
+                                  f"{self._target_geometry.fingerprint[:12]}…")
         mapped = res.layers()
         cache = to_dynamic_cache([(k[:, :, : n - r], v[:, :, : n - r]) for k, v in mapped], self.target.config,
                                  device=self.target.device, dtype=self.target.dtype)
         t2 = time.perf_counter()
-        tap = QueryTap(self.target, _rope(self.target)) if send > n - r else None  # records this thread's pass only
+        tap = QueryTap(self.target, self._target_geometry.rope) if send > n - r else None  # records this thread's pass only
         try:
             logits = self.target(input_ids=prompt_ids[:, n - r :], past_key_values=cache).logits[0, -1]
             ttft = time.perf_counter() - t0
@@ -205,9 +206,3 @@ class Cascade:
 
     def close(self) -> None:
         self._shadow.shutdown(wait=True)
-
-
-def _rope(model):
-    from kvferry.mappings.geometry import geometry_of
-
-    return geometry_of(model.config).rope

@@ -168,14 +168,14 @@ TRANSLATE_METHOD = "/kvferry.v1.TranslateService/Translate"
 class _Endpoints:
     """One channel per endpoint; ``stub`` and ``translate`` use the current one, ``fail_over`` moves to the next.
 
-    ``translate`` sends pre-encoded chunks and decodes blocks in place (wire.serialize_request/decode_response);
+    ``translate`` sends pre-encoded chunks and decodes blocks in place (wire.serialize/decode_response);
     the stub serves the other RPCs."""
 
     def __init__(self, options: ClientOptions, make_channel):
         creds, args = options.credentials(), options.channel_args()
         self.channels = [make_channel(addr, creds, args) for addr in options.addresses()]
         self.stubs = [pb_grpc.TranslateServiceStub(c) for c in self.channels]
-        self.translates = [c.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize_request,
+        self.translates = [c.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize,
                                            response_deserializer=wire.decode_response) for c in self.channels]
         self.current = 0
 

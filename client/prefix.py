@@ -21,7 +21,6 @@ import hmac
 import json
 import re
 import struct
-import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -30,10 +29,19 @@ from safetensors.torch import save as st_save
 
 from kvferry.mappings.errors import InvalidInput, KvferryError
 
+from .wire import view_bytes
+
 MAGIC = b"KVFB2\n"
 MAGIC_V1 = b"KVFB1\n"  # sha256 checksum; still readable
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def check_tenant(tenant: str, what: str = "tenant") -> str:
+    """A tenant name (1-64 of letters, digits, '.', '_', '-'), or InvalidInput saying what is wrong."""
+    if not _TENANT.match(tenant or ""):
+        raise InvalidInput(f"{what} {tenant!r} must be 1-64 of letters, digits, '.', '_' or '-'")
+    return tenant
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -50,8 +58,7 @@ class Namespace:
     map_id: str = ""  # "<name>@<version>#<content sha256>" for mapped (target) blocks; "" for source blocks
 
     def __post_init__(self) -> None:
-        if not _TENANT.match(self.tenant or ""):
-            raise InvalidInput(f"tenant {self.tenant!r} must be 1-64 of letters, digits, '.', '_' or '-'")
+        check_tenant(self.tenant)
 
     def digest(self) -> bytes:
         parts = [b"kvferry-prefix-v1", self.tenant.encode(), self.model.encode(), self.map_id.encode()]
@@ -63,7 +70,12 @@ class Namespace:
 
 def model_id(identity) -> str:
     """The namespace model id of a ModelIdentity: geometry and tokenizer fingerprints."""
-    return f"{identity.geometry.fingerprint}:{identity.tokenizer}"
+    return model_key(identity.geometry.fingerprint, identity.tokenizer)
+
+
+def model_key(geometry_fingerprint: str, tokenizer_fingerprint: str) -> str:
+    """The namespace model id from the two fingerprints (as ListMappings reports them)."""
+    return f"{geometry_fingerprint}:{tokenizer_fingerprint}"
 
 
 def block_hashes(secret: bytes, ns: Namespace, token_ids, block_size: int) -> list[bytes]:
@@ -110,7 +122,7 @@ def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, 
         raise CorruptBlock("not a kvferry block (bad magic or truncated)")
     try:
         meta, tensors = _read_safetensors(view[start:])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, InvalidInput) as e:
         raise CorruptBlock(f"unreadable payload: {e}") from None
     if meta.get("hash") != block_hash.hex() or meta.get("layers") != str(layers):
         raise CorruptBlock("block metadata does not match the requested hash or layer count")
@@ -138,14 +150,9 @@ def _read_safetensors(buf: memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
         dtype = _ST_DTYPES[info["dtype"]]
         shape = tuple(int(x) for x in info["shape"])
         lo, hi = (int(x) for x in info["data_offsets"])
-        count = 1
-        for d in shape:
-            count *= d
-        if not 0 <= lo <= hi <= len(data) or hi - lo != count * torch.empty((), dtype=dtype).element_size():
-            raise ValueError(f"tensor {name}: offsets [{lo}, {hi}) do not fit its shape or the payload")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only buffer: never written
-            tensors[name] = torch.frombuffer(data[lo:hi], dtype=dtype).view(shape) if count else torch.empty(shape, dtype=dtype)
+        if not 0 <= lo <= hi <= len(data):
+            raise ValueError(f"tensor {name}: offsets [{lo}, {hi}) fall outside the payload")
+        tensors[name] = view_bytes(data[lo:hi], dtype, shape, f"tensor {name} at offsets [{lo}, {hi})")
     return meta, tensors
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvferry.mappings.errors import InvalidInput
 
 from .connector_config import ConnectorConfig
-from .prefix import Namespace, block_hashes
+from .prefix import Namespace, block_hashes, model_key
 
 log = logging.getLogger("kvferry.vllm")
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -50,7 +49,7 @@ class _Load:
 @dataclass
 class _Save:
     req_id: str
-    token_ids: list[int]  # the prompt
+    token_ids: list[int]  # the prompt while prefilling; its whole prefix blocks once in the metadata
     block_ids: list[int]
 
 
@@ -84,8 +83,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._secret = self.cfg.secret()
         self._store = None
         self._client = None
-        self._identity_ns: Namespace | None = None
-        self._status: tuple[float, Namespace | None, bool, str] = (0.0, None, False, "")
+        self._identity = None  # producer: this engine's ModelIdentity, read once
+        self._status: tuple[float, tuple[str, str] | None, str] = (0.0, None, "")  # (checked, source fingerprints, version)
         self._policy = None
         if self.cfg.policy_file and self.consumer:
             from .rollout import PolicyStore
@@ -94,11 +93,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._pending: dict[str, _Load] = {}
         self._versions: dict[str, str] = {}  # scheduler side: the version chosen when the tokens were matched
         self._load_errors: set[int] = set()
-        self._collected: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._save_meta: dict[str, _Save] = {}
+        self._collected: dict[str, tuple[_Save, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # per layer K, V
         self._prefilling: dict[str, _Save] = {}  # scheduler side: prompts whose prefill has not finished
-        self._lock = threading.Lock()
-        self.stats = {"matched_tokens": 0, "loaded_tokens": 0, "load_failures": 0, "published_blocks": 0}
 
     # ---- shared helpers ------------------------------------------------------------------------
     def store(self):
@@ -116,22 +112,25 @@ class KvferryConnector(KVConnectorBase_V1):
                                                          auth_token=self.cfg.auth_token))
         return self._client
 
-    def _source_namespace(self, version: str) -> tuple[Namespace | None, bool]:
-        """The map's source namespace and whether ``version`` ("": any) is servable, from ListMappings (cached)."""
-        checked, ns, ok, seen = self._status
+    def _source(self, version: str) -> tuple[str, str] | None:
+        """The map's source (geometry, tokenizer) fingerprints if ``version`` ("": any) is servable, else None;
+        from ListMappings, cached for status_seconds."""
+        checked, source, seen = self._status
         if time.monotonic() - checked < self.cfg.status_seconds and seen == version:
-            return ns, ok
-        ns, ok = None, False
+            return source
+        source = None
         try:
             for m in self.client().list_mappings(self.cfg.map_name):
                 if m.name == self.cfg.map_name and (m.version == version or not version) and m.servable:
-                    ns = Namespace(self.cfg.tenant, f"{m.source.fingerprint}:{m.tokenizer_fingerprint}")
-                    ok = True
+                    source = (m.source.fingerprint, m.tokenizer_fingerprint)
                     break
         except Exception as e:  # noqa: BLE001 - a sidecar outage means "no match", never a failed request
             log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
-        self._status = (time.monotonic(), ns, ok, version)
-        return ns, ok
+        self._status = (time.monotonic(), source, version)
+        return source
+
+    def _namespace(self, source: tuple[str, str]) -> Namespace:
+        return Namespace(self.cfg.tenant, model_key(*source))
 
     def _rollout(self, request) -> tuple[str, int, int] | None:
         """(version, min_tokens, refresh) for this request, or None when the rollout policy keeps it off the
@@ -159,9 +158,10 @@ class KvferryConnector(KVConnectorBase_V1):
         n = len(prompt)
         if n < min_tokens:
             return 0, False
-        ns, ok = self._source_namespace(version)
-        if not ok:
+        source = self._source(version)
+        if source is None:
             return 0, False
+        ns = self._namespace(source)
         usable = (n - refresh) // self.cfg.prefix_block_size  # whole prefix blocks before the refreshed tail
         if usable < 1:
             return 0, False
@@ -210,10 +210,13 @@ class KvferryConnector(KVConnectorBase_V1):
         return meta
 
     def _maybe_save(self, meta: KvferryMetadata, req_id: str, computed_after_step: int) -> None:
-        """Publish once the whole prompt is in vLLM's cache (at the end of this step's forward)."""
+        """Publish once the whole prompt is in vLLM's cache (at the end of this step's forward): its whole prefix
+        blocks, and the vLLM blocks that hold them."""
         save = self._prefilling[req_id]
         if computed_after_step >= len(save.token_ids):
-            meta.saves.append(self._prefilling.pop(req_id))
+            del self._prefilling[req_id]
+            n = len(save.token_ids) // self.cfg.prefix_block_size * self.cfg.prefix_block_size
+            meta.saves.append(_Save(req_id, save.token_ids[:n], save.block_ids[: n // self.block_size]))
 
     def request_finished(self, request, block_ids):
         self._prefilling.pop(request.request_id, None)
@@ -251,22 +254,20 @@ class KvferryConnector(KVConnectorBase_V1):
         for load in meta.loads:
             try:
                 self._load(load, layers)
-                self.stats["loaded_tokens"] += len(load.token_ids) - load.start
             except Exception as e:  # noqa: BLE001 - vLLM recomputes these blocks; the request goes on
-                self.stats["load_failures"] += 1
                 first, last = load.start // self.block_size, (len(load.token_ids) - 1) // self.block_size
                 self._load_errors.update(load.block_ids[first : last + 1])
                 log.warning("kvferry: translation for %s failed (%s); vLLM recomputes %d blocks", load.req_id, e,
                             last - first + 1)
 
     def _load(self, load: _Load, layers: dict[int, torch.Tensor]) -> None:
-        ns, ok = self._source_namespace(load.version)
-        if not ok:
+        source = self._source(load.version)
+        if source is None:
             raise RuntimeError("map not servable")
-        key = block_hashes(self._secret, ns, load.token_ids, self.cfg.prefix_block_size)[-1].hex()
+        key = block_hashes(self._secret, self._namespace(source), load.token_ids, self.cfg.prefix_block_size)[-1].hex()
         res = self.client().translate(None, self.cfg.map_name, load.version, token_ids=load.token_ids, prefix_key=key,
                                       tenant=self.cfg.tenant, layout="paged", block_size=self.block_size,
-                                      source_geometry=ns.model.split(":")[0], tokenizer=ns.model.split(":")[1])
+                                      source_geometry=source[0], tokenizer=source[1])
         if res.info.num_tokens < len(load.token_ids):
             raise RuntimeError(f"the sidecar translated {res.info.num_tokens} of {len(load.token_ids)} tokens")
         for b in res.blocks:  # pages of block_size tokens: [block_size, kv_heads, head_dim]
@@ -290,41 +291,36 @@ class KvferryConnector(KVConnectorBase_V1):
             return
         k_view, v_view = self._kv_views(kv_layer, self.block_size)
         for save in meta.saves:
-            n = len(save.token_ids) // self.cfg.prefix_block_size * self.cfg.prefix_block_size
-            blocks = torch.tensor(save.block_ids[: (n + self.block_size - 1) // self.block_size])
+            n, blocks = len(save.token_ids), torch.tensor(save.block_ids)
             k = k_view[blocks].permute(1, 0, 2, 3).reshape(k_view.shape[1], -1, k_view.shape[3])[:, :n]  # [H, n, D]
             v = v_view[blocks].permute(1, 0, 2, 3).reshape(v_view.shape[1], -1, v_view.shape[3])[:, :n]
-            self._collected.setdefault(save.req_id, {})[int(m.group(1))] = (k.clone(), v.clone())
-            self._save_meta[save.req_id] = save
+            self._collected.setdefault(save.req_id, (save, {}))[1][int(m.group(1))] = (k.clone(), v.clone())
 
     def wait_for_save(self):
-        for req_id in list(self._collected):
-            layers = self._collected.pop(req_id)
-            save = self._save_meta.pop(req_id)
-            n = len(save.token_ids) // self.cfg.prefix_block_size * self.cfg.prefix_block_size
+        for req_id, (save, layers) in list(self._collected.items()):
+            del self._collected[req_id]
             try:
-                self._publish(save.token_ids[:n], [layers[i] for i in sorted(layers)])
+                self._publish(save.token_ids, [layers[i] for i in sorted(layers)])
             except Exception as e:  # noqa: BLE001 - a failed publish is a future miss, never a failed request
                 log.warning("kvferry: publishing %s failed: %s", req_id, e)
 
     def _publish(self, token_ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         from .prefix_cache import publish_source
 
-        key = publish_source([(k[None], v[None]) for k, v in layers], token_ids, self._identity(), store=self.store(),
+        key = publish_source([(k[None], v[None]) for k, v in layers], token_ids, self._model_identity(), store=self.store(),
                              secret=self._secret, tenant=self.cfg.tenant, block_size=self.cfg.prefix_block_size)
-        self.stats["published_blocks"] += len(token_ids) // self.cfg.prefix_block_size
         log.info("kvferry: published %d source tokens (prefix key %s…)", len(token_ids), key[:12])
 
-    def _identity(self):
-        if self._identity_ns is None:
+    def _model_identity(self):
+        if self._identity is None:
             from transformers import AutoConfig, AutoTokenizer
 
             from kvferry.mappings.geometry import ModelIdentity, geometry_of, tokenizer_fingerprint
 
             cfg = AutoConfig.from_pretrained(self.model_path)
             tok = AutoTokenizer.from_pretrained(self.model_path)
-            self._identity_ns = ModelIdentity(Path(self.model_path).name, geometry_of(cfg), tokenizer_fingerprint(tok), "")
-        return self._identity_ns
+            self._identity = ModelIdentity(Path(self.model_path).name, geometry_of(cfg), tokenizer_fingerprint(tok), "")
+        return self._identity
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

@@ -62,7 +62,7 @@ def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, e
         raise InvalidInput(f"{what}: dtype {dtype_name(dtype)} but the header declared {dtype_name(expect_dtype)}")
     if expect_shape is not None and shape != tuple(expect_shape):
         raise InvalidInput(f"{what}: shape {list(shape)}, expected {list(expect_shape)}")
-    return _view(msg.data, dtype, shape, what)  # each read of a bytes field copies it: read it once, here
+    return view_bytes(msg.data, dtype, shape, what)  # each read of a bytes field copies it: read it once, here
 
 
 # ---- messages <-> protobuf -------------------------------------------------------------------
@@ -168,13 +168,8 @@ def encode_chunk_request(c: Chunk) -> bytes:
     return b"".join(_length_delimited(2, body))
 
 
-def serialize_request(msg) -> bytes:
-    """The Translate request serializer: pre-encoded chunks pass through, messages (the header) are serialised."""
-    return msg if isinstance(msg, bytes) else msg.SerializeToString()
-
-
-def serialize_response(msg) -> bytes:
-    """The Translate response serializer: pre-encoded bytes pass through, messages are serialised."""
+def serialize(msg) -> bytes:
+    """Translate's serializer, both ways: pre-encoded chunks and blocks pass through, messages are serialised."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
@@ -243,13 +238,14 @@ def _fast_block(data: bytes) -> Block:
         if code not in _FROM_PB:
             raise ValueError("unknown dtype")
         try:
-            kv.append(_view(raw, _FROM_PB[code], shape, f"{what} {name}"))
+            kv.append(view_bytes(raw, _FROM_PB[code], shape, f"{what} {name}"))
         except InvalidInput as e:
             raise ValueError(str(e)) from None
     return Block(vals[1], vals[2], vals[3], vals[4], kv[0], kv[1])
 
 
-def _view(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
+def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """A tensor viewing ``raw`` (bytes or memoryview; no copy), after checking its length against shape and dtype."""
     numel = 1
     for s in shape:
         numel *= s

@@ -109,10 +109,10 @@ class StreamingApplier:
                 continue
             x = torch.cat([self._slice((s, c), a, ready) for s in sources for c in inputs], dim=-1)
             y = torch.addmm(b.to(x.device), x.reshape(-1, x.shape[-1]), w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
-            # a bf16 map's output carries bf16 precision: round to it, so the evidence holds for bf16 on the wire too
             pos = range(self.start_position + a, self.start_position + ready)
             for i, (t, kind) in enumerate(keys):
                 out = from_features(y[..., i * width : (i + 1) * width], tg.kv_heads, tg.rope if kind == "k" else None, pos)
+                # a bf16 map's output carries bf16 precision: round to it, so the evidence holds for bf16 on the wire too
                 self._out[(t, kind)].append((a, out.to(y.dtype).to(self.out_dtype)))
                 self._produced[(t, kind)] = ready
             self._done[gi] = ready

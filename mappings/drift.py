@@ -46,9 +46,8 @@ class QueryTap:
     def __init__(self, model, rope: RopeSpec):
         self.rope = rope
         self.owner = threading.get_ident()
-        self.raw: list[torch.Tensor | None] = []
         self.attn = [layer.self_attn for layer in model.model.layers]
-        self.raw = [None] * len(self.attn)
+        self.raw: list[torch.Tensor | None] = [None] * len(self.attn)
         self.handles = [a.q_proj.register_forward_hook(self._hook(i)) for i, a in enumerate(self.attn)]
 
     def _hook(self, i: int):

@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvferry.client.prefix import check_tenant
 from kvferry.mappings.errors import InvalidInput, PermissionDenied, Unauthenticated
 
-_TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 PROTECTED_PREFIX = "/kvferry."  # every kvferry service; health and reflection stay open
 
 
@@ -40,8 +39,7 @@ class Authenticator:
 
     def __init__(self, tokens: dict[str, str] | None = None, mtls_identity: bool = False):
         for tenant in (tokens or {}).values():
-            if not _TENANT.match(tenant):
-                raise InvalidInput(f"tenant {tenant!r} in the auth tokens must be 1-64 of letters, digits, '.', '_' or '-'")
+            check_tenant(tenant, "tenant in the auth tokens")
         self._tokens = [(_digest(tok), tenant) for tok, tenant in (tokens or {}).items()]
         self.mtls_identity = mtls_identity
 
@@ -92,9 +90,10 @@ class Authenticator:
                 raise Unauthenticated("this sidecar takes the tenant from the client certificate's common name; "
                                       "connect with mutual TLS")
             cn = names[0].decode() if isinstance(names[0], bytes) else str(names[0])
-            if not _TENANT.match(cn):
-                raise PermissionDenied(f"client certificate CN {cn!r} is not a valid tenant name")
-            return Caller(cn, "mtls")
+            try:
+                return Caller(check_tenant(cn, "client certificate CN"), "mtls")
+            except InvalidInput as e:
+                raise PermissionDenied(str(e)) from None
         return Caller("", "none")
 
 

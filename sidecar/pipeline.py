@@ -40,11 +40,13 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
     limits.check(spec.num_tokens, spec.num_tokens * sg.layers * 2 * sg.kv_width * elem)
 
 
-def default_target_dtype(source_dtype: torch.dtype, map_dtype: torch.dtype) -> torch.dtype:
-    """Unless the request names one: the source dtype, or the map's when it is narrower (a bfloat16 map's output
-    carries bfloat16 precision; wider bytes would carry no more information)."""
-    narrower = torch.empty((), dtype=map_dtype).element_size() < torch.empty((), dtype=source_dtype).element_size()
-    return map_dtype if narrower else source_dtype
+def target_dtype(spec: TranslateSpec, ms: MapSet) -> torch.dtype:
+    """The dtype of the returned (and stored) target KV: the request's, else the source dtype, or the map's when it
+    is narrower (a bfloat16 map's output carries bfloat16 precision; wider bytes would carry no more information)."""
+    if spec.target_dtype is not None:
+        return spec.target_dtype
+    narrower = torch.empty((), dtype=ms.dtype).element_size() < torch.empty((), dtype=spec.source_dtype).element_size()
+    return ms.dtype if narrower else spec.source_dtype
 
 
 class TranslateSession:
@@ -61,7 +63,7 @@ class TranslateSession:
                  expect_chunks: bool = True, keep_output: bool = False):
         check_spec(spec, ms, limits)
         self.spec, self.ms = spec, ms
-        self.out_dtype = spec.target_dtype or default_target_dtype(spec.source_dtype, ms.dtype)
+        self.out_dtype = target_dtype(spec, ms)
         self.cached = cached or None
         self.skip = int(cached[0][0].shape[2]) if cached else 0
         self.expect_chunks = expect_chunks

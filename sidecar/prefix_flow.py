@@ -20,7 +20,7 @@ from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import InvalidInput, NotFound
 
-from .pipeline import TranslateSession, default_target_dtype
+from .pipeline import TranslateSession, target_dtype
 
 log = logging.getLogger("kvferry.prefix")
 DEFAULT_TENANT = "default"
@@ -67,7 +67,7 @@ class PrefixService:
         tg = ms.target.geometry
         try:
             look = self.cache.lookup(tgt_ns, spec.token_ids, tg.layers, tg.kv_heads, tg.head_dim,
-                                     dtype=spec.target_dtype or default_target_dtype(spec.source_dtype, ms.dtype))
+                                     dtype=target_dtype(spec, ms))
         except StoreUnavailable as e:
             self._store_error(e)
             return None
@@ -109,7 +109,7 @@ class PrefixService:
         blocks = tips.index(spec.prefix_key) + 1
         bs = self.cache.block_size
         tokens = list(spec.token_ids[: blocks * bs])
-        dtype = spec.target_dtype or default_target_dtype(spec.source_dtype, ms.dtype)
+        dtype = target_dtype(spec, ms)
         tgt = self.cache.lookup(tgt_ns, tokens, tg.layers, tg.kv_heads, tg.head_dim, dtype=dtype)
         self._count(tgt, blocks)
         src = self.cache.lookup(src_ns, tokens, sg.layers, sg.kv_heads, sg.head_dim, start_block=tgt.end_block,

@@ -37,7 +37,7 @@ def translate_handlers(servicer) -> grpc.GenericRpcHandler:
     serializer passes pre-encoded blocks through (see wire.encode_block_response)."""
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Translate": grpc.stream_stream_rpc_method_handler(servicer.Translate, request_deserializer=pb.TranslateRequest.FromString,
-                                                           response_serializer=wire.serialize_response),
+                                                           response_serializer=wire.serialize),
         "ListMappings": grpc.unary_unary_rpc_method_handler(servicer.ListMappings,
                                                             request_deserializer=pb.ListMappingsRequest.FromString,
                                                             response_serializer=pb.ListMappingsResponse.SerializeToString),
