@@ -91,7 +91,6 @@ class KvferryConnector(KVConnectorBase_V1):
 
             self._policy = PolicyStore(path=self.cfg.policy_file, reload_seconds=1.0)
         self._pending: dict[str, _Load] = {}
-        self._versions: dict[str, str] = {}  # scheduler side: the version chosen when the tokens were matched
         self._load_errors: set[int] = set()
         self._collected: dict[str, tuple[_Save, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # per layer K, V
         self._prefilling: dict[str, _Save] = {}  # scheduler side: prompts whose prefill has not finished
@@ -172,15 +171,13 @@ class KvferryConnector(KVConnectorBase_V1):
             log.warning("kvferry: prefix store unavailable (%s); prefilling normally", e)
             return 0, False
         blocks = next((i for i, p in enumerate(present) if not p), len(present))
-        matched = blocks * self.cfg.prefix_block_size
-        if matched > num_computed_tokens:
-            self._versions[request.request_id] = version
-        return max(0, matched - num_computed_tokens), False
+        return max(0, blocks * self.cfg.prefix_block_size - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens > 0:
             total = request.num_computed_tokens + num_external_tokens
-            version = self._versions.pop(request.request_id, self.cfg.map_version)
+            plan = self._rollout(request)  # the same draw as when the tokens were matched (stable per request)
+            version = plan[0] if plan else self.cfg.map_version
             self._pending[request.request_id] = _Load(request.request_id, version, list(request.prompt_token_ids[:total]), [],
                                                       request.num_computed_tokens)
 
@@ -220,7 +217,6 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         self._prefilling.pop(request.request_id, None)
-        self._versions.pop(request.request_id, None)
         return False, None
 
     # ---- worker side ---------------------------------------------------------------------------
