@@ -126,19 +126,23 @@ class _Collector:
         self.t0 = time.perf_counter()
         self.first_block = 0.0
 
-    def take(self, msg: pb.TranslateResponse | Block) -> None:
+    def _add(self, blocks: list[Block]) -> None:
+        if not self.blocks:
+            self.first_block = time.perf_counter() - self.t0
+        self.blocks += blocks
+
+    def take(self, msg: pb.TranslateResponse | Block | list[Block]) -> None:
         if isinstance(msg, Block):  # decoded in place by wire.decode_response
-            if not self.blocks:
-                self.first_block = time.perf_counter() - self.t0
-            self.blocks.append(msg)
-            return
+            return self._add([msg])
+        if isinstance(msg, list):  # a block group, decoded in place
+            return self._add(msg)
         which = msg.WhichOneof("msg")
         if which == "header":
             self.info = wire.info_from_pb(msg.header)
         elif which == "block":
-            if not self.blocks:
-                self.first_block = time.perf_counter() - self.t0
-            self.blocks.append(wire.block_from_pb(msg.block))
+            self._add([wire.block_from_pb(msg.block)])
+        elif which == "blocks":
+            self._add([wire.block_from_pb(b) for b in msg.blocks.blocks])
         elif which == "trailer":
             self.stats = wire.stats_from_pb(msg.trailer)
 

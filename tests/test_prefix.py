@@ -213,3 +213,86 @@ def test_in_memory_default(sidecar_factory, maps_dir, family):
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0
         _wait_for_writes(sc, 2)
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family), layout="paged", block_size=8).stats.cached_blocks == 2
+
+
+def _stored_target(sc, tenant, ids):
+    """The target blocks' store keys for ``ids`` (as the sidecar names them), and the matching source keys."""
+    prefix = sc.sidecar.prefix
+    ms = sc.sidecar.registry.resolve("S__S-self", "")
+    src_ns, tgt_ns = prefix.namespaces(ms, tenant)
+    return ([tgt_ns.key(h) for h in prefix.cache.hashes(tgt_ns, ids)], [src_ns.key(h) for h in prefix.cache.hashes(src_ns, ids)])
+
+
+def _raw_translate(address, spec):
+    """Translate with a hand-built header (as another client might send it): the response messages' kinds, decoded."""
+    from kvferry.client import wire
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.TranslateServiceStub(ch)
+        return [(m.WhichOneof("msg"), m) for m in stub.Translate(iter([wire.spec_to_pb(spec)]), timeout=20)]
+
+
+def test_stored_blocks_stream_one_group_per_block_and_match_the_mapped_answer(sidecar_factory, maps_dir, family, redis_url):
+    from dataclasses import replace
+
+    from kvferry.client.client import make_spec
+    from kvferry.client.wire import block_from_pb
+
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=86, heads=2, head_dim=32, seed=8)
+    ids = list(range(300, 386))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        mapped = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+        assert mapped.stats.cached_blocks == 0 and mapped.info.num_tokens == 80
+        hit = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+        assert hit.stats.cached_blocks == 5 and hit.stats.compute_seconds == 0
+        assert hit.stats.bytes_out == mapped.stats.bytes_out
+        for (k, v), (hk, hv) in zip(mapped.layers(), hit.layers()):
+            assert torch.equal(k, hk) and torch.equal(v, hv)
+        paged = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, layout="paged", block_size=8, **_kw(family))
+        assert paged.stats.cached_blocks == 5 and len(paged.blocks) == 4 * 10  # the paged layout: pages, as before
+    assert sc.sidecar.metrics.prefix_blocks.labels("hit")._value.get() >= 10
+
+    spec = make_spec(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+    grouped = _raw_translate(sc.address, spec)
+    assert [k for k, _ in grouped] == ["header"] + ["blocks"] * 5 + ["trailer"]  # one message per stored block
+    assert all(len(m.blocks.blocks) == 4 for k, m in grouped if k == "blocks")  # every layer in it
+    plain = _raw_translate(sc.address, replace(spec, accept_block_groups=False))  # a client that predates groups
+    assert {k for k, _ in plain} == {"header", "block", "trailer"}
+    by_layer = {}
+    for kind, m in plain:
+        if kind == "block":
+            by_layer[m.block.layer] = block_from_pb(m.block)
+    assert torch.equal(by_layer[2].key[None], mapped.layers()[2][0])
+
+
+def test_a_block_corrupted_after_the_probe_is_mapped_again_and_healed(sidecar_factory, maps_dir, family, redis_url, redis_server):
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=64, heads=2, head_dim=32, seed=9)
+    ids = list(range(500, 564))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    tgt_keys, src_keys = _stored_target(sc, "acme", ids)
+    r = redis_server.client
+    with TranslateClient(ClientOptions(target=sc.address, retries=2, backoff=0.01)) as c:
+        ask = lambda: c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))  # noqa: E731
+        mapped = ask()
+        assert all(r.exists(k) for k in tgt_keys)
+        blob = bytearray(r.get(tgt_keys[2]))
+        blob[-3] ^= 0x55
+        r.set(tgt_keys[2], bytes(blob))  # corrupt, yet present: the existence probe cannot tell
+        res = ask()
+        assert res.stats.cached_blocks == 3  # block 2 was mapped again from its source block
+        for (k, v), (hk, hv) in zip(mapped.layers(), res.layers()):
+            assert torch.equal(k, hk) and torch.equal(v, hv)
+        assert sc.sidecar.metrics.prefix_blocks.labels("corrupt")._value.get() >= 1
+        assert ask().stats.cached_blocks == 4  # the corrupt blob was replaced by a good copy
+
+        blob = bytearray(r.get(tgt_keys[1]))
+        blob[-3] ^= 0x55
+        r.set(tgt_keys[1], bytes(blob))
+        r.delete(src_keys[1])  # and its source is gone: the first attempt fails UNAVAILABLE, the retry serves block 0
+        short = ask()
+        assert short.attempts == 2 and short.info.num_tokens == BS and short.stats.cached_blocks == 1
+        torch.testing.assert_close(short.layers()[0][0], mapped.layers()[0][0][:, :, :BS])
