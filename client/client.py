@@ -126,23 +126,19 @@ class _Collector:
         self.t0 = time.perf_counter()
         self.first_block = 0.0
 
-    def _add(self, blocks: list[Block]) -> None:
-        if not self.blocks:
-            self.first_block = time.perf_counter() - self.t0
-        self.blocks += blocks
-
-    def take(self, msg: pb.TranslateResponse | Block | list[Block]) -> None:
+    def take(self, msg: pb.TranslateResponse | Block) -> None:
         if isinstance(msg, Block):  # decoded in place by wire.decode_response
-            return self._add([msg])
-        if isinstance(msg, list):  # a block group, decoded in place
-            return self._add(msg)
+            if not self.blocks:
+                self.first_block = time.perf_counter() - self.t0
+            self.blocks.append(msg)
+            return
         which = msg.WhichOneof("msg")
         if which == "header":
             self.info = wire.info_from_pb(msg.header)
         elif which == "block":
-            self._add([wire.block_from_pb(msg.block)])
-        elif which == "blocks":
-            self._add([wire.block_from_pb(b) for b in msg.blocks.blocks])
+            if not self.blocks:
+                self.first_block = time.perf_counter() - self.t0
+            self.blocks.append(wire.block_from_pb(msg.block))
         elif which == "trailer":
             self.stats = wire.stats_from_pb(msg.trailer)
 

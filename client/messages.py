@@ -31,7 +31,6 @@ class TranslateSpec:
     target_dtype: torch.dtype | None = None
     prefix_key: str = ""
     tenant: str = ""
-    accept_block_groups: bool = True  # this library reads TargetBlockGroup messages; other clients may not
 
 
 @dataclass

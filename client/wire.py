@@ -49,14 +49,6 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(_SAME_SIZE_INT[t.element_size()]).numpy().tobytes()
 
 
-def _tensor_buffer(t: torch.Tensor):
-    """The tensor's bytes for a join: a view of a contiguous CPU tensor (no copy), else tensor_bytes."""
-    t = t.detach()
-    if t.device.type == "cpu" and t.is_contiguous():
-        return memoryview(t.view(_SAME_SIZE_INT[t.element_size()]).numpy()).cast("B")
-    return tensor_bytes(t)
-
-
 def encode_tensor(t: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=dtype_to_pb(t.dtype), shape=list(t.shape), data=tensor_bytes(t))
 
@@ -91,7 +83,7 @@ def spec_to_pb(s: TranslateSpec) -> pb.TranslateRequest:
         num_tokens=s.num_tokens, start_position=s.start_position, token_ids=list(s.token_ids),
         source_dtype=dtype_to_pb(s.source_dtype), layout=_LAYOUT_TO_PB[s.layout], block_size=s.block_size,
         target_dtype=dtype_to_pb(s.target_dtype) if s.target_dtype is not None else pb.DTYPE_UNSPECIFIED,
-        prefix_key=s.prefix_key, tenant=s.tenant, accept_block_groups=s.accept_block_groups,
+        prefix_key=s.prefix_key, tenant=s.tenant,
     )
     return pb.TranslateRequest(header=h)
 
@@ -109,7 +101,7 @@ def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
         start_position=h.start_position, token_ids=tuple(h.token_ids), source_dtype=dtype_from_pb(h.source_dtype),
         layout=_LAYOUT_FROM_PB[h.layout], block_size=h.block_size,
         target_dtype=None if h.target_dtype == pb.DTYPE_UNSPECIFIED else dtype_from_pb(h.target_dtype),
-        prefix_key=h.prefix_key, tenant=h.tenant, accept_block_groups=h.accept_block_groups,
+        prefix_key=h.prefix_key, tenant=h.tenant,
     )
 
 
@@ -147,7 +139,7 @@ def _scalar(field: int, value: int) -> list[bytes]:
 def _tensor_fields(t: torch.Tensor) -> list[bytes]:
     """The fields of a kvferry.v1.Tensor: dtype, packed shape, then the data, taken straight from the tensor."""
     shape = b"".join(_varint(int(s)) for s in t.shape)
-    data = _tensor_buffer(t) if t.numel() else b""
+    data = tensor_bytes(t)
     out = _scalar(1, dtype_to_pb(t.dtype))
     if shape:
         out += [b"\x12", _varint(len(shape)), shape]
@@ -160,28 +152,12 @@ def _length_delimited(field: int, parts: list[bytes]) -> list[bytes]:
     return [_varint(field << 3 | 2), _varint(sum(len(p) for p in parts)), *parts]
 
 
-def _block_fields(b: Block) -> list:
-    return (_scalar(1, b.layer) + _scalar(2, b.start) + _scalar(3, b.end) + _scalar(4, b.index)
-            + _length_delimited(5, _tensor_fields(b.key)) + _length_delimited(6, _tensor_fields(b.value)))
-
-
 def encode_block_response(b: Block) -> bytes:
     """A TranslateResponse carrying ``b``, serialised without building protobuf objects: the same bytes as
-    ``block_to_pb(b).SerializeToString()`` (checked in the tests); the tensor data is copied once, into the message."""
-    return b"".join(_length_delimited(2, _block_fields(b)))
-
-
-def encode_block_group(blocks: list[Block]) -> bytes:
-    """A TranslateResponse carrying a TargetBlockGroup of ``blocks`` (for callers that accept groups): the bytes of
-    ``block_group_to_pb(blocks).SerializeToString()``, tensor data copied once."""
-    body = []
-    for b in blocks:
-        body += _length_delimited(1, _block_fields(b))
-    return b"".join(_length_delimited(4, body))
-
-
-def block_group_to_pb(blocks: list[Block]) -> pb.TranslateResponse:
-    return pb.TranslateResponse(blocks=pb.TargetBlockGroup(blocks=[block_to_pb(b).block for b in blocks]))
+    ``block_to_pb(b).SerializeToString()`` (checked in the tests), with one copy of the tensor data fewer."""
+    body = (_scalar(1, b.layer) + _scalar(2, b.start) + _scalar(3, b.end) + _scalar(4, b.index)
+            + _length_delimited(5, _tensor_fields(b.key)) + _length_delimited(6, _tensor_fields(b.value)))
+    return b"".join(_length_delimited(2, body))
 
 
 def encode_chunk_request(c: Chunk) -> bytes:
@@ -230,8 +206,13 @@ def _fields(buf, start: int, end: int):
             raise ValueError("unexpected wire type")
 
 
-def _parse_block(buf: memoryview, lo: int, hi: int) -> Block:
-    """A TargetBlock's fields in buf[lo:hi], in the canonical form the encoders write; tensors view buf."""
+def _fast_block(data: bytes) -> Block:
+    """Parse a TranslateResponse{block} in the canonical form encode_block_response writes; the tensors
+    view the received bytes (no copy). Raises ValueError on anything else (the caller then uses protobuf)."""
+    buf = memoryview(data)
+    (field, (lo, hi)), = list(_fields(buf, 0, len(buf)))
+    if field != 2:
+        raise ValueError("not a block")
     seen, vals, tensors = set(), {1: 0, 2: 0, 3: 0, 4: 0}, {}
     for f, v in _fields(buf, lo, hi):
         if f in seen or f not in (1, 2, 3, 4, 5, 6) or isinstance(v, tuple) != (f >= 5):
@@ -263,23 +244,6 @@ def _parse_block(buf: memoryview, lo: int, hi: int) -> Block:
     return Block(vals[1], vals[2], vals[3], vals[4], kv[0], kv[1])
 
 
-def _fast_blocks(data: bytes) -> Block | list[Block]:
-    """Parse a TranslateResponse{block} or {blocks} in canonical form: a Block, or the group's list of Blocks;
-    the tensors view the received bytes (no copy). Raises ValueError on anything else (the caller then uses protobuf)."""
-    buf = memoryview(data)
-    (field, (lo, hi)), = list(_fields(buf, 0, len(buf)))
-    if field == 2:
-        return _parse_block(buf, lo, hi)
-    if field != 4:
-        raise ValueError("not a block")
-    out = []
-    for f, v in _fields(buf, lo, hi):
-        if f != 1 or not isinstance(v, tuple):
-            raise ValueError("non-canonical block group")
-        out.append(_parse_block(buf, *v))
-    return out
-
-
 def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
     """A tensor viewing ``raw`` (bytes or memoryview; no copy), after checking its length against shape and dtype."""
     numel = 1
@@ -296,11 +260,11 @@ def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> to
 
 
 def decode_response(data: bytes):
-    """The Translate response deserializer: a Block for a block message, a list of Blocks for a block group
-    (parsed in place), else the TranslateResponse (header, trailer, or anything not in canonical form)."""
-    if data[:1] in (b"\x12", b"\x22"):
+    """The Translate response deserializer: a Block for block messages (parsed in place), else the
+    TranslateResponse (header, trailer, or any block not in canonical form)."""
+    if data[:1] == b"\x12":
         try:
-            return _fast_blocks(data)
+            return _fast_block(data)
         except ValueError:
             pass
     return pb.TranslateResponse.FromString(data)

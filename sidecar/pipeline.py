@@ -49,13 +49,6 @@ def target_dtype(spec: TranslateSpec, ms: MapSet) -> torch.dtype:
     return ms.dtype if narrower else spec.source_dtype
 
 
-def target_info(spec: TranslateSpec, ms: MapSet, dtype: torch.dtype) -> TargetInfo:
-    """The response header for ``spec`` answered with ``ms`` in ``dtype``."""
-    g = ms.target.geometry
-    return TargetInfo(ms.name, ms.version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
-                      spec.layout, spec.block_size, dtype, spec.num_tokens, spec.start_position)
-
-
 class TranslateSession:
     """One request's state: per (layer, kind) the next expected token, the applier, partial pages.
 
@@ -88,7 +81,9 @@ class TranslateSession:
         self._t0 = time.perf_counter()
 
     def info(self) -> TargetInfo:
-        return target_info(self.spec, self.ms, self.out_dtype)
+        g = self.ms.target.geometry
+        return TargetInfo(self.ms.name, self.ms.version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
+                          self.spec.layout, self.spec.block_size, self.out_dtype, self.spec.num_tokens, self.spec.start_position)
 
     def expected_shape(self, layer_tokens: int) -> tuple[int, int, int]:
         g = self.ms.source.geometry

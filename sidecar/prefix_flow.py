@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.client.messages import PAGED
 from kvferry.client.prefix import Namespace, model_id
 from kvferry.client.prefix_cache import Lookup, PrefixCache
 from kvferry.client.stores import StoreUnavailable, open_store
@@ -21,8 +20,7 @@ from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import InvalidInput, NotFound
 
-from .hit_stream import HitStream
-from .pipeline import TranslateSession, check_spec, target_dtype
+from .pipeline import TranslateSession, target_dtype
 
 log = logging.getLogger("kvferry.prefix")
 DEFAULT_TENANT = "default"
@@ -91,56 +89,31 @@ class PrefixService:
         self.metrics.prefix_writes.inc(n)
         return n
 
-    def _key_prefix(self, spec, src_ns: Namespace) -> tuple[list[bytes], list[int]]:
-        """A key-only request's source block hashes and tokens, up to the block its prefix_key names."""
-        if not spec.token_ids:
-            raise InvalidInput("a prefix_key request needs token_ids: the sidecar derives the target's keys from them")
-        if spec.start_position != 0:
-            raise InvalidInput("prefix caching covers prompts from position 0; start_position must be 0")
-        src_hashes = self.cache.hashes(src_ns, spec.token_ids)
-        tips = [h.hex() for h in src_hashes]
-        if spec.prefix_key not in tips:
-            raise NotFound("prefix_key does not name a full-block prefix of these token_ids for this tenant and source "
-                           "model; use the key publish_source returned for the same tokens")
-        blocks = tips.index(spec.prefix_key) + 1
-        return src_hashes[:blocks], list(spec.token_ids[: blocks * self.cache.block_size])
-
-    def hit_stream(self, spec, ms: MapSet, limits) -> HitStream | None:
-        """A key-only request whose target blocks are all stored, from a caller that reads block groups in the
-        contiguous layout: stream them straight from the store. None: take from_store's path instead."""
-        if spec.layout == PAGED or not spec.accept_block_groups:
-            return None
-        src_ns, tgt_ns = self.namespaces(ms, spec.tenant)
-        src_hashes, tokens = self._key_prefix(spec, src_ns)
-        tgt_hashes = self.cache.hashes(tgt_ns, tokens)
-        if not all(self.store.exists_many([tgt_ns.key(h) for h in tgt_hashes])):
-            return None
-        spec2 = dataclasses.replace(spec, num_tokens=len(tokens), token_ids=tuple(tokens))
-        check_spec(spec2, ms, limits)
-        return HitStream(spec2, ms, self.cache, tgt_ns, src_ns, tgt_hashes, src_hashes, target_dtype(spec, ms))
-
-    def count_stream(self, stream: HitStream) -> None:
-        self.metrics.prefix_blocks.labels("hit").inc(len(stream.tgt_hashes) - stream.remapped)
-        self.metrics.prefix_blocks.labels("miss").inc(stream.remapped)
-        self.metrics.prefix_blocks.labels("corrupt").inc(stream.corrupt)
-        self.metrics.prefix_writes.inc(stream.written)
-        self.metrics.prefix_store_errors.inc(stream.store_errors)
-
     def from_store(self, spec, ms: MapSet, limits) -> tuple[TranslateSession, int]:
         """A key-only request: stored target blocks, then stored source blocks mapped now and written back.
 
         Returns a session whose initial_blocks() is the whole answer, and how many blocks were cached.
         Raises Unavailable when the store is down, NotFound when nothing is stored for the key.
         """
+        if not spec.token_ids:
+            raise InvalidInput("a prefix_key request needs token_ids: the sidecar derives the target's keys from them")
+        if spec.start_position != 0:
+            raise InvalidInput("prefix caching covers prompts from position 0; start_position must be 0")
         src_ns, tgt_ns = self.namespaces(ms, spec.tenant)
         sg, tg = ms.source.geometry, ms.target.geometry
-        src_hashes, tokens = self._key_prefix(spec, src_ns)
-        blocks, bs = len(src_hashes), self.cache.block_size
+        src_hashes = self.cache.hashes(src_ns, spec.token_ids)
+        tips = [h.hex() for h in src_hashes]
+        if spec.prefix_key not in tips:
+            raise NotFound("prefix_key does not name a full-block prefix of these token_ids for this tenant and source "
+                           "model; use the key publish_source returned for the same tokens")
+        blocks = tips.index(spec.prefix_key) + 1
+        bs = self.cache.block_size
+        tokens = list(spec.token_ids[: blocks * bs])
         dtype = target_dtype(spec, ms)
         tgt = self.cache.lookup(tgt_ns, tokens, tg.layers, tg.kv_heads, tg.head_dim, dtype=dtype)
         self._count(tgt, blocks)
         src = self.cache.lookup(src_ns, tokens, sg.layers, sg.kv_heads, sg.head_dim, start_block=tgt.end_block,
-                                dtype=spec.source_dtype, hashes=src_hashes)
+                                dtype=spec.source_dtype, hashes=src_hashes[:blocks])
         covered = tgt.end_block + len(src.blocks)
         if covered == 0:
             raise NotFound("no stored blocks for this prefix_key (expired, evicted, or never published)")

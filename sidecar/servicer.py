@@ -104,11 +104,6 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         if spec.prefix_key:
             if self.prefix is None:
                 raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
-            hits = await asyncio.to_thread(self.prefix.hit_stream, spec, ms, self.limits)
-            if hits is not None:
-                async for out in self._stream_hits(hits):
-                    yield out
-                return
             session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits)
         else:
             if self.prefix is not None and spec.token_ids:
@@ -138,33 +133,9 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
             task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, plan, session.output_layers()))
             self._background.add(task)  # off the critical path; keep a reference until it finishes
             task.add_done_callback(self._background.discard)
-        self._record(ms, stats)
-        yield wire.stats_to_pb(stats)
-
-    async def _stream_hits(self, hits):
-        """Stored blocks out as they are fetched; the next batch is fetched while this one is on the wire."""
-        g = hits.ms.target.geometry
-        yield wire.info_to_pb(hits.info(), g.rope.rope_type, g.rope.theta)
-        loop = asyncio.get_running_loop()
-        pending = loop.run_in_executor(None, hits.fetch, 0)
-        try:
-            for i in range(hits.batches):
-                messages = await pending
-                if i + 1 < hits.batches:
-                    pending = loop.run_in_executor(None, hits.fetch, i + 1)
-                for m in messages:
-                    yield m
-        finally:
-            if not pending.cancel() and not pending.cancelled():
-                pending.exception()  # retrieve it: a prefetch that failed after the stream ended is no stray error
-            self.prefix.count_stream(hits)
-        stats = hits.finish()
-        self._record(hits.ms, stats)
-        yield wire.stats_to_pb(stats)
-
-    def _record(self, ms, stats) -> None:
         label = f"{ms.name}@{ms.version}"
         self.metrics.tokens.labels(label).inc(stats.tokens)
         self.metrics.bytes_in.labels(label).inc(stats.bytes_in)
         self.metrics.bytes_out.labels(label).inc(stats.bytes_out)
         self.metrics.compute.labels(label).observe(stats.compute_seconds)
+        yield wire.stats_to_pb(stats)

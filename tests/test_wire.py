@@ -65,28 +65,3 @@ def test_other_responses_and_non_canonical_blocks_go_through_protobuf():
         wire.block_from_pb(got.block)
     with pytest.raises(Exception):
         wire.decode_response(b"\x12\xff\xff")  # truncated: protobuf refuses it too
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(blocks, min_size=0, max_size=5))
-def test_block_group_fast_path_is_the_protobuf_encoding_and_decodes_in_place(group):
-    data = wire.encode_block_group(group)
-    assert data == wire.block_group_to_pb(group).SerializeToString()
-    got = wire.decode_response(data)
-    if not group:  # an empty group is an empty message body: protobuf's view of it
-        assert isinstance(got, (list, pb.TranslateResponse))
-        return
-    assert isinstance(got, list) and len(got) == len(group)
-    for g, b in zip(got, group):
-        assert (g.layer, g.start, g.end, g.index) == (b.layer, b.start, b.end, b.index)
-        assert torch.equal(g.key, b.key) and torch.equal(g.value, b.value)
-
-
-def test_a_group_that_is_not_canonical_goes_through_protobuf():
-    b = Block(2, 0, 4, 0, make_tensor((2, 4, 16), torch.bfloat16), make_tensor((2, 4, 16), torch.bfloat16))
-    msg = wire.block_group_to_pb([b])
-    msg.blocks.blocks[0].key.shape[2] = 17  # the data no longer fits the shape: the fast path declines
-    got = wire.decode_response(msg.SerializeToString())
-    assert isinstance(got, pb.TranslateResponse) and got.WhichOneof("msg") == "blocks"
-    with pytest.raises(wire.InvalidInput):
-        wire.block_from_pb(got.blocks.blocks[0])

@@ -57,7 +57,7 @@ class MapRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., latest: _Optional[bool] = ...) -> None: ...
 
 class TranslateHeader(_message.Message):
-    __slots__ = ("map", "source_geometry_fingerprint", "tokenizer_fingerprint", "num_tokens", "start_position", "token_ids", "source_dtype", "layout", "block_size", "target_dtype", "prefix_key", "tenant", "accept_block_groups")
+    __slots__ = ("map", "source_geometry_fingerprint", "tokenizer_fingerprint", "num_tokens", "start_position", "token_ids", "source_dtype", "layout", "block_size", "target_dtype", "prefix_key", "tenant")
     MAP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_GEOMETRY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -70,7 +70,6 @@ class TranslateHeader(_message.Message):
     TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
-    ACCEPT_BLOCK_GROUPS_FIELD_NUMBER: _ClassVar[int]
     map: MapRef
     source_geometry_fingerprint: str
     tokenizer_fingerprint: str
@@ -83,8 +82,7 @@ class TranslateHeader(_message.Message):
     target_dtype: Dtype
     prefix_key: str
     tenant: str
-    accept_block_groups: bool
-    def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ..., tenant: _Optional[str] = ..., accept_block_groups: _Optional[bool] = ...) -> None: ...
+    def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SourceChunk(_message.Message):
     __slots__ = ("layer", "kind", "token_start", "token_end", "tensor")
@@ -162,12 +160,6 @@ class TargetBlock(_message.Message):
     value: Tensor
     def __init__(self, layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., block_index: _Optional[int] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
-class TargetBlockGroup(_message.Message):
-    __slots__ = ("blocks",)
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    blocks: _containers.RepeatedCompositeFieldContainer[TargetBlock]
-    def __init__(self, blocks: _Optional[_Iterable[_Union[TargetBlock, _Mapping]]] = ...) -> None: ...
-
 class TranslateTrailer(_message.Message):
     __slots__ = ("tokens", "bytes_in", "bytes_out", "compute_seconds", "wall_seconds", "blocks", "cached_blocks")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -187,16 +179,14 @@ class TranslateTrailer(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class TranslateResponse(_message.Message):
-    __slots__ = ("header", "block", "trailer", "blocks")
+    __slots__ = ("header", "block", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     header: TranslateResponseHeader
     block: TargetBlock
     trailer: TranslateTrailer
-    blocks: TargetBlockGroup
-    def __init__(self, header: _Optional[_Union[TranslateResponseHeader, _Mapping]] = ..., block: _Optional[_Union[TargetBlock, _Mapping]] = ..., trailer: _Optional[_Union[TranslateTrailer, _Mapping]] = ..., blocks: _Optional[_Union[TargetBlockGroup, _Mapping]] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[TranslateResponseHeader, _Mapping]] = ..., block: _Optional[_Union[TargetBlock, _Mapping]] = ..., trailer: _Optional[_Union[TranslateTrailer, _Mapping]] = ...) -> None: ...
 
 class ListMappingsRequest(_message.Message):
     __slots__ = ("name_prefix",)
