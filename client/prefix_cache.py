@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.errors import InvalidInput, Unavailable
 
 from .prefix import CorruptBlock, LayerKV, Namespace, block_hashes, decode_block, encode_block, split_blocks
 
@@ -33,6 +33,12 @@ class Lookup:
                 for i in range(n)]
 
 
+@dataclass
+class Fetched:
+    blocks: list[list[LayerKV] | None]  # per asked hash: per layer (K, V), or None (missing or corrupt)
+    corrupt: int
+
+
 class PrefixCache:
     def __init__(self, store, secret: bytes, block_size: int = 256, ttl: float = 3600.0, max_blob_bytes: int = 64 << 20):
         if block_size < 1 or ttl <= 0:
@@ -46,18 +52,35 @@ class PrefixCache:
                dtype: torch.dtype | None = None, hashes: list[bytes] | None = None) -> Lookup:
         """Stored blocks from ``start_block`` on, stopping at the first miss; a corrupt blob is a miss."""
         hashes = hashes if hashes is not None else self.hashes(ns, token_ids)
-        wanted = hashes[start_block:]
-        blobs = self.store.get_many([ns.key(h) for h in wanted]) if wanted else []
-        found, corrupt = [], 0
-        for h, blob in zip(wanted, blobs):
+        got = self.fetch(ns, hashes[start_block:], layers, kv_heads, head_dim, dtype)
+        found = []
+        for block in got.blocks:
+            if block is None:
+                break
+            found.append(block)
+        return Lookup(hashes, start_block, found, got.corrupt)
+
+    def fetch(self, ns: Namespace, hashes: list[bytes], layers: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype | None = None) -> Fetched:
+        """These blocks, each verified and unpacked, or None where missing or corrupt. Corrupt blobs are
+        deleted (best effort), so the next writer stores a good copy: writes never overwrite."""
+        blobs = self.store.get_many([ns.key(h) for h in hashes]) if hashes else []
+        out, bad = [], []
+        for h, blob in zip(hashes, blobs):
             if blob is None:
-                break
+                out.append(None)
+                continue
             try:
-                found.append(decode_block(blob, h, layers, (kv_heads, self.block_size, head_dim), dtype))
+                out.append(decode_block(blob, h, layers, (kv_heads, self.block_size, head_dim), dtype))
             except CorruptBlock:
-                corrupt += 1
-                break
-        return Lookup(hashes, start_block, found, corrupt)
+                out.append(None)
+                bad.append(ns.key(h))
+        if bad:
+            try:
+                self.store.discard(bad)
+            except Unavailable:
+                pass
+        return Fetched(out, len(bad))
 
     def store_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
                      token_offset: int = 0) -> int:

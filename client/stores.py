@@ -1,6 +1,6 @@
 """Prefix stores: Redis (shared across pods) and an in-process LRU bounded in bytes (the default).
 
-Both offer the same two calls. Writes use "set if absent" with a TTL: a value appears whole or not
+Both offer the same calls. Writes use "set if absent" with a TTL: a value appears whole or not
 at all, and concurrent writers of one block (whose content is identical by construction) cannot
 corrupt it. Connection failures raise :class:`StoreUnavailable`.
 """
@@ -60,6 +60,12 @@ class MemoryStore:
                     self._drop(next(iter(self._data)))
         return written
 
+    def discard(self, keys: list[str]) -> None:
+        with self._lock:
+            for k in keys:
+                if k in self._data:
+                    self._drop(k)
+
     def _drop(self, key: str) -> None:
         blob, _ = self._data.pop(key)
         self._bytes -= len(blob)
@@ -116,6 +122,15 @@ class RedisStore:
             for k, blob in items:
                 pipe.set(k, blob, nx=True, px=max(1, int(ttl * 1000)))
             return sum(bool(r) for r in pipe.execute())
+        except self._errors as e:
+            raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
+
+    def discard(self, keys: list[str]) -> None:
+        """Delete blobs found corrupt, so the next writer can store a good copy (writes never overwrite)."""
+        if not keys:
+            return
+        try:
+            self._redis.delete(*keys)
         except self._errors as e:
             raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
 

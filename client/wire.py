@@ -39,6 +39,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _NAMES}
+# Tensors here view received, read-only bytes and are never written: torch's warning about that is noise. Silenced
+# for this module only, once (a catch_warnings block per tensor cost more than the parse itself).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -47,6 +51,14 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     if t.device.type != "cpu":
         t = t.cpu()
     return t.view(_SAME_SIZE_INT[t.element_size()]).numpy().tobytes()
+
+
+def _tensor_buffer(t: torch.Tensor):
+    """The tensor's bytes for a join: a view of a contiguous CPU tensor (no copy), else tensor_bytes."""
+    t = t.detach()
+    if t.device.type == "cpu" and t.is_contiguous():
+        return memoryview(t.view(_SAME_SIZE_INT[t.element_size()]).numpy()).cast("B")
+    return tensor_bytes(t)
 
 
 def encode_tensor(t: torch.Tensor) -> pb.Tensor:
@@ -139,7 +151,7 @@ def _scalar(field: int, value: int) -> list[bytes]:
 def _tensor_fields(t: torch.Tensor) -> list[bytes]:
     """The fields of a kvferry.v1.Tensor: dtype, packed shape, then the data, taken straight from the tensor."""
     shape = b"".join(_varint(int(s)) for s in t.shape)
-    data = tensor_bytes(t)
+    data = _tensor_buffer(t) if t.numel() else b""
     out = _scalar(1, dtype_to_pb(t.dtype))
     if shape:
         out += [b"\x12", _varint(len(shape)), shape]
@@ -154,7 +166,7 @@ def _length_delimited(field: int, parts: list[bytes]) -> list[bytes]:
 
 def encode_block_response(b: Block) -> bytes:
     """A TranslateResponse carrying ``b``, serialised without building protobuf objects: the same bytes as
-    ``block_to_pb(b).SerializeToString()`` (checked in the tests), with one copy of the tensor data fewer."""
+    ``block_to_pb(b).SerializeToString()`` (checked in the tests); the tensor data is copied once, into the message."""
     body = (_scalar(1, b.layer) + _scalar(2, b.start) + _scalar(3, b.end) + _scalar(4, b.index)
             + _length_delimited(5, _tensor_fields(b.key)) + _length_delimited(6, _tensor_fields(b.value)))
     return b"".join(_length_delimited(2, body))
@@ -174,6 +186,8 @@ def serialize(msg) -> bytes:
 
 
 def _read_varint(buf, i: int) -> tuple[int, int]:
+    if i < len(buf) and buf[i] < 0x80:  # most tags and small values: one byte
+        return buf[i], i + 1
     shift = value = 0
     while True:
         if i >= len(buf) or shift > 63:
@@ -249,14 +263,12 @@ def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> to
     numel = 1
     for s in shape:
         numel *= s
-    want = numel * torch.empty((), dtype=dtype).element_size()
+    want = numel * (_ITEMSIZE.get(dtype) or torch.empty((), dtype=dtype).element_size())
     if len(raw) != want:
         raise InvalidInput(f"{what}: {len(raw)} bytes for shape {list(shape)} {dtype_name(dtype)}; expected {want}")
     if want == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only buffer: we never write into it
-        return torch.frombuffer(raw, dtype=dtype).view(shape)
+    return torch.frombuffer(raw, dtype=dtype).view(shape)  # read-only buffer: never written (warning silenced above)
 
 
 def decode_response(data: bytes):

@@ -213,3 +213,27 @@ def test_in_memory_default(sidecar_factory, maps_dir, family):
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0
         _wait_for_writes(sc, 2)
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family), layout="paged", block_size=8).stats.cached_blocks == 2
+
+
+def test_a_corrupt_blob_is_replaced_by_a_good_copy(sidecar_factory, maps_dir, family, redis_url, redis_server):
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=64, heads=2, head_dim=32, seed=9)
+    ids = list(range(500, 564))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    before = set(redis_server.client.keys("kvf:*"))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        ask = lambda: c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))  # noqa: E731
+        mapped = ask()
+        target_keys = sorted(set(redis_server.client.keys("kvf:*")) - before)
+        assert len(target_keys) == 4
+        assert ask().stats.cached_blocks == 4
+        victim = target_keys[1]
+        blob = bytearray(redis_server.client.get(victim))
+        blob[-3] ^= 0x55
+        redis_server.client.set(victim, bytes(blob))  # writes never overwrite: without healing it would stay corrupt
+        res = ask()
+        assert res.stats.cached_blocks < 4  # the corrupt block and the rest were mapped again
+        for (k, v), (hk, hv) in zip(mapped.layers(), res.layers()):
+            assert torch.equal(k, hk) and torch.equal(v, hv)
+        assert sc.sidecar.metrics.prefix_blocks.labels("corrupt")._value.get() >= 1
+        assert ask().stats.cached_blocks == 4  # the corrupt blob was deleted and a good copy written in its place
