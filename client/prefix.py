@@ -78,6 +78,11 @@ def model_key(geometry_fingerprint: str, tokenizer_fingerprint: str) -> str:
     return f"{geometry_fingerprint}:{tokenizer_fingerprint}"
 
 
+def map_id(name: str, version: str, content_sha256: str) -> str:
+    """A mapped block namespace's map id: blocks of another map, version or content never mix."""
+    return f"{name}@{version}#{content_sha256}"
+
+
 def block_hashes(secret: bytes, ns: Namespace, token_ids, block_size: int) -> list[bytes]:
     """Hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
     if not secret:

@@ -4,6 +4,10 @@ Side by side in one run, per prompt length n (a real redis-server is started on 
 port unless --redis-url is given):
   hit path      key-only Translate whose target blocks are all in Redis (no compute), over gRPC;
   raw GET       redis-py MGET of the same target blocks' bytes, no gRPC, no decoding;
+  direct hit    the client reading the same mapped blocks from Redis itself (kvferry.client.direct: one MGET,
+                checksums, tensors viewing the bytes, joined per layer), for pods trusted with the prefix secret;
+  gRPC floor    the sidecar process streaming messages of the hit path's sizes to this one, from memory:
+                the transport alone, which bounds what any hit path over gRPC can reach;
   hit TTFT      hit path + import into T's cache + refresh of the last r tokens + first token;
   miss TTFT     the same, with the target blocks deleted first: the sidecar maps the stored source
                 blocks, writes the result back, and streams it.
@@ -62,7 +66,8 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.cli import _quiet_transformers
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.importers import to_dynamic_cache
-    from kvferry.client.prefix import Namespace, model_id
+    from kvferry.client.direct import DirectReader
+    from kvferry.client.prefix import Namespace, map_id, model_id
     from kvferry.client.prefix_cache import PrefixCache, publish_source
     from kvferry.client.stores import RedisStore
     from kvferry.mappings.capture import capture_kv, load_model
@@ -81,7 +86,8 @@ def run(a: argparse.Namespace) -> int:
         registry.scan()
         ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", a.version)
         with ServerProcess(a.maps_dir, redis_url=url, prefix_secret=secret.decode(), prefix_block_size=bs) as sc, \
-                TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
+                TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client, \
+                TranslateClient(ClientOptions(target=sc.address, timeout=300), direct=DirectReader(RedisStore(url), secret, bs)) as near:
             kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
             for n in a.sizes:
                 ids = _long_ids(target.tokenizer, n)
@@ -89,12 +95,12 @@ def run(a: argparse.Namespace) -> int:
                 with torch.no_grad():
                     src = capture_kv(source.model, ids[:, : len(prefix_ids)])
                 key = publish_source(src, prefix_ids, ms.source, store=RedisStore(url), secret=secret, tenant="bench", block_size=bs)
-                tgt_ns = Namespace("bench", model_id(ms.target), f"{ms.name}@{ms.version}#{ms.content_sha256}")
+                tgt_ns = Namespace("bench", model_id(ms.target), map_id(ms.name, ms.version, ms.content_sha256))
                 tgt_keys = [tgt_ns.key(h) for h in PrefixCache(None, secret, bs).hashes(tgt_ns, prefix_ids)]
                 m = len(prefix_ids)
 
-                def translate():
-                    return client.translate(None, ms.name, ms.version, token_ids=prefix_ids, prefix_key=key, **kw)
+                def translate(via=client):
+                    return via.translate(None, ms.name, ms.version, token_ids=prefix_ids, prefix_key=key, **kw)
 
                 @torch.no_grad()
                 def ttft():
@@ -113,25 +119,34 @@ def run(a: argparse.Namespace) -> int:
                 assert first.stats.cached_blocks == len(tgt_keys), "target blocks were not all cached"
                 t_hit = _median(translate, a.reps)
                 nbytes = sum(len(b) for b in raw.mget(tgt_keys))
+                sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
                 t_get = _median(lambda: raw.mget(tgt_keys), a.reps)
+                t_floor = _median(lambda: sc.replay(sizes), a.reps)
+                assert translate(near).stats.extra.get("path") == "direct", "the direct reader missed"
+                t_direct = _median(lambda: translate(near).layers(), a.reps)
                 t_hit_ttft = _median(ttft, a.reps)
                 t_miss_ttft = statistics.median([miss_ttft() for _ in range(a.reps)])
                 out_bytes = first.stats.bytes_out
                 row = {"n": n, "cached_tokens": m, "blocks": len(tgt_keys), "redis_bytes": nbytes, "hit_ms": t_hit * 1e3,
-                       "raw_get_ms": t_get * 1e3, "hit_MiB_s": out_bytes / t_hit / 2**20, "raw_get_MiB_s": nbytes / t_get / 2**20,
+                       "raw_get_ms": t_get * 1e3, "grpc_floor_ms": t_floor * 1e3, "direct_ms": t_direct * 1e3, "hit_MiB_s": out_bytes / t_hit / 2**20,
+                       "raw_get_MiB_s": nbytes / t_get / 2**20, "grpc_floor_MiB_s": sum(sizes) / t_floor / 2**20,
                        "hit_ttft_ms": t_hit_ttft * 1e3, "miss_ttft_ms": t_miss_ttft * 1e3}
                 row["hit_vs_get"] = row["hit_MiB_s"] / row["raw_get_MiB_s"]
+                row["direct_vs_get"] = t_get / t_direct * out_bytes / nbytes
+                row["floor_vs_get"] = row["grpc_floor_MiB_s"] / row["raw_get_MiB_s"]
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     finally:
         if proc:
             proc.kill()
     print(f"\nmap {ms.name} {ms.version}; prefix blocks of {bs} tokens; r={r}; medians of {a.reps}\n")
-    print("| n | cached tokens | hit path ms | raw GET ms | hit MiB/s | raw GET MiB/s | hit/GET | hit TTFT ms | miss TTFT ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| n | cached tokens | hit path ms | raw GET ms | gRPC floor ms | direct hit ms | hit MiB/s | raw GET MiB/s "
+          "| hit/GET | floor/GET | direct/GET | hit TTFT ms | miss TTFT ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w in rows:
-        print(f"| {w['n']} | {w['cached_tokens']} | {w['hit_ms']:.1f} | {w['raw_get_ms']:.1f} | {w['hit_MiB_s']:.0f} | "
-              f"{w['raw_get_MiB_s']:.0f} | {w['hit_vs_get']:.2f} | {w['hit_ttft_ms']:.1f} | {w['miss_ttft_ms']:.1f} |")
+        print(f"| {w['n']} | {w['cached_tokens']} | {w['hit_ms']:.1f} | {w['raw_get_ms']:.1f} | {w['grpc_floor_ms']:.1f} | "
+              f"{w['direct_ms']:.1f} | {w['hit_MiB_s']:.0f} | {w['raw_get_MiB_s']:.0f} | {w['hit_vs_get']:.2f} | "
+              f"{w['floor_vs_get']:.2f} | {w['direct_vs_get']:.2f} | {w['hit_ttft_ms']:.1f} | {w['miss_ttft_ms']:.1f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

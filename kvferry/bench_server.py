@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import struct
 
 import grpc
 
@@ -15,6 +16,7 @@ from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.server import Sidecar
 
 ECHO_METHOD = "/kvferry.bench.Echo/Echo"
+REPLAY_METHOD = "/kvferry.bench.Echo/Replay"
 
 
 def echo_handler():
@@ -22,7 +24,18 @@ def echo_handler():
         async for raw in request_iterator:
             yield raw
 
-    return grpc.method_handlers_generic_handler("kvferry.bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})
+    payloads: dict[bytes, list[bytes]] = {}
+
+    async def replay(request: bytes, context):
+        """Stream back messages of the sizes asked (little-endian uint32s): gRPC's one-way transport floor."""
+        if request not in payloads:
+            sizes = struct.unpack(f"<{len(request) // 4}I", request)
+            payloads[request] = [bytes([i % 251]) * n for i, n in enumerate(sizes)]  # distinct buffers, as real ones
+        for p in payloads[request]:
+            yield p
+
+    return grpc.method_handlers_generic_handler("kvferry.bench.Echo", {
+        "Echo": grpc.stream_stream_rpc_method_handler(echo), "Replay": grpc.unary_stream_rpc_method_handler(replay)})
 
 
 async def _main(a: argparse.Namespace) -> None:

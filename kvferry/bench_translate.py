@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import struct
 import time
 from pathlib import Path
 
@@ -53,12 +54,17 @@ class ServerProcess:
         self.address = m.group(1)
         opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         self.channel = grpc.insecure_channel(self.address, opts)
-        from kvferry.bench_server import ECHO_METHOD
+        from kvferry.bench_server import ECHO_METHOD, REPLAY_METHOD
 
         self.echo = self.channel.stream_stream(ECHO_METHOD)
+        self.replay_call = self.channel.unary_stream(REPLAY_METHOD)
 
     def roundtrip(self, payloads: list[bytes]) -> int:
         return sum(len(r) for r in self.echo(iter(payloads), timeout=120))
+
+    def replay(self, sizes: list[int]) -> int:
+        """Receive messages of these sizes from the server process: the transport alone, one way."""
+        return sum(len(r) for r in self.replay_call(struct.pack(f"<{len(sizes)}I", *sizes), timeout=120))
 
     def close(self) -> None:
         self.channel.close()

@@ -237,3 +237,62 @@ def test_a_corrupt_blob_is_replaced_by_a_good_copy(sidecar_factory, maps_dir, fa
             assert torch.equal(k, hk) and torch.equal(v, hv)
         assert sc.sidecar.metrics.prefix_blocks.labels("corrupt")._value.get() >= 1
         assert ask().stats.cached_blocks == 4  # the corrupt blob was deleted and a good copy written in its place
+
+
+def test_direct_reads_serve_full_hits_without_the_sidecar(sidecar_factory, maps_dir, family, redis_url, redis_server):
+    from kvferry.client.direct import DirectReader
+
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=72, heads=2, head_dim=32, seed=10)
+    ids = list(range(900, 972))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    source_keys = set(redis_server.client.keys("kvf:acme:*"))
+    direct = DirectReader(RedisStore(redis_url), SECRET, BS)
+    served = lambda: sc.sidecar.metrics.tokens.labels("S__S-self@1.0.0")._value.get()  # noqa: E731
+    with TranslateClient(ClientOptions(target=sc.address, retries=0), direct=direct) as c:
+        ask = lambda **kw: c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family), **kw)  # noqa: E731
+        first = ask()  # nothing mapped yet: the sidecar maps the stored source blocks and writes them back
+        assert first.attempts == 1 and first.stats.cached_blocks == 0 and first.info.num_tokens == 64
+        before = served()
+        hit = ask()
+        assert hit.attempts == 0 and hit.stats.extra["path"] == "direct" and hit.stats.cached_blocks == 4
+        assert served() == before  # the sidecar did not see it
+        assert (hit.info.num_tokens, hit.info.layers, hit.info.dtype) == (first.info.num_tokens, first.info.layers, first.info.dtype)
+        for (k, v), (hk, hv) in zip(first.layers(), hit.layers()):
+            assert torch.equal(k, hk) and torch.equal(v, hv)
+        assert ask(layout="paged", block_size=8).attempts == 1  # pages come from the sidecar
+
+        victim = sorted(set(redis_server.client.keys("kvf:acme:*")) - source_keys)[2]
+        blob = bytearray(redis_server.client.get(victim))
+        blob[-1] ^= 1
+        redis_server.client.set(victim, bytes(blob))
+        again = ask()  # a corrupt (or missing) block: not served directly; the sidecar's answer is still right
+        assert again.attempts == 1 and direct.corrupt == 1
+        for (k, _), (hk, _) in zip(first.layers(), again.layers()):
+            assert torch.equal(k, hk)
+        with pytest.raises(grpc.RpcError) as e:  # another tenant's key: nothing read directly, the sidecar refuses
+            c.translate(None, "S__S-self", token_ids=ids, tenant="globex", prefix_key=key, **_kw(family))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_async_client_reads_direct_hits_too(sidecar_factory, maps_dir, family, redis_url):
+    import asyncio
+
+    from kvferry.client.client import AsyncTranslateClient
+    from kvferry.client.direct import DirectReader
+
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=11)
+    ids = list(range(32))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
+
+    async def main():
+        async with AsyncTranslateClient(ClientOptions(target=sc.address, retries=0),
+                                        direct=DirectReader(RedisStore(redis_url), SECRET, BS)) as c:
+            first = await c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
+            second = await c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
+            return first, second
+
+    first, second = asyncio.run(main())
+    assert (first.attempts, second.attempts) == (1, 0)
+    assert torch.equal(first.layers()[1][1], second.layers()[1][1])

@@ -1,0 +1,103 @@
+"""Prefix hits read straight from the store by the client: no sidecar hop on a hit.
+
+A key-only translation whose mapped (target-layout) blocks are all stored needs no compute, so the
+client can read them itself: one MGET, checksums verified, tensors viewing the fetched bytes. On any
+miss (a block not mapped yet, expired, corrupt) it asks the sidecar, which maps the rest and writes
+it back. Only for pods trusted with the deployment's prefix secret and store credentials, which every
+pod publishing with ``publish_source`` already holds: on this path no sidecar checks the tenant, the
+secret and the store's ACLs do. Maps are honoured as the sidecar reports them (ListMappings): a gated
+map is never read directly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.mappings.artifact import version_key
+from kvferry.mappings.errors import Unavailable
+from kvferry.v1 import translate_pb2 as pb
+
+from .messages import CONTIGUOUS, Block, Stats, TargetInfo
+from .prefix import LayerKV, Namespace, map_id, model_key
+from .prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True)
+class DirectHit:
+    info: TargetInfo
+    layers: list[LayerKV]  # per target layer (K, V) [1, kv_heads, tokens, head_dim]
+    stats: Stats
+
+    def blocks(self) -> list[Block]:
+        """The hit as contiguous blocks, one per layer (what a sidecar answer holds)."""
+        return [Block(t, 0, self.info.num_tokens, 0, k[0], v[0]) for t, (k, v) in enumerate(self.layers)]
+
+
+class DirectReader:
+    """Reads a key-only request's mapped blocks from the prefix store when all of them are there."""
+
+    def __init__(self, store, secret: bytes, block_size: int = 256, map_list_ttl: float = 10.0):
+        self.cache = PrefixCache(store, secret, block_size)
+        self.map_list_ttl = map_list_ttl
+        self._maps: list[pb.MappingInfo] = []
+        self._maps_at = -1e9
+        self.corrupt = 0
+
+    @property
+    def maps_stale(self) -> bool:
+        """ListMappings is cached for ``map_list_ttl`` seconds: new versions and gate changes show up within it."""
+        return time.monotonic() - self._maps_at > self.map_list_ttl
+
+    def set_maps(self, maps: list[pb.MappingInfo]) -> None:
+        self._maps, self._maps_at = list(maps), time.monotonic()
+
+    def answer(self, spec) -> DirectHit | None:
+        """A full hit for a key-only TranslateSpec, read from the store; None for anything else (a miss, a gated map,
+        a fingerprint the sidecar would refuse, the store unreachable): the caller then asks the sidecar."""
+        if not spec.prefix_key or spec.layout != CONTIGUOUS:
+            return None
+        info = self.resolve(self._maps, spec.map_name, spec.map_version)
+        if (info is None or (spec.source_geometry and spec.source_geometry != info.source.fingerprint)
+                or (spec.tokenizer and spec.tokenizer != info.tokenizer_fingerprint)):
+            return None
+        try:
+            return self.read(info, spec.token_ids, spec.prefix_key, spec.tenant, spec.target_dtype)
+        except Unavailable:
+            return None
+
+    @staticmethod
+    def resolve(maps: list[pb.MappingInfo], name: str, version: str) -> pb.MappingInfo | None:
+        """The servable map the sidecar would use: the exact version, or the newest servable one; None if gated."""
+        servable = [m for m in maps if m.name == name and m.servable and (m.version == version or not version)]
+        return max(servable, key=lambda m: version_key(m.version)) if servable else None
+
+    def read(self, info: pb.MappingInfo, token_ids, prefix_key: str, tenant: str = "",
+             dtype: torch.dtype | None = None) -> DirectHit | None:
+        """The mapped KV up to the block ``prefix_key`` names, if every one of its blocks is stored; else None."""
+        t0 = time.perf_counter()
+        tenant = tenant or "default"
+        src_ns = Namespace(tenant, model_key(info.source.fingerprint, info.tokenizer_fingerprint))
+        tips = [h.hex() for h in self.cache.hashes(src_ns, token_ids)]
+        if prefix_key not in tips:
+            return None  # the sidecar says why (NOT_FOUND)
+        blocks = tips.index(prefix_key) + 1
+        tokens = list(token_ids[: blocks * self.cache.block_size])
+        g = info.target
+        tgt_ns = Namespace(tenant, model_key(g.fingerprint, info.tokenizer_fingerprint),
+                           map_id(info.name, info.version, info.content_sha256))
+        look = self.cache.lookup(tgt_ns, tokens, g.layers, g.kv_heads, g.head_dim, dtype=dtype)
+        self.corrupt += look.corrupt
+        if len(look.blocks) < blocks:
+            return None
+        layers = look.layers()
+        n = len(tokens)
+        out_dtype = layers[0][0].dtype
+        target = TargetInfo(info.name, info.version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
+                            CONTIGUOUS, 0, out_dtype, n, 0)
+        nbytes = sum(2 * k.numel() * k.element_size() for k, _ in layers)
+        stats = Stats(tokens=n, bytes_out=nbytes, blocks=len(layers), cached_blocks=blocks,
+                      wall_seconds=time.perf_counter() - t0, extra={"path": "direct"})
+        return DirectHit(target, layers, stats)
