@@ -215,11 +215,23 @@ def test_in_memory_default(sidecar_factory, maps_dir, family):
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family), layout="paged", block_size=8).stats.cached_blocks == 2
 
 
+def _published(family, redis_url, tokens, seed, first_id):
+    """A source cache of ``tokens`` tokens published for tenant acme: (kv, token ids, prefix key)."""
+    kv = make_kv(layers=4, tokens=tokens, heads=2, head_dim=32, seed=seed)
+    ids = list(range(first_id, first_id + tokens))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    return kv, ids, key
+
+
+def _flip_a_byte(client, key):
+    blob = bytearray(client.get(key))
+    blob[-3] ^= 0x55
+    client.set(key, bytes(blob))
+
+
 def test_a_corrupt_blob_is_replaced_by_a_good_copy(sidecar_factory, maps_dir, family, redis_url, redis_server):
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
-    kv = make_kv(layers=4, tokens=64, heads=2, head_dim=32, seed=9)
-    ids = list(range(500, 564))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    kv, ids, key = _published(family, redis_url, 64, 9, 500)
     before = set(redis_server.client.keys("kvf:*"))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         ask = lambda: c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))  # noqa: E731
@@ -227,10 +239,7 @@ def test_a_corrupt_blob_is_replaced_by_a_good_copy(sidecar_factory, maps_dir, fa
         target_keys = sorted(set(redis_server.client.keys("kvf:*")) - before)
         assert len(target_keys) == 4
         assert ask().stats.cached_blocks == 4
-        victim = target_keys[1]
-        blob = bytearray(redis_server.client.get(victim))
-        blob[-3] ^= 0x55
-        redis_server.client.set(victim, bytes(blob))  # writes never overwrite: without healing it would stay corrupt
+        _flip_a_byte(redis_server.client, target_keys[1])  # writes never overwrite: without healing it would stay corrupt
         res = ask()
         assert res.stats.cached_blocks < 4  # the corrupt block and the rest were mapped again
         for (k, v), (hk, hv) in zip(mapped.layers(), res.layers()):
@@ -243,9 +252,7 @@ def test_direct_reads_serve_full_hits_without_the_sidecar(sidecar_factory, maps_
     from kvferry.client.direct import DirectReader
 
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
-    kv = make_kv(layers=4, tokens=72, heads=2, head_dim=32, seed=10)
-    ids = list(range(900, 972))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    kv, ids, key = _published(family, redis_url, 72, 10, 900)
     source_keys = set(redis_server.client.keys("kvf:acme:*"))
     direct = DirectReader(RedisStore(redis_url), SECRET, BS)
     served = lambda: sc.sidecar.metrics.tokens.labels("S__S-self@1.0.0")._value.get()  # noqa: E731
@@ -262,10 +269,7 @@ def test_direct_reads_serve_full_hits_without_the_sidecar(sidecar_factory, maps_
             assert torch.equal(k, hk) and torch.equal(v, hv)
         assert ask(layout="paged", block_size=8).attempts == 1  # pages come from the sidecar
 
-        victim = sorted(set(redis_server.client.keys("kvf:acme:*")) - source_keys)[2]
-        blob = bytearray(redis_server.client.get(victim))
-        blob[-1] ^= 1
-        redis_server.client.set(victim, bytes(blob))
+        _flip_a_byte(redis_server.client, sorted(set(redis_server.client.keys("kvf:acme:*")) - source_keys)[2])
         again = ask()  # a corrupt (or missing) block: not served directly; the sidecar's answer is still right
         assert again.attempts == 1 and direct.corrupt == 1
         for (k, _), (hk, _) in zip(first.layers(), again.layers()):
