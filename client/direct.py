@@ -21,7 +21,7 @@ from kvferry.mappings.errors import Unavailable
 from kvferry.v1 import translate_pb2 as pb
 
 from .messages import CONTIGUOUS, Block, Stats, TargetInfo
-from .prefix import LayerKV, Namespace, map_id, model_key
+from .prefix import LayerKV, map_id, map_namespaces, model_key
 from .prefix_cache import PrefixCache
 
 
@@ -78,16 +78,15 @@ class DirectReader:
              dtype: torch.dtype | None = None) -> DirectHit | None:
         """The mapped KV up to the block ``prefix_key`` names, if every one of its blocks is stored; else None."""
         t0 = time.perf_counter()
-        tenant = tenant or "default"
-        src_ns = Namespace(tenant, model_key(info.source.fingerprint, info.tokenizer_fingerprint))
-        tips = [h.hex() for h in self.cache.hashes(src_ns, token_ids)]
-        if prefix_key not in tips:
-            return None  # the sidecar says why (NOT_FOUND)
-        blocks = tips.index(prefix_key) + 1
-        tokens = list(token_ids[: blocks * self.cache.block_size])
         g = info.target
-        tgt_ns = Namespace(tenant, model_key(g.fingerprint, info.tokenizer_fingerprint),
-                           map_id(info.name, info.version, info.content_sha256))
+        src_ns, tgt_ns = map_namespaces(tenant, model_key(info.source.fingerprint, info.tokenizer_fingerprint),
+                                        model_key(g.fingerprint, info.tokenizer_fingerprint),
+                                        map_id(info.name, info.version, info.content_sha256))
+        src_hashes = self.cache.prefix_blocks(src_ns, token_ids, prefix_key)
+        if src_hashes is None:
+            return None  # the sidecar says why (NOT_FOUND)
+        blocks = len(src_hashes)
+        tokens = list(token_ids[: blocks * self.cache.block_size])
         look = self.cache.lookup(tgt_ns, tokens, g.layers, g.kv_heads, g.head_dim, dtype=dtype)
         self.corrupt += look.corrupt
         if len(look.blocks) < blocks:

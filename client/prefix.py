@@ -83,6 +83,16 @@ def map_id(name: str, version: str, content_sha256: str) -> str:
     return f"{name}@{version}#{content_sha256}"
 
 
+DEFAULT_TENANT = "default"
+
+
+def map_namespaces(tenant: str, source_model: str, target_model: str, mapped: str) -> tuple[Namespace, Namespace]:
+    """A map's source-block and mapped-block namespaces for ``tenant`` (DEFAULT_TENANT when empty); the models
+    are model_key ids, ``mapped`` a map_id."""
+    tenant = tenant or DEFAULT_TENANT
+    return Namespace(tenant, source_model), Namespace(tenant, target_model, mapped)
+
+
 def block_hashes(secret: bytes, ns: Namespace, token_ids, block_size: int) -> list[bytes]:
     """Hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
     if not secret:

@@ -33,12 +33,6 @@ class Lookup:
                 for i in range(n)]
 
 
-@dataclass
-class Fetched:
-    blocks: list[list[LayerKV] | None]  # per asked hash: per layer (K, V), or None (missing or corrupt)
-    corrupt: int
-
-
 class PrefixCache:
     def __init__(self, store, secret: bytes, block_size: int = 256, ttl: float = 3600.0, max_blob_bytes: int = 64 << 20):
         if block_size < 1 or ttl <= 0:
@@ -48,39 +42,34 @@ class PrefixCache:
     def hashes(self, ns: Namespace, token_ids) -> list[bytes]:
         return block_hashes(self.secret, ns, token_ids, self.block_size)
 
+    def prefix_blocks(self, ns: Namespace, token_ids, prefix_key: str) -> list[bytes] | None:
+        """The block hashes of ``token_ids`` up to the one ``prefix_key`` names (what publish returned), or None
+        when it names none of them."""
+        hashes = self.hashes(ns, token_ids)
+        tips = [h.hex() for h in hashes]
+        return hashes[: tips.index(prefix_key) + 1] if prefix_key in tips else None
+
     def lookup(self, ns: Namespace, token_ids, layers: int, kv_heads: int, head_dim: int, start_block: int = 0,
                dtype: torch.dtype | None = None, hashes: list[bytes] | None = None) -> Lookup:
-        """Stored blocks from ``start_block`` on, stopping at the first miss; a corrupt blob is a miss."""
+        """Stored blocks from ``start_block`` on, stopping at the first miss; a corrupt blob is a miss, and is
+        deleted (best effort) so the next writer stores a good copy: writes never overwrite."""
         hashes = hashes if hashes is not None else self.hashes(ns, token_ids)
-        got = self.fetch(ns, hashes[start_block:], layers, kv_heads, head_dim, dtype)
-        found = []
-        for block in got.blocks:
-            if block is None:
-                break
-            found.append(block)
-        return Lookup(hashes, start_block, found, got.corrupt)
-
-    def fetch(self, ns: Namespace, hashes: list[bytes], layers: int, kv_heads: int, head_dim: int,
-              dtype: torch.dtype | None = None) -> Fetched:
-        """These blocks, each verified and unpacked, or None where missing or corrupt. Corrupt blobs are
-        deleted (best effort), so the next writer stores a good copy: writes never overwrite."""
-        blobs = self.store.get_many([ns.key(h) for h in hashes]) if hashes else []
-        out, bad = [], []
-        for h, blob in zip(hashes, blobs):
+        wanted = hashes[start_block:]
+        blobs = self.store.get_many([ns.key(h) for h in wanted]) if wanted else []
+        found, corrupt = [], 0
+        for h, blob in zip(wanted, blobs):
             if blob is None:
-                out.append(None)
-                continue
+                break
             try:
-                out.append(decode_block(blob, h, layers, (kv_heads, self.block_size, head_dim), dtype))
+                found.append(decode_block(blob, h, layers, (kv_heads, self.block_size, head_dim), dtype))
             except CorruptBlock:
-                out.append(None)
-                bad.append(ns.key(h))
-        if bad:
-            try:
-                self.store.discard(bad)
-            except Unavailable:
-                pass
-        return Fetched(out, len(bad))
+                corrupt += 1
+                try:
+                    self.store.discard([ns.key(h)])
+                except Unavailable:
+                    pass
+                break
+        return Lookup(hashes, start_block, found, corrupt)
 
     def store_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
                      token_offset: int = 0) -> int:

@@ -67,7 +67,7 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.client.direct import DirectReader
-    from kvferry.client.prefix import Namespace, map_id, model_id
+    from kvferry.client.prefix import map_id, map_namespaces, model_id
     from kvferry.client.prefix_cache import PrefixCache, publish_source
     from kvferry.client.stores import RedisStore
     from kvferry.mappings.capture import capture_kv, load_model
@@ -95,7 +95,7 @@ def run(a: argparse.Namespace) -> int:
                 with torch.no_grad():
                     src = capture_kv(source.model, ids[:, : len(prefix_ids)])
                 key = publish_source(src, prefix_ids, ms.source, store=RedisStore(url), secret=secret, tenant="bench", block_size=bs)
-                tgt_ns = Namespace("bench", model_id(ms.target), map_id(ms.name, ms.version, ms.content_sha256))
+                _, tgt_ns = map_namespaces("bench", model_id(ms.source), model_id(ms.target), map_id(ms.name, ms.version, ms.content_sha256))
                 tgt_keys = [tgt_ns.key(h) for h in PrefixCache(None, secret, bs).hashes(tgt_ns, prefix_ids)]
                 m = len(prefix_ids)
 
@@ -123,7 +123,7 @@ def run(a: argparse.Namespace) -> int:
                 t_get = _median(lambda: raw.mget(tgt_keys), a.reps)
                 t_floor = _median(lambda: sc.replay(sizes), a.reps)
                 assert translate(near).stats.extra.get("path") == "direct", "the direct reader missed"
-                t_direct = _median(lambda: translate(near).layers(), a.reps)
+                t_direct = _median(lambda: translate(near), a.reps)
                 t_hit_ttft = _median(ttft, a.reps)
                 t_miss_ttft = statistics.median([miss_ttft() for _ in range(a.reps)])
                 out_bytes = first.stats.bytes_out

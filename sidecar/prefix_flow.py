@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.client.prefix import Namespace, map_id, model_id
+from kvferry.client.prefix import Namespace, map_id, map_namespaces, model_id
 from kvferry.client.prefix_cache import Lookup, PrefixCache
 from kvferry.client.stores import StoreUnavailable, open_store
 from kvferry.mappings.apply import apply
@@ -23,7 +23,6 @@ from kvferry.mappings.errors import InvalidInput, NotFound
 from .pipeline import TranslateSession, target_dtype
 
 log = logging.getLogger("kvferry.prefix")
-DEFAULT_TENANT = "default"
 
 
 @dataclass
@@ -46,9 +45,7 @@ class PrefixService:
 
     @staticmethod
     def namespaces(ms: MapSet, tenant: str) -> tuple[Namespace, Namespace]:
-        tenant = tenant or DEFAULT_TENANT
-        return (Namespace(tenant, model_id(ms.source)),
-                Namespace(tenant, model_id(ms.target), map_id(ms.name, ms.version, ms.content_sha256)))
+        return map_namespaces(tenant, model_id(ms.source), model_id(ms.target), map_id(ms.name, ms.version, ms.content_sha256))
 
     def _count(self, lookup: Lookup, wanted: int) -> None:
         self.metrics.prefix_blocks.labels("hit").inc(len(lookup.blocks))
