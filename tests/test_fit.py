@@ -83,3 +83,39 @@ def test_joint_inputs_and_per_head_variants(family, tmp_path, inputs, per_head):
     back = load(save(ms, tmp_path))
     out = apply(back, capture_kv(s.model, torch.randint(2, 4096, (1, 40))))
     assert len(out) == tg.layers and out[0][0].shape == (1, tg.kv_heads, 40, tg.head_dim)
+
+
+def test_saved_sums_refit_without_capture_and_match(family, tmp_path, monkeypatch):
+    """--stats: the second fit reads the sums instead of running the models, and solves the same maps;
+    sums captured for other settings or another pair are not reused."""
+    import kvferry.mappings.fit as fit
+
+    s, t = family["S"], family["T"]
+    stats = tmp_path / "sums.safetensors"
+    settings = FitSettings(k=2, seq_len=128, max_tokens=4096)
+    first = fit_pair(s, t, CALIB, settings, progress=False, stats_path=stats)
+    assert stats.is_file()
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured again although matching sums were saved")
+
+    monkeypatch.setattr(fit, "accumulate", no_capture)
+    again = fit_pair(s, t, CALIB, FitSettings(k=2, seq_len=128, max_tokens=4096), progress=False, stats_path=stats)
+    for key, m in first.maps.items():
+        assert again.maps[key].source_layers == m.source_layers
+        torch.testing.assert_close(again.maps[key].weight, m.weight, rtol=0, atol=0)
+    assert again.calibration["tokens"] == first.calibration["tokens"] == 4096
+    with pytest.raises(AssertionError, match="captured again"):  # other capture settings: stale sums are not used
+        fit_pair(s, t, CALIB, FitSettings(k=2, seq_len=128, max_tokens=2048), progress=False, stats_path=stats)
+    with pytest.raises(AssertionError, match="captured again"):  # another pair
+        fit_pair(s, s, CALIB, settings, progress=False, stats_path=stats)
+
+
+def test_shared_decompositions_give_todays_selection_on_the_shipped_pair(family):
+    """The solver shares eigendecompositions across target maps: the shipped S__T 1.0.0 (fitted before the
+    sharing existed) comes out with the same source layers and weights from the same calibration data."""
+    shipped = load(MODELS.parent / "maps" / "S__T" / "1.0.0")
+    ms = fit_pair(family["S"], family["T"], CALIB, FitSettings(), progress=False)
+    for key, m in shipped.maps.items():
+        assert ms.maps[key].source_layers == m.source_layers, key
+        torch.testing.assert_close(ms.maps[key].weight, m.weight, rtol=1e-4, atol=1e-5)
