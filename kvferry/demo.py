@@ -1,4 +1,8 @@
-"""``kvferry demo``: the main job end to end on the shipped family.
+"""``kvferry demo``: the main job end to end.
+
+On the real pair (SmolLM2-135M, its first 10 layers as the source; ``--family real``, the default) see
+:mod:`kvferry.demo_real`. If the real model cannot be installed, or with ``--family tiny``, the shipped
+tiny family:
 
 1. Fit S->T and S->T64 on the shipped calibration split, evaluate each on held-out text, write
    the evidence into the artifacts, print the evidence tables and the gate verdicts.
@@ -55,6 +59,20 @@ def _long_prompt(tokenizer) -> tuple[str, str]:
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.family == "real":
+        from kvferry import demo_real
+        from kvferry.mappings.errors import InvalidInput
+
+        try:
+            return demo_real.run(a)
+        except demo_real.RealModelUnavailable as e:
+            print(f"== the real model is not available here ({e}); running the tiny test family instead\n", flush=True)
+        except InvalidInput as e:
+            print(f"== the real pair could not run ({e}); running the tiny test family instead\n", flush=True)
+    return run_tiny(a)
+
+
+def run_tiny(a: argparse.Namespace) -> int:
     from kvferry.cli import _quiet_transformers
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient

@@ -21,6 +21,7 @@ from .capture import LayerKV, LoadedModel, cache_layers, capture_kv, read_corpus
 from .drift import Drift, QueryTap, tail_drift
 from .errors import InvalidInput
 from .features import to_features
+from .copy_probe import CopySettings, copy_probe
 from .recall import make_probe, probe_fillers
 
 ARMS = ("gold", "no_context", "truncate", "mapped", "mapped_refresh", "mapped_sinks")
@@ -46,6 +47,10 @@ class EvalSettings:
     """Length of those greedy continuations."""
     recall_prompts: int = 50
     """Long-range recall probe prompts (0 to skip)."""
+    copy: CopySettings | None = CopySettings()
+    """The long-range copy probe the serving gate reads (None skips it, and the gate then refuses the map)."""
+    prose_prompts: int = 0
+    """Held-out prose prompts for next-token metrics beside code (needs ``prose`` texts; 0 skips)."""
     seed: int = 0
     """Seed for prompt sampling."""
 
@@ -56,6 +61,8 @@ class EvalSettings:
             raise InvalidInput(f"refresh must be in [1, min_len); got {self.refresh}")
         if not 0 <= self.sinks < self.min_len - 1:
             raise InvalidInput("sinks must be smaller than min_len - 1")
+        if self.prose_prompts < 0:
+            raise InvalidInput("prose_prompts must be >= 0")
 
 
 def _slice(kv: list[LayerKV], start: int, stop: int) -> list[LayerKV]:
@@ -137,7 +144,7 @@ class _LayerError:
 
 
 @torch.no_grad()
-def _greedy(model, ids: torch.Tensor, kv: list[LayerKV] | None, tokens: int, pad: int) -> list[int]:
+def greedy_continuation(model, ids: torch.Tensor, kv: list[LayerKV] | None, tokens: int, pad: int) -> list[int]:
     """Greedy continuation of ``ids``; with ``kv`` the target reuses it for the first positions."""
     cache = to_dynamic_cache(kv, model.config) if kv is not None else None
     out = model.generate(ids, past_key_values=cache, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
@@ -167,8 +174,8 @@ def _arm_caches(ms: MapSet, source: LoadedModel, target: LoadedModel, ids: torch
 
 @torch.no_grad()
 def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list[str], settings: EvalSettings | None = None,
-             progress: bool = True) -> dict:
-    """Run every arm on held-out text and the recall probe; returns the evidence dict."""
+             progress: bool = True, prose: list[str] | None = None) -> dict:
+    """Run every arm on held-out text, the recall and copy probes (and prose, if given); returns the evidence dict."""
     s = settings or EvalSettings()
     from .artifact import check_identity
 
@@ -210,14 +217,14 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
                 sc.add(logits["gold"], logits[arm], attn["gold"], attn[arm])
             if pi < s.greedy_prompts:
                 pad = target.tokenizer.pad_token_id
-                ref = _greedy(target.model, ids, None, s.greedy_tokens, pad)
+                ref = greedy_continuation(target.model, ids, None, s.greedy_tokens, pad)
                 tap.out.clear()
                 for arm in greedy:
                     kv, tail = arms[arm]
                     if kv is None:
-                        got = _greedy(target.model, tail, None, s.greedy_tokens, pad)
+                        got = greedy_continuation(target.model, tail, None, s.greedy_tokens, pad)
                     else:
-                        got = _greedy(target.model, ids, kv, s.greedy_tokens, pad)
+                        got = greedy_continuation(target.model, ids, kv, s.greedy_tokens, pad)
                     greedy[arm].append(_agreement(ref, got))
                     tap.out.clear()
     finally:
@@ -233,12 +240,34 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
     if s.recall_prompts:
         for arm, acc in recall_accuracy(ms, source, target, texts, s).items():
             arms_out.setdefault(arm, {})["recall"] = acc
-    return {
-        "settings": {k: getattr(s, k) for k in s.__dataclass_fields__},
-        "arms": arms_out,
-        "layers": layer_err.result(),
-        "recommended_refresh": s.refresh,
-    }
+    settings = {k: getattr(s, k) for k in s.__dataclass_fields__ if k != "copy"}
+    out = {"settings": settings, "arms": arms_out, "layers": layer_err.result(), "recommended_refresh": s.refresh}
+    if s.copy is not None:
+        out["copy"] = copy_probe(ms, source, target, texts, s.copy, progress)
+    if prose and s.prose_prompts:
+        out["prose"] = {"arms": next_token_arms(ms, source, target, list(read_corpus(prose)), s, s.prose_prompts)}
+    return out
+
+
+@torch.no_grad()
+def next_token_arms(ms: MapSet, source: LoadedModel, target: LoadedModel, texts: list[str], s: EvalSettings,
+                    prompts: int) -> dict:
+    """Next-token top-1 / top-10 / KL of each arm against full prefill, on ``prompts`` prompts cut from ``texts``."""
+    windows = token_windows(target.tokenizer, texts, s.max_len)
+    if not windows:
+        raise InvalidInput(f"held-out text is shorter than one {s.max_len}-token prompt")
+    rng = random.Random(s.seed + 1)
+    scores = {arm: _Scores() for arm in ARMS if arm != "gold"}
+    for i in range(prompts):
+        ids = windows[i % len(windows)][: rng.randint(s.min_len, s.max_len)][None]
+        _, _, arms = _arm_caches(ms, source, target, ids, s)
+        logits = {}
+        for arm, (kv, tail) in arms.items():
+            cache = to_dynamic_cache(kv, target.model.config) if kv is not None else None
+            logits[arm] = target.model(input_ids=tail, past_key_values=cache).logits[0, -1].float()
+        for arm, sc in scores.items():
+            sc.add(logits["gold"], logits[arm])
+    return {arm: sc.result(False) for arm, sc in scores.items()}
 
 
 @torch.no_grad()
@@ -255,11 +284,11 @@ def recall_accuracy(ms: MapSet, source: LoadedModel, target: LoadedModel, texts:
         arms["truncate_64"] = (None, ids[:, -64:])
         for arm, (kv, tail) in arms.items():
             if arm == "gold":
-                gen = _greedy(target.model, ids, None, 6, pad)
+                gen = greedy_continuation(target.model, ids, None, 6, pad)
             elif kv is None:
-                gen = _greedy(target.model, tail, None, 6, pad)
+                gen = greedy_continuation(target.model, tail, None, 6, pad)
             else:
-                gen = _greedy(target.model, ids, kv, 6, pad)
+                gen = greedy_continuation(target.model, ids, kv, 6, pad)
             hits[arm] += tok.decode(gen).split('"')[0] == ex.answer
     return {arm: h / len(probe) for arm, h in hits.items()}
 

@@ -22,12 +22,21 @@ class Gates:
     """Maximum mean KL(full prefill || mapped)."""
     min_attn_cos: float = 0.0
     """Minimum mean attention-output cosine."""
+    min_copy_retention: float = 0.85
+    """Long-range gate (on by default; 0 turns it off): at every copy-probe gap, the served arm's copy accuracy
+    must be at least this share of the target's own (full prefill). Next-token metrics cannot see a map that
+    loses a distant passage; this can."""
+    min_copy_full: float = 0.5
+    """A gap where the target's own copy accuracy is below this is not applicable: the target shows no
+    long-range skill there to lose (the tiny test family), so it neither passes nor fails the map."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.min_top10 <= 1 and 0 <= self.min_top1 <= 1 and -1 <= self.min_attn_cos <= 1):
             raise InvalidInput("gate fractions must lie in [0, 1] (attention cosine in [-1, 1])")
         if self.max_kl < 0:
             raise InvalidInput("max_kl must be >= 0")
+        if not (0 <= self.min_copy_retention <= 1 and 0 <= self.min_copy_full <= 1):
+            raise InvalidInput("min_copy_retention and min_copy_full must lie in [0, 1]")
 
     def failures(self, evidence: dict | None) -> list[str]:
         """Reasons the evidence fails; empty when it passes."""
@@ -42,6 +51,23 @@ class Gates:
             value = row.get(key)
             if value is None or not ok(value, bound):
                 out.append(f"{self.arm} {key}={value} fails the gate ({'<=' if key == 'kl' else '>='} {bound})")
+        return out + self.copy_failures(evidence)
+
+    def copy_failures(self, evidence: dict) -> list[str]:
+        """The long-range gate alone: reasons the copy-probe evidence fails (empty when it passes or is off)."""
+        if self.min_copy_retention <= 0:
+            return []
+        copy = evidence.get("copy")
+        if not copy or not copy.get("gaps"):
+            return ["the map has no long-range (copy probe) evidence; re-run `kvferry eval` on it"]
+        out = []
+        for gap, row in copy["gaps"].items():
+            full, got = row.get("full"), row.get(self.arm)
+            if full is None or got is None:
+                out.append(f"the copy probe at gap {gap} has no {self.arm!r} arm; re-run `kvferry eval`")
+            elif full >= self.min_copy_full and got < self.min_copy_retention * full:
+                out.append(f"long-range copy at gap {gap}: {self.arm} {got:.3f} keeps {got / full:.0%} of full prefill's "
+                           f"{full:.3f} (gate: >= {self.min_copy_retention:.0%}; truncation scores {row.get('truncate', float('nan')):.3f})")
         return out
 
     def check(self, ms: MapSet, force: bool = False) -> None:

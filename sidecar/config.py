@@ -41,6 +41,9 @@ class SidecarConfig:
     """Serving gate: minimum top-10 overlap of that arm."""
     gate_max_kl: float = float("inf")
     """Serving gate: maximum KL of that arm."""
+    gate_min_copy_retention: float = 0.85
+    """Long-range serving gate: share of the target's own copy-probe accuracy the arm must keep at every gap
+    (0 turns it off; a map without copy-probe evidence does not serve while it is on)."""
     force_maps: bool = False
     """Serve maps whose evidence fails the gates (testing only)."""
     reload_seconds: float = 10.0
@@ -134,7 +137,8 @@ class SidecarConfig:
 
     @property
     def gates(self) -> Gates:
-        return Gates(arm=self.gate_arm, min_top10=self.gate_min_top10, max_kl=self.gate_max_kl)
+        return Gates(arm=self.gate_arm, min_top10=self.gate_min_top10, max_kl=self.gate_max_kl,
+                     min_copy_retention=self.gate_min_copy_retention)
 
     @property
     def limits(self) -> Limits:

@@ -33,9 +33,10 @@ def test_exact_map_scores_like_gold(family):
 
 def test_gates():
     g = Gates(min_top10=0.9, max_kl=0.1)
-    ok = {"arms": {"mapped_refresh": {"top1": 0.9, "top10": 0.95, "kl": 0.05, "attn_cos": 0.99}}}
+    copy = {"gaps": {"500": {"full": 0.95, "truncate": 0.4, "mapped_refresh": 0.9}}}
+    ok = {"arms": {"mapped_refresh": {"top1": 0.9, "top10": 0.95, "kl": 0.05, "attn_cos": 0.99}}, "copy": copy}
     assert g.failures(ok) == []
-    bad = {"arms": {"mapped_refresh": {"top1": 0.9, "top10": 0.85, "kl": 0.2, "attn_cos": 0.99}}}
+    bad = {"arms": {"mapped_refresh": {"top1": 0.9, "top10": 0.85, "kl": 0.2, "attn_cos": 0.99}}, "copy": copy}
     assert len(g.failures(bad)) == 2
     assert "no evaluation evidence" in g.failures(None)[0]
     with pytest.raises(InvalidInput):
@@ -77,4 +78,6 @@ def test_load_for_serving_checks_evidence(family, tmp_path):
     write_evidence(dest, {"arms": {"mapped_refresh": {"top1": 0.5, "top10": 0.7, "kl": 0.3, "attn_cos": 0.9}}})
     with pytest.raises(GateFailed, match="top10=0.7 fails the gate"):
         load_for_serving(dest)
-    assert load_for_serving(dest, Gates(min_top10=0.6)).evidence["arms"]["mapped_refresh"]["top10"] == 0.7
+    assert load_for_serving(dest, Gates(min_top10=0.6, min_copy_retention=0)).evidence["arms"]["mapped_refresh"]["top10"] == 0.7
+    with pytest.raises(GateFailed, match="no long-range"):  # the long-range gate is on by default
+        load_for_serving(dest, Gates(min_top10=0.6))

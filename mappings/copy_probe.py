@@ -1,0 +1,169 @@
+"""Long-range copy probe: does the target still use a distant passage when its prefix cache is mapped?
+
+Each prompt is a passage of held-out text, then ``gap`` tokens of other held-out text, then the passage's
+first ``cue`` tokens again. A model that uses its context continues the passage (in-context repetition,
+the induction mechanism real models recall with); one that cannot see the passage guesses. The score is
+teacher-forced next-token accuracy on the passage's next ``score`` tokens.
+
+Arms (the same compute as the next-token arms in :mod:`evaluate`):
+  full            the target's own prefill of the whole prompt
+  truncate        the target sees only the prompt's last r tokens
+  mapped          the mapped cache for all but the prompt's last token
+  mapped_refresh  the mapped cache for all but the last r tokens; the target recomputes those r
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .apply import apply
+from .artifact import MapSet
+from .capture import LayerKV, LoadedModel, capture_kv, to_dynamic_cache
+from .errors import InvalidInput
+
+COPY_ARMS = ("full", "truncate", "mapped", "mapped_refresh")
+
+
+@dataclass(frozen=True)
+class CopySettings:
+    """Shape and size of the copy probe."""
+
+    gaps: tuple[int, ...] = (500, 1000, 3000)
+    """Tokens of other text between the passage and its repetition."""
+    prompts: int = 6
+    """Prompts per gap."""
+    passage: int = 120
+    """Passage length in tokens."""
+    cue: int = 40
+    """Leading passage tokens repeated at the end of the prompt."""
+    score: int = 40
+    """Passage tokens after the cue whose next-token accuracy is scored."""
+    refresh: int = 16
+    """r: tokens the target recomputes in the truncate and mapped_refresh arms."""
+    seed: int = 0
+    """Seed for choosing passages and gaps."""
+
+    def __post_init__(self) -> None:
+        if not self.gaps or any(g < 1 for g in self.gaps):
+            raise InvalidInput("copy probe gaps must be positive token counts")
+        if self.prompts < 1:
+            raise InvalidInput("copy probe needs at least one prompt per gap")
+        if not 1 <= self.cue < self.passage or not 1 <= self.score <= self.passage - self.cue:
+            raise InvalidInput("copy probe needs 1 <= cue < passage and 1 <= score <= passage - cue")
+        if not 1 <= self.refresh <= self.cue:
+            raise InvalidInput(f"copy probe refresh must be in [1, cue={self.cue}]; got {self.refresh}")
+
+    def as_dict(self) -> dict:
+        return {"gaps": list(self.gaps), "prompts": self.prompts, "passage": self.passage, "cue": self.cue,
+                "score": self.score, "refresh": self.refresh, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class CopyExample:
+    """``prompt`` ends with the passage's first tokens; ``answer`` is what follows them in the passage."""
+
+    prompt: list[int]
+    answer: list[int]
+    gap: int
+
+
+def token_stream(tokenizer, texts) -> list[int]:
+    """Held-out texts as one token stream, EOS between documents."""
+    eos = tokenizer.eos_token_id
+    out: list[int] = []
+    for text in texts:
+        out.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            out.append(eos)
+    return out
+
+
+def make_examples(stream: list[int], s: CopySettings) -> list[CopyExample]:
+    """Passages and gaps drawn from disjoint stretches of ``stream``."""
+    need = s.passage + max(s.gaps)
+    if len(stream) < need + s.passage:
+        raise InvalidInput(f"the copy probe needs at least {need + s.passage} tokens of held-out text "
+                           f"(gap {max(s.gaps)} + passages of {s.passage}); got {len(stream)}. Add text or lower the gaps.")
+    rng = random.Random(s.seed)
+    out = []
+    for gap in s.gaps:
+        for _ in range(s.prompts):
+            while True:
+                p0 = rng.randrange(0, len(stream) - s.passage)
+                g0 = rng.randrange(0, len(stream) - gap)
+                if g0 + gap <= p0 or g0 >= p0 + s.passage:
+                    break
+            passage = stream[p0 : p0 + s.passage]
+            out.append(CopyExample(passage + stream[g0 : g0 + gap] + passage[: s.cue],
+                                   passage[s.cue : s.cue + s.score], gap))
+    return out
+
+
+@torch.no_grad()
+def continuation_accuracy(model, prefix: list[LayerKV] | None, tail: list[int], answer: list[int]) -> float:
+    """Teacher-forced accuracy on ``answer`` when the model computes ``tail`` + answer[:-1] after ``prefix``."""
+    ids = torch.tensor([tail + answer[:-1]])
+    cache = to_dynamic_cache(prefix, model.config) if prefix is not None else None
+    logits = model(input_ids=ids, past_key_values=cache).logits[0, -len(answer):]
+    return float((logits.argmax(-1) == torch.tensor(answer)).float().mean())
+
+
+def _slice(kv: list[LayerKV], stop: int) -> list[LayerKV]:
+    return [(k[:, :, :stop], v[:, :, :stop]) for k, v in kv]
+
+
+@torch.no_grad()
+def score_example(ex: CopyExample, target: LoadedModel, r: int, mapped: list[LayerKV] | None = None) -> dict:
+    """Each arm's accuracy on one example; ``mapped`` is the mapped cache of ``prompt[:-1]`` (None: no mapped arms)."""
+    n = len(ex.prompt)
+    out = {"full": continuation_accuracy(target.model, None, ex.prompt, ex.answer),
+           "truncate": continuation_accuracy(target.model, None, ex.prompt[n - r:], ex.answer)}
+    if mapped is not None:
+        out["mapped"] = continuation_accuracy(target.model, mapped, ex.prompt[n - 1:], ex.answer)
+        out["mapped_refresh"] = continuation_accuracy(target.model, _slice(mapped, n - r), ex.prompt[n - r:], ex.answer)
+    return out
+
+
+@torch.no_grad()
+def copy_probe(ms: MapSet, source: LoadedModel, target: LoadedModel, texts, settings: CopySettings | None = None,
+               progress: bool = False) -> dict:
+    """The probe's evidence: per gap, each arm's mean accuracy and the mapped arms' retention of ``full``."""
+    s = settings or CopySettings()
+    examples = make_examples(token_stream(target.tokenizer, texts), s)
+    sums: dict[int, dict[str, float]] = {g: {arm: 0.0 for arm in COPY_ARMS} for g in s.gaps}
+    counts = {g: 0 for g in s.gaps}
+    iterator = examples
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(examples, desc="copy probe", unit="prompt")
+    for ex in iterator:
+        ids = torch.tensor([ex.prompt[:-1]])
+        mapped = apply(ms, capture_kv(source.model, ids), 0)
+        for arm, acc in score_example(ex, target, s.refresh, mapped).items():
+            sums[ex.gap][arm] += acc
+        counts[ex.gap] += 1
+    gaps = {}
+    for g in s.gaps:
+        row = {arm: sums[g][arm] / counts[g] for arm in COPY_ARMS}
+        full = row["full"]
+        row["retention"] = row["mapped_refresh"] / full if full > 0 else None
+        row["prompts"] = counts[g]
+        gaps[str(g)] = row
+    return {"settings": s.as_dict(), "gaps": gaps}
+
+
+def format_copy_table(copy: dict, title: str = "") -> str:
+    """Plain-text table of the probe: one row per gap."""
+    lines = [title] if title else []
+    r = copy["settings"]["refresh"]
+    lines.append(f"| gap | full prefill | truncate to {r} | mapped | mapped + refresh {r} | retention | prompts |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for g, row in copy["gaps"].items():
+        ret = "n/a" if row.get("retention") is None else f"{row['retention']:.3f}"
+        lines.append(f"| {g} | {row['full']:.3f} | {row['truncate']:.3f} | {row['mapped']:.3f} | "
+                     f"{row['mapped_refresh']:.3f} | {ret} | {row['prompts']} |")
+    return "\n".join(lines)

