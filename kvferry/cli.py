@@ -80,6 +80,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
                                 prose_prompts=a.prose_prompts if a.prose else 0)
         ev = evaluate(ms, src, tgt, a.heldout, settings, progress=not a.quiet, prose=a.prose)
         print(format_table(ev, f"{ms.name} {ms.version} (r={a.refresh}, s={a.sinks}, {a.prompts} prompts)"))
+        for kind in "kv":
+            print(f"held-out R² per target layer, {kind.upper()}: " +
+                  " ".join(f"{r['layer']}:{r['r2']:.2f}" for r in ev["layers"] if r["kind"] == kind))
         if "prose" in ev:
             print(format_table(ev["prose"], f"prose ({a.prose_prompts} prompts)"))
     if "copy" in ev:

@@ -40,6 +40,9 @@ def _fit_and_eval(source, target, out, prompts: int, quiet: bool):
                   progress=not quiet)
     write_evidence(dest, ev)
     print(format_table(ev, f"{ms.name} {ms.version}: evidence on held-out text ({prompts} prompts, r={ev['recommended_refresh']})"))
+    from kvferry.mappings.copy_probe import format_copy_table
+
+    print(format_copy_table(ev["copy"], "   long-range copy probe (the tiny family does not copy at these distances: the gate calls it n/a)"))
     problems = Gates().failures(ev)
     print("   gates:", "PASS" if not problems else "FAIL: " + "; ".join(problems), "\n", flush=True)
     return ms

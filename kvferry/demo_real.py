@@ -128,7 +128,7 @@ def run(a: argparse.Namespace) -> int:
             gold = greedy_continuation(target.model, ids, None, CONTINUE, pad)
         t_full = time.perf_counter() - t0
         trunc = greedy_continuation(target.model, ids[:, n - REFRESH:], None, CONTINUE, pad)
-        print(f"   target, full prefill ({t_full:.1f}s)        : {_match(gold, want)}  {dec(gold)}")
+        print(f"   target, full prefill (+{CONTINUE} tokens, {t_full:.1f}s): {_match(gold, want)}  {dec(gold)}")
         print(f"   target, truncated to last {REFRESH} tokens  : {_match(trunc, want)}  {dec(trunc)}", flush=True)
         for cut, source, ms, problems in pairs:
             with torch.no_grad():
@@ -140,7 +140,7 @@ def run(a: argparse.Namespace) -> int:
                 cascade.close()
             label = f"kvferry from the {cut}-layer source"
             print(f"   {label:<38}: {_match(res.tokens, want)}  {dec(res.tokens)}")
-            print(f"      path: {res.path} ({res.reason[:160]})", flush=True)
+            print(f"      path: {res.path} ({res.reason[:200]}{'…' if len(res.reason) > 200 else ''})", flush=True)
             if res.path != "mapped":
                 mapped = apply(ms, [(k[:, :, : n - REFRESH], v[:, :, : n - REFRESH]) for k, v in src_kv], 0)
                 forced = greedy_continuation(target.model, ids, mapped, CONTINUE, pad)

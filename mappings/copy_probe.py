@@ -162,7 +162,7 @@ def format_copy_table(copy: dict, title: str = "") -> str:
     r = copy["settings"]["refresh"]
     lines.append(f"| gap | full prefill | truncate to {r} | mapped | mapped + refresh {r} | retention | prompts |")
     lines.append("|---|---|---|---|---|---|---|")
-    for g, row in copy["gaps"].items():
+    for g, row in sorted(copy["gaps"].items(), key=lambda kv: int(kv[0])):
         ret = "n/a" if row.get("retention") is None else f"{row['retention']:.3f}"
         lines.append(f"| {g} | {row['full']:.3f} | {row['truncate']:.3f} | {row['mapped']:.3f} | "
                      f"{row['mapped_refresh']:.3f} | {ret} | {row['prompts']} |")

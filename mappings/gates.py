@@ -50,7 +50,8 @@ class Gates:
                                ("kl", self.max_kl, lambda v, b: v <= b), ("attn_cos", self.min_attn_cos, lambda v, b: v >= b)):
             value = row.get(key)
             if value is None or not ok(value, bound):
-                out.append(f"{self.arm} {key}={value} fails the gate ({'<=' if key == 'kl' else '>='} {bound})")
+                shown = f"{value:.3f}" if isinstance(value, float) else value
+                out.append(f"{self.arm} {key}={shown} fails the gate ({'<=' if key == 'kl' else '>='} {bound})")
         return out + self.copy_failures(evidence)
 
     def copy_failures(self, evidence: dict) -> list[str]:
@@ -61,7 +62,7 @@ class Gates:
         if not copy or not copy.get("gaps"):
             return ["the map has no long-range (copy probe) evidence; re-run `kvferry eval` on it"]
         out = []
-        for gap, row in copy["gaps"].items():
+        for gap, row in sorted(copy["gaps"].items(), key=lambda kv: int(kv[0])):
             full, got = row.get("full"), row.get(self.arm)
             if full is None or got is None:
                 out.append(f"the copy probe at gap {gap} has no {self.arm!r} arm; re-run `kvferry eval`")

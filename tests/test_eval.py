@@ -6,6 +6,7 @@ import pytest
 
 from kvferry.mappings.artifact import load, save
 from kvferry.mappings.errors import GateFailed, InvalidInput
+from kvferry.mappings.copy_probe import CopySettings
 from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
 from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
@@ -19,7 +20,8 @@ def test_exact_map_scores_like_gold(family):
     s = family["S"]
     ms = identity_mapset(s.identity)
     ms.target = s.identity
-    ev = evaluate(ms, s, s, HELDOUT, EvalSettings(prompts=6, greedy_prompts=2, recall_prompts=4, min_len=64, max_len=256), progress=False)
+    ev = evaluate(ms, s, s, HELDOUT, EvalSettings(prompts=6, greedy_prompts=2, recall_prompts=4, min_len=64, max_len=256,
+                                                     copy=CopySettings(gaps=(300,), prompts=2)), progress=False)
     for arm in ("mapped", "mapped_refresh", "mapped_sinks"):
         row = ev["arms"][arm]
         assert row["top1"] == 1.0 and row["top10"] == 1.0 and abs(row["kl"]) < 1e-4 and row["attn_cos"] > 0.9999
@@ -57,7 +59,7 @@ def test_cli_fit_then_eval_writes_evidence(tmp_path):
     assert fit.returncode == 0, fit.stderr
     art = tmp_path / "S__T" / "1.0.0"
     ev = run("eval", str(art), "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--prompts", "5",
-             "--recall-prompts", "3", "--greedy-prompts", "1", "--json", str(tmp_path / "ev.json"), "--write", "--quiet")
+             "--copy-gaps", "200,400", "--copy-prompts", "1", "--recall-prompts", "3", "--greedy-prompts", "1", "--json", str(tmp_path / "ev.json"), "--write", "--quiet")
     assert ev.returncode == 0, ev.stderr
     assert "mapped_refresh" in ev.stdout
     assert load(art).evidence == json.loads((tmp_path / "ev.json").read_text())
@@ -76,7 +78,7 @@ def test_load_for_serving_checks_evidence(family, tmp_path):
         load_for_serving(dest)
     assert load_for_serving(dest, force=True).name == ms.name
     write_evidence(dest, {"arms": {"mapped_refresh": {"top1": 0.5, "top10": 0.7, "kl": 0.3, "attn_cos": 0.9}}})
-    with pytest.raises(GateFailed, match="top10=0.7 fails the gate"):
+    with pytest.raises(GateFailed, match="top10=0.700 fails the gate"):
         load_for_serving(dest)
     assert load_for_serving(dest, Gates(min_top10=0.6, min_copy_retention=0)).evidence["arms"]["mapped_refresh"]["top10"] == 0.7
     with pytest.raises(GateFailed, match="no long-range"):  # the long-range gate is on by default

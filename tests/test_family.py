@@ -24,7 +24,8 @@ def test_family_geometry(family):
 
 
 def test_family_fits_the_size_budget():
-    total = sum(f.stat().st_size for f in MODELS.rglob("*") if f.is_file())
+    pretrained = MODELS / "pretrained"  # git-ignored: real models converted by `kvferry models fetch`
+    total = sum(f.stat().st_size for f in MODELS.rglob("*") if f.is_file() and pretrained not in f.parents)
     assert total <= 40 * 2**20
 
 
