@@ -153,17 +153,21 @@ def run(a: argparse.Namespace) -> int:
                     "echo_MiB_s": 2 * req_bytes / t_echo / 2**20,
                 }
                 row["throughput_vs_echo"] = row["translate_MiB_s"] / row["echo_MiB_s"]
+                row["rpc_serial_bound_ms"] = row["apply_in_process_ms"] + row["echo_ms"]  # the map's arithmetic + moving the bytes
+                row["rpc_vs_bound"] = row["rpc_serial_bound_ms"] / row["translate_rpc_ms"]
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     table = [
         f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; medians of {a.reps}; r={r}; wire {a.wire_dtype}",
         "",
-        "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms | translate RPC ms | (d) echo ms | translate MiB/s | echo MiB/s | translate/echo |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms | translate RPC ms | (d) echo ms | "
+        "RPC serial bound (c)+(d) ms | bound/RPC | translate MiB/s | echo MiB/s | translate/echo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in rows:
         table.append(f"| {w['n']} | {w['full_prefill_ms']:.1f} | {w['translate_path_ttft_ms']:.1f} | {w['speedup']:.2f}x | "
                      f"{w['apply_in_process_ms']:.1f} | {w['translate_rpc_ms']:.1f} | {w['echo_ms']:.1f} | "
+                     f"{w['rpc_serial_bound_ms']:.1f} | {w['rpc_vs_bound']:.2f} | "
                      f"{w['translate_MiB_s']:.0f} | {w['echo_MiB_s']:.0f} | {w['throughput_vs_echo']:.2f} |")
     print("\n".join(table))
     if a.json:

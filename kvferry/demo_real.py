@@ -80,8 +80,8 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.rollout import MapRollout
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.capture import capture_kv, load_model, read_corpus
-    from kvferry.mappings.copy_probe import CopySettings, make_examples, token_stream
+    from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_stream
+    from kvferry.mappings.copy_probe import CopySettings, make_examples
     from kvferry.mappings.errors import InvalidInput
     from kvferry.mappings.evaluate import greedy_continuation
     from kvferry.sidecar.background import BackgroundSidecar

@@ -66,16 +66,22 @@ def corpus_digest(paths: Iterable[str | Path]) -> str:
     return h.hexdigest()
 
 
-def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int | None = None) -> list[torch.Tensor]:
-    """Concatenate documents (EOS-separated) and cut into windows of ``seq_len`` token ids."""
+def token_stream(tokenizer, texts: Iterable[str], enough: int | None = None) -> list[int]:
+    """Documents as one token stream, EOS between them; stops reading once ``enough`` tokens are in."""
     eos = tokenizer.eos_token_id
     stream: list[int] = []
     for text in texts:
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         if eos is not None:
             stream.append(eos)
-        if max_tokens and len(stream) >= max_tokens + seq_len:
+        if enough and len(stream) >= enough:
             break
+    return stream
+
+
+def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int | None = None) -> list[torch.Tensor]:
+    """Concatenate documents (EOS-separated) and cut into windows of ``seq_len`` token ids."""
+    stream = token_stream(tokenizer, texts, max_tokens + seq_len if max_tokens else None)
     if max_tokens:
         stream = stream[: max_tokens]
     n = len(stream) // seq_len

@@ -21,7 +21,7 @@ import torch
 
 from .apply import apply
 from .artifact import MapSet
-from .capture import LayerKV, LoadedModel, capture_kv, to_dynamic_cache
+from .capture import LayerKV, LoadedModel, capture_kv, to_dynamic_cache, token_stream
 from .errors import InvalidInput
 
 COPY_ARMS = ("full", "truncate", "mapped", "mapped_refresh")
@@ -68,17 +68,6 @@ class CopyExample:
     prompt: list[int]
     answer: list[int]
     gap: int
-
-
-def token_stream(tokenizer, texts) -> list[int]:
-    """Held-out texts as one token stream, EOS between documents."""
-    eos = tokenizer.eos_token_id
-    out: list[int] = []
-    for text in texts:
-        out.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if eos is not None:
-            out.append(eos)
-    return out
 
 
 def make_examples(stream: list[int], s: CopySettings) -> list[CopyExample]:

@@ -72,6 +72,13 @@ def family():
     return _Family()
 
 
+# A passing long-range copy probe, for hand-written evidence of exact (identity) maps, which keep exactly what
+# the target's full prefill has; maps fitted and evaluated for real carry their own.
+PASSING_COPY = {"settings": {"gaps": [500], "prompts": 1, "passage": 120, "cue": 40, "score": 40, "refresh": 16, "seed": 0},
+                "gaps": {"500": {"full": 0.95, "truncate": 0.4, "mapped": 0.95, "mapped_refresh": 0.95, "retention": 1.0,
+                                 "prompts": 1}}}
+
+
 def make_kv(layers: int = 2, tokens: int = 16, heads: int = 2, head_dim: int = 16, batch: int = 1, seed: int = 0,
             dtype=torch.float32):
     """A random cache: ``layers`` x (K, V), each [batch, heads, tokens, head_dim]."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvferry.mappings.copy_probe import CopySettings, copy_probe, format_copy_table, make_examples, token_stream
+from kvferry.mappings.copy_probe import CopySettings, copy_probe, format_copy_table, make_examples
 from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import read_corpus
 from kvferry.mappings.errors import InvalidInput

@@ -19,7 +19,8 @@ from kvferry.client.rollout import MapRollout
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import capture_kv, load_model, read_corpus
-from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples, token_stream
+from kvferry.mappings.capture import token_stream
+from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
 from kvferry.mappings.gates import Gates
 
 from conftest import DATA, ROOT

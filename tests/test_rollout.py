@@ -17,10 +17,11 @@ from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.geometry import geometry_of
 
-from conftest import DATA
+from conftest import DATA, PASSING_COPY
 
 EVIDENCE = {"arms": {"mapped_refresh": {"top1": 1.0, "top10": 1.0, "kl": 0.0, "attn_cos": 1.0,
-                                        "drift_attn_cos": 1.0, "drift_rel_err": 0.0}}, "recommended_refresh": 8}
+                                        "drift_attn_cos": 1.0, "drift_rel_err": 0.0}}, "recommended_refresh": 8,
+            "copy": PASSING_COPY}
 
 
 @pytest.fixture(scope="module")

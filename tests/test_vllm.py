@@ -20,7 +20,7 @@ from kvferry.sidecar.background import BackgroundSidecar  # noqa: E402
 from kvferry.sidecar.config import SidecarConfig  # noqa: E402
 from kvferry.vllm_driver import EngineProcess  # noqa: E402
 
-from conftest import DATA, MODELS  # noqa: E402
+from conftest import DATA, MODELS, PASSING_COPY  # noqa: E402
 
 SECRET, PREFIX_BLOCK, PROMPTS, LENGTH = "v" * 32, 128, 8, 400
 
@@ -50,7 +50,8 @@ def _published_kv_is_the_models_own(model, redis_url, ids):
 def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redis_url):
     s, t = family["S"], family["T"]
     maps = tmp_path / "maps"
-    good = {"arms": {"mapped_refresh": {"top1": 1.0, "top10": 1.0, "kl": 0.0, "attn_cos": 1.0}}, "recommended_refresh": 16}
+    good = {"arms": {"mapped_refresh": {"top1": 1.0, "top10": 1.0, "kl": 0.0, "attn_cos": 1.0}}, "recommended_refresh": 16,
+            "copy": PASSING_COPY}
     self_map = save(identity_mapset(s.identity, version="1.0.0"), maps)
     write_evidence(self_map, good)
     shutil.copytree(MODELS.parent / "maps" / "S__T", maps / "S__T")  # the shipped map, with its evidence

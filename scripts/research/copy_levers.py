@@ -24,7 +24,8 @@ from kvferry import paths
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import capture_kv, load_model, read_corpus
-from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples, token_stream
+from kvferry.mappings.capture import token_stream
+from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
 
 
 def _slice(kv, start, stop):
