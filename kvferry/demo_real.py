@@ -123,23 +123,27 @@ def run(a: argparse.Namespace) -> int:
         listed = {m.name: m for m in client.list_mappings("smollm2")}
         print(f"   sidecar on {sc.address} (gates on): " + ", ".join(
             f"{m.name} {m.version} {'SERVES' if m.servable else 'gated off'}" for m in listed.values()), flush=True)
-        t0 = time.perf_counter()
         with torch.no_grad():
+            target.model(input_ids=ids)  # warm-up
+            t0 = time.perf_counter()
+            target.model(input_ids=ids)
+            t_full = time.perf_counter() - t0  # the target's own prefill, to the first token
             gold = greedy_continuation(target.model, ids, None, CONTINUE, pad)
-        t_full = time.perf_counter() - t0
         trunc = greedy_continuation(target.model, ids[:, n - REFRESH:], None, CONTINUE, pad)
-        print(f"   target, full prefill (+{CONTINUE} tokens, {t_full:.1f}s): {_match(gold, want)}  {dec(gold)}")
+        print(f"   target, full prefill                 : {_match(gold, want)}  {dec(gold)}  (prefill {t_full * 1e3:.0f} ms)")
         print(f"   target, truncated to last {REFRESH} tokens  : {_match(trunc, want)}  {dec(trunc)}", flush=True)
         for cut, source, ms, problems in pairs:
             with torch.no_grad():
                 src_kv = capture_kv(source.model, ids)
             cascade = Cascade(target.model, client, ms.name, MapRollout(refresh=REFRESH, min_tokens=64), source.identity)
             try:
+                cascade.generate(ids, src_kv, 1)  # warm-up: channel, allocator
                 res = cascade.generate(ids, src_kv, CONTINUE)
             finally:
                 cascade.close()
             label = f"kvferry from the {cut}-layer source"
-            print(f"   {label:<38}: {_match(res.tokens, want)}  {dec(res.tokens)}")
+            ttft = f"  (to first token {res.ttft_seconds * 1e3:.0f} ms)" if res.path == "mapped" else ""
+            print(f"   {label:<38}: {_match(res.tokens, want)}  {dec(res.tokens)}{ttft}")
             print(f"      path: {res.path} ({res.reason[:200]}{'…' if len(res.reason) > 200 else ''})", flush=True)
             if res.path != "mapped":
                 mapped = apply(ms, [(k[:, :, : n - REFRESH], v[:, :, : n - REFRESH]) for k, v in src_kv], 0)
