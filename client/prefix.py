@@ -34,12 +34,12 @@ from .wire import view_bytes
 MAGIC = b"KVFB2\n"
 MAGIC_V1 = b"KVFB1\n"  # sha256 checksum; still readable
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def check_tenant(tenant: str, what: str = "tenant") -> str:
     """A tenant name (1-64 of letters, digits, '.', '_', '-'), or InvalidInput saying what is wrong."""
-    if not _TENANT.match(tenant or ""):
+    if not _TENANT.fullmatch(tenant or ""):  # fullmatch: '$' alone would accept a trailing newline
         raise InvalidInput(f"{what} {tenant!r} must be 1-64 of letters, digits, '.', '_' or '-'")
     return tenant
 LayerKV = tuple[torch.Tensor, torch.Tensor]

@@ -123,6 +123,9 @@ class TranslateSession:
         if chunk.tensor.dtype != self.spec.source_dtype:
             raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()}: dtype {chunk.tensor.dtype} but the header "
                                f"declared {self.spec.source_dtype}")
+        if not bool(torch.isfinite(chunk.tensor).all()):  # one vectorised pass; NaN/Inf would map to NaN/Inf
+            raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()} tokens [{chunk.start}, {chunk.end}) holds NaN "
+                               "or infinite values; send the source model's cache as it computed it")
         self.stats.bytes_in += chunk.tensor.numel() * chunk.tensor.element_size()
         self._next[(chunk.layer, chunk.kind)] = chunk.end
         if self.applier is None or chunk.end <= self.skip:

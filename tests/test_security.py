@@ -185,3 +185,25 @@ def test_header_sizes_are_checked_before_allocation(sidecar_factory, maps_dir, f
             list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=10))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max-request-bytes" in e.value.details()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_source_kv_is_refused(sidecar_factory, maps_dir, family, bad):
+    """NaN/Inf in the source cache would map to NaN/Inf in the target's: INVALID_ARGUMENT, before any compute."""
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    kv[2][1][0, 1, 5, 7] = bad
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.translate(kv, "S__S-self", **_kw(family))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN or infinite" in e.value.details()
+        assert c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family)).stats.tokens == 8
+
+
+def test_tenant_names_are_matched_whole():
+    from kvferry.client.prefix import check_tenant
+
+    assert check_tenant("alice") == "alice"
+    for bad in ("alice\n", "\nalice", "al ice", "a" * 65, ""):
+        with pytest.raises(InvalidInput):
+            check_tenant(bad)
