@@ -36,7 +36,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
     settings = FitSettings(k=a.k, seq_len=a.seq_len, max_tokens=a.max_tokens, subsample=a.subsample, seed=a.seed,
-                           inputs=a.inputs, per_head=a.per_head, dtype=a.dtype)
+                           inputs=a.inputs, per_head=a.per_head, dtype=a.dtype, selection=a.selection)
     src, tgt = load_model(a.source, a.source_name), load_model(a.target, a.target_name)
     ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet, stats_path=a.stats)
     if ms is not None:
@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--k", type=int, default=4, help="source layers per target map")
     f.add_argument("--inputs", choices=["kv", "same"], default="kv",
                    help="kv: each map reads the source layers' K and V; same: K from K, V from V")
+    f.add_argument("--selection", choices=["greedy", "ranked"], default="greedy",
+                   help="greedy: forward selection of source layers (default); ranked: the k best layers alone (fast for wide models)")
     f.add_argument("--per-head", action="store_true", help="block-diagonal maps (target head j reads one source head)")
     f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights' stored and applied dtype (bfloat16: faster apply; evaluate it before serving)")

@@ -20,7 +20,7 @@ from .errors import InvalidInput
 from .features import to_features
 from .geometry import ModelIdentity, check_pair
 from .gram import GramStats, all_reduce
-from .ridge import DEFAULT_LAMBDAS, RidgeSolver, rounding_variance, select_and_fit
+from .ridge import DEFAULT_LAMBDAS, SELECTIONS, RidgeSolver, rounding_variance, select_and_fit
 
 DEFAULT_K = 4  # source layers per target map; see README "choosing k" for the measurement
 
@@ -49,6 +49,9 @@ class FitSettings:
     """Which source features feed a map: "kv" (each map reads the chosen layers' K and V) or "same" (K from K, V from V)."""
     per_head: bool = False
     """Block-diagonal maps: each target kv head reads only its corresponding source head."""
+    selection: str = "greedy"
+    """How each map's k source layers are chosen: "greedy" forward selection by held-out R² (the default), or
+    "ranked": the k best layers on their own, far fewer eigendecompositions for wide models (docs/benchmarks.md)."""
     dtype: str = "float32"
     """Stored and applied dtype of the weights: "float32", or "bfloat16" (a third of the apply time on CPUs with
     native bf16; evaluate the bf16 map itself, since its evidence is what serving is gated on)."""
@@ -66,6 +69,8 @@ class FitSettings:
             raise InvalidInput("lambdas must be positive")
         if self.inputs not in ("same", "kv"):
             raise InvalidInput(f"inputs must be 'same' or 'kv', got {self.inputs!r}")
+        if self.selection not in SELECTIONS:
+            raise InvalidInput(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidInput(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
@@ -76,7 +81,8 @@ class FitSettings:
         return {"k": self.k, "seq_len": self.seq_len, "max_tokens": self.max_tokens, "heldout_every": self.heldout_every,
                 "subsample": self.subsample, "lambdas": list(self.lambdas), "seed": self.seed,
                 "inputs": self.inputs, "per_head": self.per_head,
-                **({"dtype": self.dtype} if self.dtype != "float32" else {})}
+                **({"dtype": self.dtype} if self.dtype != "float32" else {}),
+                **({"selection": self.selection} if self.selection != "greedy" else {})}
 
 
 def _all_features(kv, geometry, positions: torch.Tensor) -> torch.Tensor:
@@ -149,7 +155,7 @@ def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settin
             inputs = settings.inputs_for(kind)
             blocks = {l: torch.cat([feature_cols(sg, l, c) for c in inputs]) for l in range(sg.layers)}
             chosen, fit = select_and_fit(gs.train, gs.heldout, feature_cols(tg, t, kind), blocks, settings.k, settings.lambdas,
-                                         rounding_variance(settings.dtype), solver)
+                                         rounding_variance(settings.dtype), solver, settings.selection)
             weight, bias, r2 = fit.weight, fit.bias, fit.heldout_r2
             if settings.per_head:
                 weight, bias, r2 = _per_head(solver, sg, tg, t, kind, chosen, inputs, settings)

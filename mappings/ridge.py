@@ -173,15 +173,32 @@ def cols(layers: list[int] | tuple[int, ...], width: int) -> torch.Tensor:
     return torch.cat([torch.arange(l * width, (l + 1) * width) for l in layers])
 
 
-def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, blocks: dict[int, torch.Tensor], k: int,
-                   lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0, solver: RidgeSolver | None = None) -> tuple[list[int], RidgeFit]:
-    """Greedy forward selection of k candidate blocks (source layers) by held-out R², then a refit on all rows.
+SELECTIONS = ("greedy", "ranked")
 
+
+def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, blocks: dict[int, torch.Tensor], k: int,
+                   lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0, solver: RidgeSolver | None = None,
+                   selection: str = "greedy") -> tuple[list[int], RidgeFit]:
+    """Choose k candidate blocks (source layers) by held-out R², then refit on all rows.
+
+    ``selection="greedy"``: forward selection, each step adding the block that helps most given those chosen
+    (a decomposition per candidate set: up to C(L, k) of them across maps). ``"ranked"``: the k blocks with the
+    best held-out R² on their own, then one path for the union (L + one decomposition per distinct union):
+    for wide models, where greedy selection costs hours on a CPU.
     ``blocks`` maps a candidate (a source layer) to its x columns; the chosen blocks' columns are
     concatenated in ascending candidate order. Pass one ``solver`` for all maps over the same sums to share
     their eigendecompositions.
     """
     solver = solver or RidgeSolver(train, heldout)
+    if selection == "ranked":
+        single = {c: float(solver.heldout_r2_path(blocks[c], yi, lambdas, rounding).max()) for c in blocks}
+        chosen = sorted(sorted(single, key=single.get, reverse=True)[: min(k, len(blocks))])
+        path = solver.heldout_r2_path(torch.cat([blocks[c] for c in chosen]), yi, lambdas, rounding)
+        i = int(torch.argmax(path))
+        w, b = solver.solve(torch.cat([blocks[c] for c in chosen]), yi, lambdas[i])
+        return chosen, RidgeFit(w, b, lambdas[i], float(path[i]))
+    if selection != "greedy":
+        raise ValueError(f"selection must be one of {SELECTIONS}")
     chosen: list[int] = []
     best_lam = lambdas[0]
     best_r2 = -float("inf")

@@ -62,10 +62,31 @@ def test_greedy_selection_finds_the_informative_layers():
     tr, ho = GramStats(5 * w, w), GramStats(5 * w, w)
     tr.add(x[:1200], y[:1200])
     ho.add(x[1200:], y[1200:])
-    chosen, fit = select_and_fit(tr, ho, torch.arange(w), {l: cols([l], w) for l in range(5)}, k=2)
-    assert chosen == [1, 3]
-    assert fit.heldout_r2 > 0.999
+    for selection in ("greedy", "ranked"):
+        chosen, fit = select_and_fit(tr, ho, torch.arange(w), {l: cols([l], w) for l in range(5)}, k=2, selection=selection)
+        assert chosen == [1, 3], selection
+        assert fit.heldout_r2 > 0.999
     assert cols([1, 3], w).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_ranked_selection_can_miss_what_greedy_finds():
+    """Greedy selection adds what helps given the layers already chosen; ranking by R² alone does not. Here layer 2
+    is the best single predictor but a copy of layer 0's signal, and layer 4 carries the rest: greedy takes [2, 4]
+    (or [0, 4]); ranked takes the two near-duplicates."""
+    g = torch.Generator().manual_seed(5)
+    n, w = 2000, 3
+    base = [torch.randn(n, w, generator=g, dtype=torch.float64) for _ in range(5)]
+    base[2] = base[0] + 0.05 * torch.randn(n, w, generator=g, dtype=torch.float64)
+    y = 2 * base[0] + 0.8 * base[4]
+    x = torch.cat(base, 1)
+    tr, ho = GramStats(5 * w, w), GramStats(5 * w, w)
+    tr.add(x[:1600], y[:1600])
+    ho.add(x[1600:], y[1600:])
+    blocks = {l: cols([l], w) for l in range(5)}
+    greedy, gf = select_and_fit(tr, ho, torch.arange(w), blocks, k=2)
+    ranked, rf = select_and_fit(tr, ho, torch.arange(w), blocks, k=2, selection="ranked")
+    assert 4 in greedy and ranked == [0, 2]
+    assert gf.heldout_r2 > rf.heldout_r2 + 0.05
 
 
 def test_rounding_aware_path_matches_rounded_weights_and_prefers_smaller_weights():
