@@ -100,7 +100,23 @@ def spec_to_pb(s: TranslateSpec) -> pb.TranslateRequest:
     return pb.TranslateRequest(header=h)
 
 
+# Longest identifier accepted in a header; longer ones are refused without being echoed back.
+MAX_IDENTIFIER = 256
+
+
+def _check_identifiers(h: pb.TranslateHeader) -> None:
+    for field, value in (("map.name", h.map.name), ("map.version", h.map.version), ("prefix_key", h.prefix_key),
+                         ("tenant", h.tenant), ("source_geometry_fingerprint", h.source_geometry_fingerprint),
+                         ("tokenizer_fingerprint", h.tokenizer_fingerprint)):
+        if len(value) > MAX_IDENTIFIER:
+            raise InvalidInput(f"header.{field} is {len(value)} characters long; at most {MAX_IDENTIFIER} are accepted")
+
+
 def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
+    """The header as a TranslateSpec. Sizes that need no map are checked here, before any work on the request."""
+    _check_identifiers(h)
+    if h.token_ids and len(h.token_ids) != h.num_tokens:
+        raise InvalidInput(f"header has {len(h.token_ids)} token_ids for num_tokens={h.num_tokens}; send one id per token")
     if not h.map.name:
         raise InvalidInput("header.map.name is empty: name the map to use (see ListMappings)")
     if h.map.WhichOneof("selector") == "version" and not h.map.version:

@@ -207,3 +207,20 @@ def test_tenant_names_are_matched_whole():
     for bad in ("alice\n", "\nalice", "al ice", "a" * 65, ""):
         with pytest.raises(InvalidInput):
             check_tenant(bad)
+
+
+def test_long_identifiers_and_surplus_token_ids_are_refused_unechoed(sidecar_factory, maps_dir, family):
+    """A 20 kB map name used to come back in a NOT_FOUND message (and past the caller's size limits); 100k
+    token_ids for a 1-token request used to be hashed and looked up before any size check."""
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    spec = make_spec(kv, "S__S-self", **_kw(family))
+    cases = [(dataclasses.replace(spec, map_name="m" * 20_000), "map.name is 20000 characters"),
+             (dataclasses.replace(spec, tenant="t" * 5_000), "tenant is 5000 characters"),
+             (dataclasses.replace(spec, num_tokens=1, token_ids=tuple(range(100_000))), "100000 token_ids for num_tokens=1")]
+    with grpc.insecure_channel(sc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        for bad, needle in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.TranslateServiceStub(ch).Translate(iter(list(encode_requests(bad, [], 8))), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert needle in e.value.details() and len(e.value.details()) < 300
