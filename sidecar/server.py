@@ -44,6 +44,18 @@ def translate_handlers(servicer) -> grpc.GenericRpcHandler:
     })
 
 
+def warm(ms, tokens: int = 32) -> None:
+    """One small translation through ``ms`` (zeros), so that kernel set-up, RoPE tables and weight casts happen
+    before the sidecar reports SERVING rather than in the first caller's request."""
+    import torch
+
+    from kvferry.mappings.apply import apply
+
+    g = ms.source.geometry
+    zeros = torch.zeros(1, g.kv_heads, tokens, g.head_dim)
+    apply(ms, [(zeros, zeros) for _ in range(g.layers)], 0)
+
+
 class Sidecar:
     """One running sidecar. ``await start()``, then ``await wait()``; ``await drain()`` to stop gracefully."""
 
@@ -64,6 +76,7 @@ class Sidecar:
         self.metrics_port = 0
         self.draining = False
         self._reload_task: asyncio.Task | None = None
+        self.warmed: set[tuple[str, str]] = set()  # (map, version) already run once on the compute thread
 
     async def start(self) -> int:
         c = self.config
@@ -102,10 +115,23 @@ class Sidecar:
         for ev in events:
             self.metrics.map_events.labels(ev.split(" ", 1)[0]).inc()
         self.metrics.record_maps(self.registry.entries(), self.config.gate_arm)
+        await self._warm_new()
         if not self.draining:
             ok = self.registry.servable_count > 0
             await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
         return events
+
+    async def _warm_new(self) -> None:
+        """Warm each newly servable map on the compute thread (the thread that will run it) before readiness."""
+        loop = asyncio.get_running_loop()
+        for e in self.registry.entries():
+            key = (e.maps.name, e.maps.version)
+            if e.servable and key not in self.warmed:
+                try:
+                    await loop.run_in_executor(self.servicer.compute, warm, e.maps)
+                except Exception:  # noqa: BLE001 - a map that cannot warm up will fail its requests with a status
+                    log.exception("warming map %s %s failed", *key)
+                self.warmed.add(key)
 
     async def _reload_loop(self) -> None:
         while True:

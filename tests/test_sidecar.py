@@ -387,3 +387,22 @@ def test_stream_cap_and_byte_limit_are_resource_exhausted(sidecar_factory, maps_
         big = make_kv(layers=4, tokens=40, heads=2, head_dim=32)  # 4*2*64*40*4 = 81920 bytes > 40000
         code, msg = _code(c, big, "S__S-self")
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes" in msg
+
+
+def test_maps_are_warmed_on_the_compute_thread_before_readiness(sidecar_factory, maps_dir, monkeypatch):
+    """The first request used to pay ~1.5 s of one-off set-up (and could miss a short --max-stream-seconds):
+    each servable map now runs once on the compute thread before health reports SERVING."""
+    import threading
+
+    from kvferry.sidecar import server
+
+    seen = []
+    real = server.warm
+    monkeypatch.setattr(server, "warm", lambda ms: (seen.append((ms.name, ms.version, threading.current_thread().name)),
+                                                     real(ms)))
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    assert [(n, v) for n, v, _ in seen] == [("S__S-self", "1.0.0")]
+    assert seen[0][2].startswith("kvferry-compute")
+    assert sc.sidecar.warmed == {("S__S-self", "1.0.0")}
+    sc.call(sc.sidecar.reload())  # nothing new: nothing warmed again
+    assert len(seen) == 1
