@@ -91,8 +91,18 @@ class RedisStore:
         if username:
             kw["username"] = username
         self._redis = redis.Redis.from_url(url, **kw)
-        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._errors = (redis.RedisError, OSError)  # unreachable, but also full (OOM), ACL-denied, read-only, …
         self.url = url
+
+    def _failed(self, e: Exception) -> StoreUnavailable:
+        """The store's failure in words that carry no key and no blob bytes: redis-py's pipeline errors quote the
+        whole failing command ("Command # 1 (SET <key> <blob> …) of pipeline caused error: OOM …")."""
+        import redis
+
+        if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OSError)):
+            return StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {type(e).__name__}: {str(e)[:160]}")
+        reason = str(e).split("caused error:", 1)[-1].strip().splitlines()[0][:160] if str(e) else ""
+        return StoreUnavailable(f"prefix store {self._safe_url()} refused the call ({type(e).__name__}: {reason})")
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
@@ -100,7 +110,7 @@ class RedisStore:
         try:
             return list(self._redis.mget(keys))
         except self._errors as e:
-            raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
+            raise self._failed(e) from None
 
     def exists_many(self, keys: list[str]) -> list[bool]:
         """Which keys are stored, without fetching them (a cheap probe for schedulers)."""
@@ -112,7 +122,7 @@ class RedisStore:
                 pipe.exists(k)
             return [bool(r) for r in pipe.execute()]
         except self._errors as e:
-            raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
+            raise self._failed(e) from None
 
     def put_many(self, items: list[tuple[str, bytes]], ttl: float) -> int:
         if not items:
@@ -123,7 +133,7 @@ class RedisStore:
                 pipe.set(k, blob, nx=True, px=max(1, int(ttl * 1000)))
             return sum(bool(r) for r in pipe.execute())
         except self._errors as e:
-            raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
+            raise self._failed(e) from None
 
     def discard(self, keys: list[str]) -> None:
         """Delete blobs found corrupt, so the next writer can store a good copy (writes never overwrite)."""
@@ -132,7 +142,7 @@ class RedisStore:
         try:
             self._redis.delete(*keys)
         except self._errors as e:
-            raise StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {e}") from None
+            raise self._failed(e) from None
 
     def ping(self) -> bool:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,7 @@ from .auth import tenant_for
 from .pipeline import TranslateSession
 
 RETRY_AFTER_KEY = "kvferry-retry-after-ms"
+log = logging.getLogger("kvferry.sidecar")
 
 
 def _geometry(g) -> pb.Geometry:
@@ -73,6 +75,14 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         # One compute thread: torch's intra-op (OpenMP) pool belongs to the thread that enters it, so spreading
         # map work over the default executor's threads would start one spinning pool per thread and oversubscribe.
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-compute")
+
+    def _write_back_done(self, task: asyncio.Task) -> None:
+        """A write-back that failed in a way the prefix service did not expect is counted and logged once, here:
+        never an unretrieved task exception, never the caller's problem (its answer was already sent)."""
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.metrics.prefix_store_errors.inc()
+            log.error("prefix write-back failed: %s: %s", type(task.exception()).__name__, str(task.exception())[:200])
 
     async def ListMappings(self, request, context):
         return pb.ListMappingsResponse(mappings=[mapping_info(e, self.gate_arm) for e in self.registry.entries(request.name_prefix)])
@@ -132,7 +142,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         if plan is not None and session.outputs:
             task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, plan, session.output_layers()))
             self._background.add(task)  # off the critical path; keep a reference until it finishes
-            task.add_done_callback(self._background.discard)
+            task.add_done_callback(self._write_back_done)
         label = f"{ms.name}@{ms.version}"
         self.metrics.tokens.labels(label).inc(stats.tokens)
         self.metrics.bytes_in.labels(label).inc(stats.bytes_in)

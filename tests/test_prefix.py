@@ -300,3 +300,36 @@ def test_async_client_reads_direct_hits_too(sidecar_factory, maps_dir, family, r
     first, second = asyncio.run(main())
     assert (first.attempts, second.attempts) == (1, 0)
     assert torch.equal(first.layers()[1][1], second.layers()[1][1])
+
+
+def test_a_full_or_denying_redis_is_a_clean_status_never_internal(sidecar_factory, maps_dir, family, redis_url, redis_server):
+    """A full Redis (maxmemory, noeviction) used to fail key-only requests with INTERNAL and send the Redis key and
+    raw blob bytes to the caller; an ACL denial failed even streamed requests with INTERNAL."""
+    kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=8)
+    ids = list(range(300, 332))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
+    r = redis_server.client
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", str(used))  # full: the write-back of the mapped blocks is refused (OOM)
+    try:
+        sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+        with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
+            res = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))  # mapped from source
+            torch.testing.assert_close(res.layers()[2][0], kv[2][0])
+        assert sc.sidecar.metrics.prefix_store_errors._value.get() >= 1
+    finally:
+        r.config_set("maxmemory", "0")
+    r.acl_setuser("deny", enabled=True, passwords=["+deny-pass"], commands=["-@all", "+auth", "+hello", "+ping"])
+    try:
+        denied_url = redis_url.replace("redis://", "redis://deny:deny-pass@")
+        sc = _sidecar(sidecar_factory, maps_dir, redis_url=denied_url)
+        with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
+            res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # streamed: served without the store
+            torch.testing.assert_close(res.layers()[1][1], kv[1][1])
+            with pytest.raises(grpc.RpcError) as e:
+                c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "NoPermissionError" in e.value.details() and "kvf:" not in e.value.details() and "\\x" not in e.value.details()
+    finally:
+        r.acl_deluser("deny")
