@@ -8,6 +8,8 @@ tampered artifact is refused with a log line and never replaces what already ser
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +33,19 @@ class Entry:
 
 
 def _signature(path: Path) -> tuple:
+    """(mtime_ns, size) of both files; refuses links and anything but regular files (a FIFO would block the scan)."""
     out = []
     for f in ("maps.safetensors", "manifest.json"):
-        st = (path / f).stat()
+        st = os.lstat(path / f)
+        if not stat.S_ISREG(st.st_mode):
+            raise KvferryError(f"{path / f} is not a regular file (links and special files are refused)")
         out += [st.st_mtime_ns, st.st_size]
     return tuple(out)
+
+
+def _subdirs(path: Path) -> list[Path]:
+    """Real subdirectories only: a symlink could lead out of the map directory."""
+    return sorted(p for p in path.iterdir() if not p.name.startswith(".") and not p.is_symlink() and p.is_dir())
 
 
 class MapRegistry:
@@ -56,16 +66,19 @@ class MapRegistry:
         seen = set()
         if not self.root.is_dir():
             return [f"map directory {self.root} does not exist"]
-        for name_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            for vdir in sorted(p for p in name_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for name_dir in _subdirs(self.root):
+            for vdir in _subdirs(name_dir):
                 key = (name_dir.name, vdir.name)
                 try:
                     check_name(key[0]), check_version(key[1])
                     sig = _signature(vdir)
-                except (KvferryError, FileNotFoundError) as e:
+                except (KvferryError, OSError) as e:
+                    if key in self._entries:  # a file went missing or was swapped: keep serving the loaded copy
+                        seen.add(key)
                     if self._bad.get(vdir) != "invalid":
-                        events.append(f"refused {vdir}: {e}")
-                        log.warning("refused map %s: %s", vdir, e)
+                        kept = " (the loaded copy keeps serving)" if key in self._entries else ""
+                        events.append(f"refused {vdir}: {e}{kept}")
+                        log.warning("refused map %s: %s%s", vdir, e, kept)
                         self._bad[vdir] = "invalid"
                     continue
                 seen.add(key)
@@ -76,12 +89,13 @@ class MapRegistry:
                     ms = load(vdir).to(self.device)
                     if ms.name != key[0] or ms.version != key[1]:
                         raise KvferryError(f"manifest says {ms.name} {ms.version} but it sits in {key[0]}/{key[1]}")
-                except KvferryError as e:
+                    problems = self.gates.failures(ms.evidence)
+                except Exception as e:  # noqa: BLE001 - one bad artifact (even a well-checksummed, malformed one) is refused alone
                     self._bad[vdir] = sig
-                    events.append(f"refused {vdir}: {e}")
-                    log.error("refused map %s (previous versions keep serving): %s", vdir, e)
+                    reason = str(e)[:300] if isinstance(e, KvferryError) else f"malformed artifact ({type(e).__name__}: {str(e)[:200]})"
+                    events.append(f"refused {vdir}: {reason}")
+                    log.error("refused map %s (what is loaded keeps serving): %s", vdir, reason)
                     continue
-                problems = self.gates.failures(ms.evidence)
                 servable = not problems or self.force
                 entry = Entry(vdir, ms, servable, "; ".join(problems), sig)
                 with self._lock:
@@ -94,7 +108,7 @@ class MapRegistry:
             for key in [k for k in self._entries if k not in seen]:
                 del self._entries[key]
                 events.append(f"removed {key[0]} {key[1]}")
-                log.info("removed map %s %s (its directory is gone)", *key)
+                log.info("removed map %s %s (its version directory is gone)", *key)
         return events
 
     def entries(self, name_prefix: str = "") -> list[Entry]:

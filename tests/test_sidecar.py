@@ -406,3 +406,50 @@ def test_maps_are_warmed_on_the_compute_thread_before_readiness(sidecar_factory,
     assert sc.sidecar.warmed == {("S__S-self", "1.0.0")}
     sc.call(sc.sidecar.reload())  # nothing new: nothing warmed again
     assert len(seen) == 1
+
+
+def test_registry_survives_malformed_artifacts_missing_files_links_and_fifos(tmp_path, family):
+    """Found by attacking the sidecar: a malformed manifest with a recomputed checksum aborted start-up and every
+    rescan; deleting one file of a loaded version took it out of service; the registry followed symlinks out of
+    the map directory, and a FIFO posing as a map file blocked the rescan forever."""
+    import json
+    import os
+    import threading
+
+    from kvferry.mappings.geometry import digest
+    from kvferry.sidecar.registry import MapRegistry
+
+    ident = family["S"].identity
+    root = tmp_path / "maps"
+    good = save(identity_mapset(ident, version="1.0.0"), root)
+    bad = save(identity_mapset(ident, version="1.1.0"), root)
+    man = json.loads((bad / "manifest.json").read_text())
+    man.pop("manifest_sha256")
+    man["evidence"] = ["arms"]  # well-formed JSON, checksum recomputed, but not evidence
+    man["manifest_sha256"] = digest({k: v for k, v in man.items()})
+    (bad / "manifest.json").write_text(json.dumps(man))
+    reg = MapRegistry(root, force=True)
+    events = reg.scan()
+    assert [e.maps.version for e in reg.entries()] == ["1.0.0"]
+    assert any(ev.startswith("refused") and "1.1.0" in ev and "malformed" in ev for ev in events), events
+    save(identity_mapset(ident, version="1.2.0"), root)  # a good new version loads while the bad one is present
+    reg.scan()
+    assert [e.maps.version for e in reg.entries()] == ["1.0.0", "1.2.0"]
+    (good / "maps.safetensors").unlink()  # one file of a loaded version deleted: it keeps serving from memory
+    events = reg.scan()
+    assert reg.resolve("S__S-self", "1.0.0") is not None and any("keeps serving" in ev for ev in events)
+    outside = save(identity_mapset(ident, version="2.0.0"), tmp_path / "elsewhere")
+    (root / "S__S-self" / "2.0.0").symlink_to(outside, target_is_directory=True)
+    fifo_dir = root / "S__S-self" / "3.0.0"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "maps.safetensors")
+    (fifo_dir / "manifest.json").write_text("{}")
+    done = threading.Event()
+    threading.Thread(target=lambda: (reg.scan(), done.set()), daemon=True).start()
+    assert done.wait(20), "the rescan blocked on a FIFO"
+    assert [e.maps.version for e in reg.entries()] == ["1.0.0", "1.2.0"]
+    import shutil
+
+    shutil.rmtree(good)  # the version directory itself removed: now it is gone
+    reg.scan()
+    assert [e.maps.version for e in reg.entries()] == ["1.2.0"]
