@@ -43,3 +43,7 @@ class Unauthenticated(KvferryError):
 
 class PermissionDenied(KvferryError):
     """The caller is known but asks for something its identity does not allow (another tenant's namespace)."""
+
+
+class CallerGone(KvferryError):
+    """The caller cancelled or disconnected: nothing more can be sent (no traceback, counted as CANCELLED)."""

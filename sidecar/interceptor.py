@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import time
 
@@ -23,6 +25,7 @@ STATUS = {
     e.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
     e.ArtifactError: grpc.StatusCode.FAILED_PRECONDITION,
     e.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    e.CallerGone: grpc.StatusCode.CANCELLED,
     e.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
@@ -92,6 +95,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
     def _stream(self, fn, method, full_method):
+        if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write() itself
+            async def writer(request_iterator, context):
+                t0 = time.perf_counter()
+                try:
+                    self._authenticate(context, full_method)
+                    await fn(request_iterator, context)
+                except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:  # the caller cancelled while we waited on it: its own code, no traceback
+                    self._done(method, grpc.StatusCode.CANCELLED, t0)
+                    raise
+                except Exception as exc:  # noqa: BLE001 - every failure gets a status, none crashes the server
+                    await self._fail(context, exc, method, t0)
+                else:
+                    self._done(method, grpc.StatusCode.OK, t0)
+
+            return writer
+
         async def wrapper(request_iterator, context):
             t0 = time.perf_counter()
             try:

@@ -9,7 +9,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from kvferry.client import wire
-from kvferry.mappings.errors import InvalidInput, TooLarge, Unavailable, Unsupported
+from kvferry.mappings.errors import CallerGone, InvalidInput, TooLarge, Unavailable, Unsupported
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
@@ -96,15 +96,25 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
                            "retry after a short backoff (see trailing metadata kvferry-retry-after-ms)")
         self.active += 1
         self.metrics.streams.inc()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_stream_seconds
         try:
-            async for out in self._translate(request_iterator):
-                yield out
+            async for out in self._translate(request_iterator, deadline):
+                # The deadline covers sending too: a caller that stops reading blocks this write (flow control)
+                # and must not hold its stream slot past max_stream_seconds.
+                try:
+                    await asyncio.wait_for(context.write(out), max(deadline - loop.time(), 0.001))
+                except asyncio.TimeoutError:
+                    raise TimeoutError("the caller did not read the response before the sidecar's max_stream_seconds "
+                                       "ran out") from None
+                except Exception:  # noqa: BLE001 - gRPC refuses writes into a call the caller has cancelled or left
+                    raise CallerGone("the caller cancelled or left the Translate stream; nothing more can be sent") from None
         finally:
             self.active -= 1
             self.metrics.streams.dec()
 
-    async def _translate(self, request_iterator):
-        requests = _before(request_iterator, asyncio.get_running_loop().time() + self.max_stream_seconds)
+    async def _translate(self, request_iterator, deadline: float):
+        requests = _before(request_iterator, deadline)
         first = await anext(requests, None)
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidInput("a Translate stream must open with a header message")

@@ -224,3 +224,20 @@ def test_long_identifiers_and_surplus_token_ids_are_refused_unechoed(sidecar_fac
                 list(pb_grpc.TranslateServiceStub(ch).Translate(iter(list(encode_requests(bad, [], 8))), timeout=10))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
             assert needle in e.value.details() and len(e.value.details()) < 300
+
+
+def test_a_caller_that_stops_reading_loses_its_slot_at_the_deadline(sidecar_factory, maps_dir, family):
+    """Clients that never read their response used to hold their stream slots past --max-stream-seconds (the
+    deadline only covered receiving); now time blocked sending counts too."""
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_streams=1, max_stream_seconds=3)
+    kv = make_kv(layers=4, tokens=4096, heads=2, head_dim=32)  # 8 MiB of target KV back: far past a 64 KiB window
+    reqs = list(encode_requests(make_spec(kv, "S__S-self", **_kw(family)), kv, 512))
+    opts = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)]  # no window growth
+    with grpc.insecure_channel(sc.address, opts) as ch:
+        stalled = pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=60)  # never read from
+        time.sleep(5)
+        with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:  # the one slot is free again
+            assert c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family)).stats.tokens == 8
+        with pytest.raises(grpc.RpcError) as e:
+            list(stalled)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "did not read" in e.value.details()

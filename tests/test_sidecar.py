@@ -204,7 +204,9 @@ def test_pipelining_first_block_before_last_chunk(sidecar, family):
     assert len(sent_after_first_block) == 6
 
 
-def test_cancel_mid_stream_frees_the_session(sidecar):
+def test_cancel_mid_stream_frees_the_session(sidecar, caplog):
+    """...and logs no traceback (an ExecuteBatchError traceback used to follow every cancel after the first block)."""
+    import logging
     import time
 
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
@@ -232,6 +234,10 @@ def test_cancel_mid_stream_frees_the_session(sidecar):
             break
         time.sleep(0.05)
     assert servicer.active == 0 and len(servicer.sessions) == 0
+    counts = {s.labels["code"]: s.value for m in sidecar.sidecar.metrics.registry.collect()
+              if m.name == "kvferry_requests" for s in m.samples if s.labels.get("method") == "Translate" and s.name.endswith("_total")}
+    assert "INTERNAL" not in counts, counts
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def _collect():
@@ -453,3 +459,29 @@ def test_registry_survives_malformed_artifacts_missing_files_links_and_fifos(tmp
     shutil.rmtree(good)  # the version directory itself removed: now it is gone
     reg.scan()
     assert [e.maps.version for e in reg.entries()] == ["1.2.0"]
+
+
+def test_cancel_while_the_sidecar_is_sending_is_clean(sidecar, caplog):
+    """A caller that cancels after the first block, while blocks are still being written to it: no INTERNAL,
+    no traceback (a write into a cancelled call is the caller leaving, not a server fault)."""
+    import logging
+    import time
+
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    kv = make_kv(layers=4, tokens=4096, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=256))
+    for _ in range(3):
+        with grpc.insecure_channel(sidecar.address, [("grpc.http2.bdp_probe", 0)]) as ch:
+            call = pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=60)
+            next(call), next(call)  # the header, then the first block
+            call.cancel()
+    servicer = sidecar.sidecar.servicer
+    deadline = time.time() + 10
+    while servicer.active and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    counts = {s.labels["code"]: s.value for m in sidecar.sidecar.metrics.registry.collect()
+              if m.name == "kvferry_requests" for s in m.samples if s.labels.get("method") == "Translate" and s.name.endswith("_total")}
+    assert servicer.active == 0 and "INTERNAL" not in counts, counts
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
