@@ -81,6 +81,12 @@ class SidecarConfig:
     """HMAC key of prefix block hashes; required (or prefix_secret_file) with redis_url so every pod derives the same keys."""
     prefix_secret_file: str = ""
     """File holding the prefix HMAC key (a mounted Secret)."""
+    prefix_write_back: bool = False
+    """Write a *streamed* translation's mapped blocks to the prefix store. Off by default: a streamed request's
+    source KV is the caller's own claim, and stored under its token ids it would become the answer of every later
+    caller of the tenant asking for the same tokens (cache poisoning). Turn it on only where every caller that
+    can reach the sidecar is trusted to publish. Key-only translations (mapped from source blocks published
+    under the prefix secret) are always written back; streamed requests always read stored blocks."""
     prefix_block_size: int = 256
     """Tokens per prefix block."""
     prefix_ttl_seconds: float = 3600.0

@@ -42,6 +42,7 @@ class PrefixService:
                                  config.prefix_max_blob_bytes)
         self.metrics = metrics
         self.shared = bool(config.redis_url)
+        self.write_streamed = config.prefix_write_back  # may a caller's streamed KV become stored answers?
 
     @staticmethod
     def namespaces(ms: MapSet, tenant: str) -> tuple[Namespace, Namespace]:

@@ -130,7 +130,8 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
                 plan = await asyncio.to_thread(self.prefix.plan, spec, ms)
             cached = plan.lookup.layers() if plan and plan.lookup.blocks else None
             cached_blocks = len(plan.lookup.blocks) if plan else 0
-            session = TranslateSession(spec, ms, self.limits, cached, keep_output=plan is not None)
+            write_back = plan is not None and self.prefix.write_streamed
+            session = TranslateSession(spec, ms, self.limits, cached, keep_output=write_back)
         self.sessions.add(session)
         g = ms.target.geometry
         yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
@@ -149,7 +150,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
                 yield encoded
         stats = session.finish()
         stats.cached_blocks = cached_blocks
-        if plan is not None and session.outputs:
+        if plan is not None and self.prefix.write_streamed and session.outputs:
             task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, plan, session.output_layers()))
             self._background.add(task)  # off the critical path; keep a reference until it finishes
             task.add_done_callback(self._write_back_done)

@@ -126,7 +126,7 @@ def _kw(family):
 
 
 def test_prefix_reuse_across_lengths_and_tenants(sidecar_factory, maps_dir, family, redis_url):
-    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)  # trusted callers publish
     kv = make_kv(layers=4, tokens=80, heads=2, head_dim=32, seed=3)
     ids = list(range(100, 180))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
@@ -170,7 +170,7 @@ def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, f
 
 
 def test_corrupt_blob_is_a_miss(sidecar_factory, maps_dir, family, redis_url, redis_server):
-    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)
     kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=5)
     ids = list(range(32))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
@@ -206,7 +206,7 @@ def test_redis_down_then_back(sidecar_factory, maps_dir, family, redis_url, redi
 
 
 def test_in_memory_default(sidecar_factory, maps_dir, family):
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS)  # no redis_url
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS, prefix_write_back=True)  # no redis_url
     kv = make_kv(layers=4, tokens=40, heads=2, head_dim=32, seed=7)
     ids = list(range(40))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
@@ -333,3 +333,25 @@ def test_a_full_or_denying_redis_is_a_clean_status_never_internal(sidecar_factor
         assert "NoPermissionError" in e.value.details() and "kvf:" not in e.value.details() and "\\x" not in e.value.details()
     finally:
         r.acl_deluser("deny")
+
+
+def test_a_callers_claim_never_becomes_another_callers_answer(sidecar_factory, maps_dir, family):
+    """Cache poisoning within a tenant (found by attacking the sidecar): caller X streams fabricated KV under some
+    token ids; caller Y later streams the real KV for the same ids. By default streamed translations are not
+    written back, so Y gets the translation of its own KV; with prefix_write_back (trusted publishers only) the
+    stored blocks are reused, as documented."""
+    ids = list(range(500, 532))
+    real = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=21)
+    fake = [(k * 0 + 7.0, v * 0 - 7.0) for k, v in real]
+    for write_back, poisoned in ((False, False), (True, True)):
+        sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS, prefix_write_back=write_back)
+        with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+            c.translate(fake, "S__S-self", token_ids=ids, **_kw(family))  # caller X
+            if write_back:
+                _wait_for_writes(sc, 2)
+            time.sleep(0.2)
+            got = c.translate(real, "S__S-self", token_ids=ids, **_kw(family))  # caller Y, same tenant
+        assert (got.stats.cached_blocks == 2) == poisoned
+        assert torch.allclose(got.layers()[0][1], fake[0][1], atol=1e-4) == poisoned  # values: no RoPE round trip
+        if not poisoned:
+            torch.testing.assert_close(got.layers()[3][1], real[3][1])

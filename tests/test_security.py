@@ -69,7 +69,7 @@ def test_the_token_picks_the_prefix_namespace(sidecar_factory, maps_dir, tokens_
     import redis
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, auth_tokens_file=str(tokens_file), redis_url=redis_url,
-                         prefix_secret="s" * 32, prefix_block_size=16)
+                         prefix_secret="s" * 32, prefix_block_size=16, prefix_write_back=True)
     kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32), list(range(100, 132))
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
         c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
@@ -92,7 +92,7 @@ def test_mtls_identity_is_the_tenant(sidecar_factory, maps_dir, tmp_path, family
     d = make_certs(tmp_path)
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"),
                          tls_client_ca=str(d / "ca.pem"), auth_mtls_tenant=True, redis_url=redis_url, prefix_secret="s" * 32,
-                         prefix_block_size=16)
+                         prefix_block_size=16, prefix_write_back=True)
     opts = ClientOptions(target=sc.address, tls_root_certs=str(d / "ca.pem"), tls_client_cert=str(d / "client.pem"),
                          tls_client_key=str(d / "client.key"), retries=0, timeout=10)
     kv, ids = make_kv(layers=4, tokens=16, heads=2, head_dim=32), list(range(16))
