@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -79,51 +80,42 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._done(method, code, t0)
         await context.abort(code, msg)
 
+    @contextlib.asynccontextmanager
+    async def _guard(self, context, method: str, full_method: str):
+        """Authenticate, run the body, count the outcome: a domain error becomes its status, anything else INTERNAL
+        (logged), a cancellation CANCELLED (no traceback)."""
+        t0 = time.perf_counter()
+        try:
+            self._authenticate(context, full_method)
+            yield
+        except grpc.aio.AbortError:
+            raise
+        except asyncio.CancelledError:  # the caller cancelled while we waited on it
+            self._done(method, grpc.StatusCode.CANCELLED, t0)
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure gets a status, none crashes the server
+            await self._fail(context, exc, method, t0)
+        else:
+            self._done(method, grpc.StatusCode.OK, t0)
+
     def _unary(self, fn, method, full_method):
         async def wrapper(request, context):
-            t0 = time.perf_counter()
-            try:
-                self._authenticate(context, full_method)
-                out = await fn(request, context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                await self._fail(context, exc, method, t0)
-            self._done(method, grpc.StatusCode.OK, t0)
-            return out
+            async with self._guard(context, method, full_method):
+                return await fn(request, context)
 
         return wrapper
 
     def _stream(self, fn, method, full_method):
-        if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write() itself
+        if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write() itself (Translate)
             async def writer(request_iterator, context):
-                t0 = time.perf_counter()
-                try:
-                    self._authenticate(context, full_method)
+                async with self._guard(context, method, full_method):
                     await fn(request_iterator, context)
-                except grpc.aio.AbortError:
-                    raise
-                except asyncio.CancelledError:  # the caller cancelled while we waited on it: its own code, no traceback
-                    self._done(method, grpc.StatusCode.CANCELLED, t0)
-                    raise
-                except Exception as exc:  # noqa: BLE001 - every failure gets a status, none crashes the server
-                    await self._fail(context, exc, method, t0)
-                else:
-                    self._done(method, grpc.StatusCode.OK, t0)
 
             return writer
 
         async def wrapper(request_iterator, context):
-            t0 = time.perf_counter()
-            try:
-                self._authenticate(context, full_method)
+            async with self._guard(context, method, full_method):
                 async for item in fn(request_iterator, context):
                     yield item
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - every failure gets a status, none crashes the server
-                await self._fail(context, exc, method, t0)
-            else:
-                self._done(method, grpc.StatusCode.OK, t0)
 
         return wrapper
