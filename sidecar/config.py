@@ -148,7 +148,8 @@ class SidecarConfig:
 
     @property
     def limits(self) -> Limits:
-        return Limits(max_tokens=self.max_tokens, max_request_bytes=self.max_request_bytes)
+        return Limits(max_tokens=self.max_tokens, max_request_bytes=self.max_request_bytes,
+                      max_message_bytes=self.max_message_bytes)
 
 
 def _flag(name: str) -> str:

@@ -17,10 +17,22 @@ class Limits:
     """Most source KV bytes one request may declare (all layers, K and V)."""
     max_block_size: int = 4096
     """Largest paged block size accepted."""
+    max_message_bytes: int = 64 << 20
+    """Largest gRPC message the sidecar sends: contiguous blocks are cut to fit it; a page that cannot is refused."""
+
+    # Room left in each response message for the block's framing (ids, shapes, dtype, protobuf tags).
+    MESSAGE_OVERHEAD = 1024
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.max_request_bytes < 1 or self.max_block_size < 1:
             raise InvalidInput("limits must be positive")
+        if not 2 * self.MESSAGE_OVERHEAD <= self.max_message_bytes <= 2**31 - 1:
+            raise InvalidInput(f"max_message_bytes must be in [{2 * self.MESSAGE_OVERHEAD}, {2**31 - 1}] (gRPC's limit "
+                               f"is a signed 32-bit size); got {self.max_message_bytes}")
+
+    def tokens_per_message(self, bytes_per_token: int) -> int:
+        """How many tokens of a block fit one response message (0: not even one)."""
+        return (self.max_message_bytes - self.MESSAGE_OVERHEAD) // bytes_per_token
 
     def check(self, tokens: int, declared_bytes: int) -> None:
         if tokens > self.max_tokens:

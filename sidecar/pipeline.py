@@ -38,6 +38,12 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
         raise InvalidInput(f"block_size must be in [1, {limits.max_block_size}] for the paged layout")
     elem = torch.empty((), dtype=spec.source_dtype).element_size()
     limits.check(spec.num_tokens, spec.num_tokens * sg.layers * 2 * sg.kv_width * elem)
+    per_token = 2 * ms.target.geometry.kv_width * torch.empty((), dtype=target_dtype(spec, ms)).element_size()
+    fits = limits.tokens_per_message(per_token)
+    if fits < 1 or (spec.layout == PAGED and spec.block_size > fits):
+        raise InvalidInput(f"a {'page of ' + str(spec.block_size) + ' tokens' if spec.layout == PAGED else 'token'} of target KV "
+                           f"({per_token} bytes a token) does not fit the sidecar's max_message_bytes "
+                           f"({limits.max_message_bytes}); use a smaller block_size or raise --max-message-bytes")
 
 
 def target_dtype(spec: TranslateSpec, ms: MapSet) -> torch.dtype:
@@ -79,6 +85,8 @@ class TranslateSession:
         self._page_start = [0] * layers
         self.stats = Stats(tokens=n)
         self._t0 = time.perf_counter()
+        per_token = 2 * ms.target.geometry.kv_width * torch.empty((), dtype=self.out_dtype).element_size()
+        self._block_tokens = limits.tokens_per_message(per_token)  # a contiguous block never outgrows a message
 
     def info(self) -> TargetInfo:
         g = self.ms.target.geometry
@@ -146,8 +154,11 @@ class TranslateSession:
         if self.outputs is not None:
             self.outputs.setdefault(layer, []).append((k, v))
         if self.spec.layout != PAGED:
-            out = [Block(layer, a, b, self._index[layer], k[0], v[0])]
-            self._index[layer] += 1
+            out = []
+            for s in range(a, b, self._block_tokens):  # cut to the message limit (a wider target than the chunks)
+                e = min(s + self._block_tokens, b)
+                out.append(Block(layer, s, e, self._index[layer], k[0][:, s - a : e - a], v[0][:, s - a : e - a]))
+                self._index[layer] += 1
             self._count(out)
             return out
         self._page[layer].append((k[0].transpose(0, 1), v[0].transpose(0, 1)))  # [tokens, H, D]

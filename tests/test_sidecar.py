@@ -485,3 +485,32 @@ def test_cancel_while_the_sidecar_is_sending_is_clean(sidecar, caplog):
               if m.name == "kvferry_requests" for s in m.samples if s.labels.get("method") == "Translate" and s.name.endswith("_total")}
     assert servicer.active == 0 and "INTERNAL" not in counts, counts
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_responses_are_cut_to_the_message_limit(sidecar_factory, family):
+    """A request chunk within --max-message-bytes could map to a target block over it (a wider target): the sidecar
+    failed after the compute with RESOURCE_EXHAUSTED and a traceback. Blocks are now cut to fit; a page that cannot
+    fit is refused up front; a limit gRPC cannot hold is refused at start-up (it crashed with OverflowError)."""
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.artifact import load
+    from kvferry.mappings.errors import InvalidInput
+    from kvferry.sidecar.config import SidecarConfig
+    from conftest import ROOT
+
+    ms = load(ROOT / "maps" / "S__T64" / "1.0.0")  # S (64 wide per K or V) -> T64 (128 wide): blocks twice the chunks
+    g = ms.source.geometry
+    kv = make_kv(layers=g.layers, tokens=2048, heads=g.kv_heads, head_dim=g.head_dim, seed=9)
+    limit = 1 << 20
+    sc = sidecar_factory(maps_dir=str(ROOT / "maps"), max_message_bytes=limit)
+    s = family["S"].identity
+    kw = dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=2048)) as c:  # 512 KiB request chunks
+        res = c.translate(kv, "S__T64", "1.0.0", **kw)
+        assert max(b.key.numel() * b.key.element_size() * 2 for b in res.blocks) <= limit
+        for (k, v), (wk, wv) in zip(res.layers(), apply(ms, kv, 0)):
+            torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
+        with pytest.raises(grpc.RpcError) as e:
+            c.translate(kv, "S__T64", "1.0.0", layout="paged", block_size=2048, **kw)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_message_bytes" in e.value.details()
+    with pytest.raises(InvalidInput, match="signed 32-bit"):
+        SidecarConfig(maps_dir=str(ROOT / "maps"), max_message_bytes=1 << 32)
