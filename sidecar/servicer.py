@@ -120,6 +120,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
             raise InvalidInput("a Translate stream must open with a header message")
         spec = dataclasses.replace(wire.spec_from_pb(first.header), tenant=tenant_for(first.header.tenant))
         ms = self.registry.resolve(spec.map_name, spec.map_version)
+        self.limits.check(spec.num_tokens, 0)  # before the prefix store hashes, reads, maps or writes anything
         plan, cached_blocks = None, 0
         if spec.prefix_key:
             if self.prefix is None:

@@ -355,3 +355,16 @@ def test_a_callers_claim_never_becomes_another_callers_answer(sidecar_factory, m
         assert torch.allclose(got.layers()[0][1], fake[0][1], atol=1e-4) == poisoned  # values: no RoPE round trip
         if not poisoned:
             torch.testing.assert_close(got.layers()[3][1], real[3][1])
+
+
+def test_key_only_requests_are_sized_before_any_store_work(sidecar_factory, maps_dir, family, redis_url):
+    """Key-only requests used to read, map and write every block before --max-tokens was checked."""
+    kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=4)
+    ids = list(range(7, 77))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, max_tokens=48)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 48" in e.value.details()
+    assert sc.sidecar.metrics.prefix_writes._value.get() == 0
