@@ -89,3 +89,14 @@ def test_bad_values_fail_at_install():
     r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "maps.source=url"],
                        capture_output=True, text=True)
     assert r.returncode != 0
+
+
+def test_metrics_network_rule_defaults_to_this_namespace():
+    """It rendered `namespaceSelector: {}` (every namespace) while its comment said "same namespace"."""
+    pol = _one(render(CHART / "ci" / "standalone-values.yaml"), "NetworkPolicy")
+    metrics = [r for r in pol["spec"]["ingress"] if any(p["port"] == 9100 for p in r["ports"])]
+    assert metrics and metrics[0]["from"] == [{"podSelector": {}}], metrics
+    scoped = _one(render(CHART / "ci" / "standalone-values.yaml",
+                         "networkPolicy.metricsNamespaceSelector.matchLabels.name=monitoring"), "NetworkPolicy")
+    rule = [r for r in scoped["spec"]["ingress"] if any(p["port"] == 9100 for p in r["ports"])][0]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
