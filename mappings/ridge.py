@@ -31,26 +31,37 @@ def _block(m: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Ten
     return m.index_select(1, cols).index_select(0, rows)
 
 
+def _centre(block: torch.Tensor, sum_rows: torch.Tensor, sum_cols: torch.Tensor, m_rows: torch.Tensor,
+            m_cols: torch.Tensor, n: int) -> torch.Tensor:
+    """A Gram block of (a - m_rows), (b - m_cols) from raw sums: Σabᵀ - (Σa) m_colsᵀ - m_rows (Σb)ᵀ + n m_rows m_colsᵀ."""
+    return block - torch.outer(sum_rows, m_cols) - torch.outer(m_rows, sum_cols) + n * torch.outer(m_rows, m_cols)
+
+
 class _XSide:
     """Everything about one source-column set that no target map changes: means, the centred train Gram's
     eigendecomposition, and the held-out Gram (and its diagonal second moments) in that eigenbasis."""
 
     def __init__(self, train: GramStats, heldout: GramStats, xi: torch.Tensor):
-        self.xi = xi
+        self.xi, self._heldout = xi, heldout
         self.mx = train.sx[xi] / train.n
         sx = train.sx[xi]
-        cxx = _block(train.sxx, xi, xi) - torch.outer(sx, self.mx) - torch.outer(self.mx, sx) + train.n * torch.outer(self.mx, self.mx)
-        e, self.q = torch.linalg.eigh(cxx)
+        e, self.q = torch.linalg.eigh(_centre(_block(train.sxx, xi, xi), sx, sx, self.mx, self.mx, train.n))
         self.e = e.clamp(min=0)
         self.scale = float(self.e.mean()) or 1.0
         hs = heldout.sx[xi]
-        hxx = (_block(heldout.sxx, xi, xi) - torch.outer(hs, self.mx) - torch.outer(self.mx, hs)
-               + heldout.n * torch.outer(self.mx, self.mx))
-        self.m = self.q.T @ hxx @ self.q
-        self.md = self.q.T @ (self.q * (heldout.sxx.diagonal()[xi] / heldout.n)[:, None])  # qᵀ diag(E x²) q
+        self.m = self.q.T @ _centre(_block(heldout.sxx, xi, xi), hs, hs, self.mx, self.mx, heldout.n) @ self.q
+        self._md: torch.Tensor | None = None
+
+    @property
+    def md(self) -> torch.Tensor:
+        """qᵀ diag(E x²) q over the held-out rows: only bf16 fits (rounding > 0) need it, so it is made on first use."""
+        if self._md is None:
+            h = self._heldout
+            self._md = self.q.T @ (self.q * (h.sxx.diagonal()[self.xi] / h.n)[:, None])
+        return self._md
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.m, self.md))
+        return sum(t.numel() * t.element_size() for t in (self.q, self.m, self._md) if t is not None)
 
 
 class RidgeSolver:
@@ -60,13 +71,21 @@ class RidgeSolver:
     every target map that tries that set, so it is computed once and kept (least recently used first out,
     within ``max_bytes``). Results are identical to solving each map on its own."""
 
-    def __init__(self, train: GramStats, heldout: GramStats, max_bytes: int = 3 << 30):
+    def __init__(self, train: GramStats, heldout: GramStats | None, max_bytes: int = 3 << 30):
+        """``heldout`` None: no selection paths, only solves on ``train``."""
         self.train, self.heldout = train, heldout
-        self.merged = train.merge(heldout)
+        self._merged: GramStats | None = None
         self.max_bytes = max_bytes
         self._cache: OrderedDict[tuple, _XSide] = OrderedDict()
         self._bytes = 0
         self.decompositions = 0
+
+    @property
+    def merged(self) -> GramStats:
+        """Train and held-out sums together, for the final solves (made on first use: a full copy of the sums)."""
+        if self._merged is None:
+            self._merged = self.train if self.heldout is None else self.train.merge(self.heldout)
+        return self._merged
 
     def _side(self, xi: torch.Tensor) -> _XSide:
         key = ("path", tuple(xi.tolist()))
@@ -91,9 +110,8 @@ class RidgeSolver:
         x = self._side(xi)
         train, heldout = self.train, self.heldout
         my = train.sy[yi] / train.n
-        cxy = _block(train.sxy, xi, yi) - torch.outer(train.sx[xi], my) - torch.outer(x.mx, train.sy[yi]) + train.n * torch.outer(x.mx, my)
-        hxy = (_block(heldout.sxy, xi, yi) - torch.outer(heldout.sx[xi], my) - torch.outer(x.mx, heldout.sy[yi])
-               + heldout.n * torch.outer(x.mx, my))
+        cxy = _centre(_block(train.sxy, xi, yi), train.sx[xi], train.sy[yi], x.mx, my, train.n)
+        hxy = _centre(_block(heldout.sxy, xi, yi), heldout.sx[xi], heldout.sy[yi], x.mx, my, heldout.n)
         hyy = (heldout.syy[yi] - 2 * my * heldout.sy[yi] + heldout.n * my * my).sum()
         mh = heldout.sy[yi] / heldout.n
         sst = (heldout.syy[yi] - heldout.n * mh * mh).sum().clamp(min=1e-30)
@@ -119,9 +137,9 @@ class RidgeSolver:
         key = ("final", lam, tuple(xi.tolist()))
         hit = self._cache.get(key)
         if hit is None:
-            mx = s.sx[xi] / s.n
             sx = s.sx[xi]
-            cxx = _block(s.sxx, xi, xi) - torch.outer(sx, mx) - torch.outer(mx, sx) + s.n * torch.outer(mx, mx)
+            mx = sx / s.n
+            cxx = _centre(_block(s.sxx, xi, xi), sx, sx, mx, mx, s.n)
             scale = float(cxx.diagonal().clamp(min=0).mean()) or 1.0
             factor, info = torch.linalg.cholesky_ex(cxx + lam * scale * torch.eye(len(xi), dtype=cxx.dtype))
             hit = _Final(mx, factor if int(info) == 0 else None, cxx, lam * scale)
@@ -129,7 +147,7 @@ class RidgeSolver:
         else:
             self._cache.move_to_end(key)
         my = s.sy[yi] / s.n
-        cxy = _block(s.sxy, xi, yi) - torch.outer(s.sx[xi], my) - torch.outer(hit.mx, s.sy[yi]) + s.n * torch.outer(hit.mx, my)
+        cxy = _centre(_block(s.sxy, xi, yi), s.sx[xi], s.sy[yi], hit.mx, my, s.n)
         if hit.factor is not None:
             w = torch.cholesky_solve(cxy, hit.factor)
         else:  # not positive definite at this lambda (rank-deficient inputs): the eigenbasis handles it
@@ -165,7 +183,7 @@ def heldout_r2_path(train: GramStats, heldout: GramStats, xi, yi, lambdas=DEFAUL
 
 def solve(stats: GramStats, xi, yi, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight and bias at relative lambda ``lam`` on all rows of ``stats``."""
-    return RidgeSolver(stats, GramStats(stats.dx, stats.dy)).solve(xi, yi, lam)
+    return RidgeSolver(stats, None).solve(xi, yi, lam)
 
 
 def cols(layers: list[int] | tuple[int, ...], width: int) -> torch.Tensor:
