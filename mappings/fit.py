@@ -240,43 +240,44 @@ def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
     corpus_sha = corpus_digest(corpus)
     key = stats_key(source.identity, target.identity, corpus_sha, settings)
     gs = load_stats(stats_path, key) if stats_path else None
-    if gs is not None:
-        t0 = time.perf_counter()
-        solver = RidgeSolver(gs.train, gs.heldout)
-        maps = solve_maps(gs, source.identity, target.identity, settings, solver)
-        calibration = {"corpus_sha256": corpus_sha, "tokens": gs.tokens, "windows": gs.windows,
-                       "seq_len": settings.seq_len, "processes": 1}
-        ms = MapSet(source.identity, target.identity, maps, version, settings.as_dict(), calibration)
-        ms.validate()
-        if progress:
-            print(f"solved {len(maps)} maps from saved sums {stats_path} in {time.perf_counter() - t0:.1f}s "
-                  f"({solver.decompositions} eigendecompositions)")
-        return ms
-    windows = token_windows(source.tokenizer, read_corpus(corpus), settings.seq_len, settings.max_tokens)
-    if len(windows) < settings.heldout_every:
-        raise InvalidInput(f"calibration corpus gives {len(windows)} windows of {settings.seq_len} tokens; "
-                           f"need at least {settings.heldout_every}. Add text or lower --seq-len.")
-    dist_on = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
-    gs = accumulate(source, target, windows, settings, rank, world, progress)
-    all_reduce(gs.all())
-    tokens = torch.tensor([float(gs.tokens)], dtype=torch.float64)
-    if dist_on:
-        dist.all_reduce(tokens)
-    if rank != 0:
-        return None
-    if stats_path and world == 1:
-        save_stats(gs, stats_path, key)
+    processes, origin = 1, f" from saved sums {stats_path}"
+    if gs is None:
+        dist_on = dist.is_available() and dist.is_initialized()
+        rank, processes = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
+        gs = _capture(source, target, corpus, settings, rank, processes, progress)
+        if rank != 0:
+            return None
+        if stats_path and processes == 1:
+            save_stats(gs, stats_path, key)
+        origin = ""
     t0 = time.perf_counter()
     solver = RidgeSolver(gs.train, gs.heldout)
     maps = solve_maps(gs, source.identity, target.identity, settings, solver)
     if progress:
-        print(f"solved {len(maps)} maps in {time.perf_counter() - t0:.1f}s ({solver.decompositions} eigendecompositions)")
-    calibration = {"corpus_sha256": corpus_sha, "tokens": int(tokens.item()), "windows": len(windows),
-                   "seq_len": settings.seq_len, "processes": world}
+        print(f"solved {len(maps)} maps{origin} in {time.perf_counter() - t0:.1f}s ({solver.decompositions} eigendecompositions)")
+    calibration = {"corpus_sha256": corpus_sha, "tokens": gs.tokens, "windows": gs.windows, "seq_len": settings.seq_len,
+                   "processes": processes}
     ms = MapSet(source.identity, target.identity, maps, version, settings.as_dict(), calibration)
     ms.validate()
     return ms
+
+
+def _capture(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings, rank: int, world: int,
+             progress: bool) -> GramSet:
+    """Both models over the corpus' windows (this rank's share), sums all-reduced; tokens and windows are totals."""
+    import torch.distributed as dist
+
+    windows = token_windows(source.tokenizer, read_corpus(corpus), settings.seq_len, settings.max_tokens)
+    if len(windows) < settings.heldout_every:
+        raise InvalidInput(f"calibration corpus gives {len(windows)} windows of {settings.seq_len} tokens; "
+                           f"need at least {settings.heldout_every}. Add text or lower --seq-len.")
+    gs = accumulate(source, target, windows, settings, rank, world, progress)
+    all_reduce(gs.all())
+    tokens = torch.tensor([float(gs.tokens)], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(tokens)
+    gs.tokens, gs.windows = int(tokens.item()), len(windows)
+    return gs
 
 
 def identity_mapset(model: ModelIdentity, version: str = "0.0.1") -> MapSet:
