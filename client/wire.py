@@ -78,7 +78,7 @@ def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, e
 
 
 # ---- messages <-> protobuf -------------------------------------------------------------------
-from kvferry.client.messages import CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec  # noqa: E402
+from kvferry.client.messages import CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids  # noqa: E402
 
 _LAYOUT_TO_PB = {CONTIGUOUS: pb.LAYOUT_CONTIGUOUS, PAGED: pb.LAYOUT_PAGED}
 _LAYOUT_FROM_PB = {v: k for k, v in _LAYOUT_TO_PB.items()}
@@ -115,8 +115,7 @@ def _check_identifiers(h: pb.TranslateHeader) -> None:
 def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
     """The header as a TranslateSpec. Sizes that need no map are checked here, before any work on the request."""
     _check_identifiers(h)
-    if h.token_ids and len(h.token_ids) != h.num_tokens:
-        raise InvalidInput(f"header has {len(h.token_ids)} token_ids for num_tokens={h.num_tokens}; send one id per token")
+    check_token_ids(len(h.token_ids), h.num_tokens)  # before the ids are copied, hashed or looked up
     if not h.map.name:
         raise InvalidInput("header.map.name is empty: name the map to use (see ListMappings)")
     if h.map.WhichOneof("selector") == "version" and not h.map.version:

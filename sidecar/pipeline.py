@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kvferry.client.messages import PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
+from kvferry.client.messages import PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import Incompatible, InvalidInput
@@ -29,8 +29,7 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
                            "differently from the one the map was fitted on")
     if spec.num_tokens < 1:
         raise InvalidInput("header.num_tokens must be >= 1")
-    if spec.token_ids and len(spec.token_ids) != spec.num_tokens:
-        raise InvalidInput(f"header has {len(spec.token_ids)} token_ids for num_tokens={spec.num_tokens}")
+    check_token_ids(len(spec.token_ids), spec.num_tokens)
     if spec.start_position + spec.num_tokens > (sg.rope.max_position_embeddings or 1 << 31):
         raise InvalidInput(f"positions up to {spec.start_position + spec.num_tokens} exceed the source model's "
                            f"max_position_embeddings ({sg.rope.max_position_embeddings})")
