@@ -80,7 +80,7 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.rollout import MapRollout
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_stream
+    from kvferry.mappings.capture import capture_kv, kv_slice, load_model, read_corpus, token_stream
     from kvferry.mappings.copy_probe import CopySettings, make_examples
     from kvferry.mappings.errors import InvalidInput
     from kvferry.mappings.evaluate import greedy_continuation
@@ -146,7 +146,7 @@ def run(a: argparse.Namespace) -> int:
             print(f"   {label:<38}: {_match(res.tokens, want)}  {dec(res.tokens)}{ttft}")
             print(f"      path: {res.path} ({res.reason[:200]}{'…' if len(res.reason) > 200 else ''})", flush=True)
             if res.path != "mapped":
-                mapped = apply(ms, [(k[:, :, : n - REFRESH], v[:, :, : n - REFRESH]) for k, v in src_kv], 0)
+                mapped = apply(ms, kv_slice(src_kv, 0, n - REFRESH), 0)
                 forced = greedy_continuation(target.model, ids, mapped, CONTINUE, pad)
                 print(f"      what the refused map would have said (in-process, never served): {_match(forced, want)}  {dec(forced)}")
     print(f"\n   done in {time.perf_counter() - t_start:.0f}s. The gate reads the copy probe: a map that loses the distant "

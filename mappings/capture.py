@@ -89,6 +89,16 @@ def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int
     return list(ids.view(n, seq_len)) if n else []
 
 
+def kv_slice(kv: list[LayerKV], start: int, stop: int) -> list[LayerKV]:
+    """Every layer's (K, V) for tokens [start, stop) (views, no copy)."""
+    return [(k[:, :, start:stop], v[:, :, start:stop]) for k, v in kv]
+
+
+def kv_join(head: list[LayerKV], tail: list[LayerKV]) -> list[LayerKV]:
+    """Every layer's (K, V) of ``head`` followed by ``tail`` along the tokens."""
+    return [(torch.cat([hk, tk], 2), torch.cat([hv, tv], 2)) for (hk, hv), (tk, tv) in zip(head, tail)]
+
+
 def cache_layers(cache) -> list[LayerKV]:
     """An HF cache (anything with ``.layers`` of keys/values), a list of (K, V), or None, as a list of (K, V)."""
     if cache is None:

@@ -21,7 +21,7 @@ import torch
 
 from .apply import apply
 from .artifact import MapSet
-from .capture import LayerKV, LoadedModel, capture_kv, to_dynamic_cache, token_stream
+from .capture import LayerKV, LoadedModel, capture_kv, kv_slice, to_dynamic_cache, token_stream
 from .errors import InvalidInput
 
 COPY_ARMS = ("full", "truncate", "mapped", "mapped_refresh")
@@ -100,10 +100,6 @@ def continuation_accuracy(model, prefix: list[LayerKV] | None, tail: list[int], 
     return float((logits.argmax(-1) == torch.tensor(answer)).float().mean())
 
 
-def _slice(kv: list[LayerKV], stop: int) -> list[LayerKV]:
-    return [(k[:, :, :stop], v[:, :, :stop]) for k, v in kv]
-
-
 @torch.no_grad()
 def score_example(ex: CopyExample, target: LoadedModel, r: int, mapped: list[LayerKV] | None = None) -> dict:
     """Each arm's accuracy on one example; ``mapped`` is the mapped cache of ``prompt[:-1]`` (None: no mapped arms)."""
@@ -112,7 +108,7 @@ def score_example(ex: CopyExample, target: LoadedModel, r: int, mapped: list[Lay
            "truncate": continuation_accuracy(target.model, None, ex.prompt[n - r:], ex.answer)}
     if mapped is not None:
         out["mapped"] = continuation_accuracy(target.model, mapped, ex.prompt[n - 1:], ex.answer)
-        out["mapped_refresh"] = continuation_accuracy(target.model, _slice(mapped, n - r), ex.prompt[n - r:], ex.answer)
+        out["mapped_refresh"] = continuation_accuracy(target.model, kv_slice(mapped, 0, n - r), ex.prompt[n - r:], ex.answer)
     return out
 
 

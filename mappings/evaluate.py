@@ -17,7 +17,8 @@ import torch
 
 from .apply import apply
 from .artifact import MapSet
-from .capture import LayerKV, LoadedModel, cache_layers, capture_kv, read_corpus, to_dynamic_cache, token_windows
+from .capture import (LayerKV, LoadedModel, cache_layers, capture_kv, kv_join, kv_slice, read_corpus, to_dynamic_cache,
+                      token_windows)
 from .drift import Drift, QueryTap, tail_drift
 from .errors import InvalidInput
 from .features import to_features
@@ -63,14 +64,6 @@ class EvalSettings:
             raise InvalidInput("sinks must be smaller than min_len - 1")
         if self.prose_prompts < 0:
             raise InvalidInput("prose_prompts must be >= 0")
-
-
-def _slice(kv: list[LayerKV], start: int, stop: int) -> list[LayerKV]:
-    return [(k[:, :, start:stop], v[:, :, start:stop]) for k, v in kv]
-
-
-def _splice(head: list[LayerKV], tail: list[LayerKV]) -> list[LayerKV]:
-    return [(torch.cat([hk, tk], 2), torch.cat([hv, tv], 2)) for (hk, hv), (tk, tv) in zip(head, tail)]
 
 
 class _AttnTap:
@@ -167,8 +160,8 @@ def _arm_caches(ms: MapSet, source: LoadedModel, target: LoadedModel, ids: torch
         "no_context": (None, ids[:, n - 1 :]),
         "truncate": (None, ids[:, n - r :]),
         "mapped": (mapped, ids[:, n - 1 :]),
-        "mapped_refresh": (_slice(mapped, 0, n - r), ids[:, n - r :]),
-        "mapped_sinks": (_splice(_slice(gold, 0, s.sinks), _slice(mapped, s.sinks, n - 1)), ids[:, n - 1 :]),
+        "mapped_refresh": (kv_slice(mapped, 0, n - r), ids[:, n - r :]),
+        "mapped_sinks": (kv_join(kv_slice(gold, 0, s.sinks), kv_slice(mapped, s.sinks, n - 1)), ids[:, n - 1 :]),
     }
 
 
@@ -210,8 +203,8 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
                 attn[arm] = tap.take()
                 if arm == "mapped_refresh" and s.refresh > 1:  # the free drift signal, as the client measures it live
                     n = ids.shape[1]
-                    drifts.append(tail_drift(_slice(mapped, n - s.refresh, n - 1),
-                                             _slice(cache_layers(cache), n - s.refresh, n - 1),
+                    drifts.append(tail_drift(kv_slice(mapped, n - s.refresh, n - 1),
+                                             kv_slice(cache_layers(cache), n - s.refresh, n - 1),
                                              [q[:, : s.refresh - 1] for q in qtap.queries(range(n - s.refresh, n))]))
             for arm, sc in scores.items():
                 sc.add(logits["gold"], logits[arm], attn["gold"], attn[arm])

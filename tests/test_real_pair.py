@@ -15,6 +15,7 @@ import torch
 from kvferry import pretrained
 from kvferry.client.cascade import Cascade
 from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.importers import PagedKVPool
 from kvferry.client.rollout import MapRollout
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
@@ -72,17 +73,12 @@ def _sidecar_copy_accuracy(client, ms, source, target, ex, r: int, layout: str) 
 
 
 def _unpage(res, tokens: int):
-    """Paged blocks [block, kv_heads, head_dim] per layer back to [1, kv_heads, tokens, head_dim]."""
-    by_layer = {}
-    for b in res.blocks:
-        by_layer.setdefault(b.layer, []).append((b.index, b.key, b.value))
-    out = []
-    for layer in sorted(by_layer):
-        blocks = sorted(by_layer[layer], key=lambda x: x[0])
-        k = torch.cat([bk for _, bk, _ in blocks])[:tokens].permute(1, 0, 2)[None]
-        v = torch.cat([bv for _, _, bv in blocks])[:tokens].permute(1, 0, 2)[None]
-        out.append((k.float(), v.float()))
-    return out
+    """The paged answer imported the way an engine would: into a paged pool, then read back in token order."""
+    i = res.info
+    pool = PagedKVPool(i.layers, -(-tokens // i.block_size), i.block_size, i.kv_heads, i.head_dim, dtype=i.dtype)
+    table = pool.allocate(tokens)
+    pool.write(res.blocks, table)
+    return [(k.float(), v.float()) for k, v in pool.gather(table, tokens)]
 
 
 def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real, examples, sidecar_factory):

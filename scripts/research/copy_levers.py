@@ -23,17 +23,9 @@ import torch
 from kvferry import paths
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import capture_kv, load_model, read_corpus
+from kvferry.mappings.capture import capture_kv, kv_join, kv_slice, load_model, read_corpus
 from kvferry.mappings.capture import token_stream
 from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
-
-
-def _slice(kv, start, stop):
-    return [(k[:, :, start:stop], v[:, :, start:stop]) for k, v in kv]
-
-
-def _splice(head, tail):
-    return [(torch.cat([hk, tk], 2), torch.cat([hv, tv], 2)) for (hk, hv), (tk, tv) in zip(head, tail)]
 
 
 @torch.no_grad()
@@ -72,8 +64,8 @@ def main() -> None:
             mapped = apply(ms, capture_kv(source.model, torch.tensor([ex.prompt[:-1]])), 0)
             tag = ms.source.name
             for r in rs:
-                row[f"{tag}:refresh_{r}"] = continuation_accuracy(target.model, _slice(mapped, 0, n - r), ex.prompt[n - r:], ex.answer)
-            sinked = _splice(gold, _slice(mapped, a.sinks, n - 16))
+                row[f"{tag}:refresh_{r}"] = continuation_accuracy(target.model, kv_slice(mapped, 0, n - r), ex.prompt[n - r:], ex.answer)
+            sinked = kv_join(gold, kv_slice(mapped, a.sinks, n - 16))
             row[f"{tag}:sinks_{a.sinks}+refresh_16"] = continuation_accuracy(target.model, sinked, ex.prompt[n - 16:], ex.answer)
         for k, v in row.items():
             sums[(ex.gap, k)] = sums.get((ex.gap, k), 0.0) + v
