@@ -86,7 +86,8 @@ $(TOOLS_VENV)/.installed:
 	touch $@
 
 .PHONY: chart-check
-# helm lint + template for every example values file; kubernetes-validate and checkov on each rendering
+# helm lint + template for every example values file; every hostile values file must be refused with its
+# expected reason; kubernetes-validate and checkov on each rendering
 chart-check: $(HELM) $(TOOLS_VENV)/.installed
 	rm -rf .tools/rendered && mkdir -p .tools/rendered
 	$(HELM) lint --strict helm/kvferry
@@ -94,6 +95,11 @@ chart-check: $(HELM) $(TOOLS_VENV)/.installed
 	for f in helm/kvferry/ci/*-values.yaml; do \
 	  $(HELM) lint --strict helm/kvferry -f $$f && \
 	  $(HELM) template t helm/kvferry --kube-version 1.30.0 -f $$f > .tools/rendered/$$(basename $$f) || exit 1; \
+	done
+	for f in helm/kvferry/hostile/*.yaml; do \
+	  exp=$$(sed -n 's/^# expect: //p' $$f); \
+	  if out=$$($(HELM) template t helm/kvferry --kube-version 1.30.0 -f $$f 2>&1); then echo "$$f rendered: the chart must refuse it"; exit 1; fi; \
+	  echo "$$out" | grep -qF -- "$$exp" || { echo "$$f was refused without '$$exp':"; echo "$$out"; exit 1; }; \
 	done
 	for f in .tools/rendered/*.yaml; do $(TOOLS_VENV)/bin/kubernetes-validate --strict --quiet -k 1.30.0 $$f || exit 1; done
 	$(TOOLS_VENV)/bin/checkov -d .tools/rendered --framework kubernetes --skip-download --compact --quiet \

@@ -100,3 +100,35 @@ def test_metrics_network_rule_defaults_to_this_namespace():
                          "networkPolicy.metricsNamespaceSelector.matchLabels.name=monitoring"), "NetworkPolicy")
     rule = [r for r in scoped["spec"]["ingress"] if any(p["port"] == 9100 for p in r["ports"])][0]
     assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+
+
+HOSTILE = sorted((CHART / "hostile").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("values", HOSTILE, ids=lambda v: v.stem)
+def test_hostile_values_are_refused_with_the_fix(values):
+    """Each of these rendered silently before: a public LoadBalancer without auth or TLS, root or privileged
+    containers, no limits, http map URLs, a password in the ConfigMap, injected TOML/YAML/cp arguments, and a
+    maxMessageBytes the sidecar could not bind."""
+    expect = next(line[len("# expect: "):] for line in values.read_text().splitlines() if line.startswith("# expect: "))
+    r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "-f", str(values)],
+                       capture_output=True, text=True)
+    assert r.returncode != 0, f"{values.name} rendered"
+    assert expect in r.stderr, r.stderr
+
+
+def test_allow_insecure_renders_what_it_names():
+    docs = render(CHART / "hostile" / "http-maps.yaml", "allowInsecure=true")
+    init = _one(docs, "Deployment")["spec"]["template"]["spec"]["initContainers"][0]
+    assert "http://artifacts.example.internal/maps.tar.gz" in init["args"]
+
+
+def test_strings_reach_toml_and_args_as_single_values(tmp_path):
+    """Values with quotes and spaces that the schema allows arrive as one string each, never as new keys or args."""
+    docs = render(CHART / "ci" / "redis-values.yaml", "redis.url=rediss://user@redis-0.cache:6380/0?ssl_cert_reqs=required",
+                  "maps.image.path=/opt/kvferry/maps.v2")
+    toml_text = _one(docs, "ConfigMap")["data"]["kvferry.toml"]
+    cfg = tomllib.loads(toml_text)["sidecar"]
+    assert cfg["redis_url"] == "rediss://user@redis-0.cache:6380/0?ssl_cert_reqs=required"
+    init = _one(docs, "Deployment")["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"] == ["cp", "-R", "--", "/opt/kvferry/maps.v2/.", "/maps/"]

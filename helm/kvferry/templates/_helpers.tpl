@@ -61,7 +61,7 @@ together with the volumes from "kvferry.volumes".
 */}}
 {{- define "kvferry.sidecarContainer" -}}
 name: kvferry
-image: {{ include "kvferry.image" . }}
+image: {{ include "kvferry.image" . | toJson }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
 args: ["serve", "--config", "/etc/kvferry/kvferry.toml"]
 ports:
@@ -136,7 +136,7 @@ volumeMounts:
 - name: kvferry-maps
   {{- if eq .Values.maps.source "pvc" }}
   persistentVolumeClaim:
-    claimName: {{ default (printf "%s-maps" (include "kvferry.fullname" .)) .Values.maps.pvc.existingClaim }}
+    claimName: {{ default (printf "%s-maps" (include "kvferry.fullname" .)) .Values.maps.pvc.existingClaim | toJson }}
     readOnly: true
   {{- else }}
   emptyDir:
@@ -145,17 +145,17 @@ volumeMounts:
 {{- if .Values.tls.enabled }}
 - name: kvferry-tls
   secret:
-    secretName: {{ include "kvferry.tlsSecretName" . }}
+    secretName: {{ include "kvferry.tlsSecretName" . | toJson }}
 {{- end }}
 {{- if .Values.redis.url }}
 - name: kvferry-redis
   secret:
-    secretName: {{ include "kvferry.redisSecretName" . }}
+    secretName: {{ include "kvferry.redisSecretName" . | toJson }}
 {{- end }}
 {{- if .Values.auth.existingSecret }}
 - name: kvferry-auth
   secret:
-    secretName: {{ .Values.auth.existingSecret }}
+    secretName: {{ .Values.auth.existingSecret | toJson }}
 {{- end }}
 {{- end -}}
 
@@ -163,9 +163,9 @@ volumeMounts:
 {{- define "kvferry.mapsInit" -}}
 {{- if eq .Values.maps.source "image" }}
 - name: kvferry-maps
-  image: {{ printf "%s:%s" (default .Values.image.repository .Values.maps.image.repository) (default (default .Chart.AppVersion .Values.image.tag) .Values.maps.image.tag) }}
+  image: {{ printf "%s:%s" (default .Values.image.repository .Values.maps.image.repository) (default (default .Chart.AppVersion .Values.image.tag) .Values.maps.image.tag) | toJson }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  command: ["cp", "-R", "{{ .Values.maps.image.path }}/.", "/maps/"]
+  command: ["cp", "-R", "--", {{ printf "%s/." .Values.maps.image.path | toJson }}, "/maps/"]
   securityContext:
     {{- toYaml .Values.securityContext | nindent 4 }}
   resources:
@@ -176,9 +176,9 @@ volumeMounts:
       mountPath: /maps
 {{- else if eq .Values.maps.source "url" }}
 - name: kvferry-maps
-  image: {{ include "kvferry.image" . }}
+  image: {{ include "kvferry.image" . | toJson }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  args: ["fetch-maps", "--url", {{ .Values.maps.url.href | quote }}, "--dest", "/maps"]
+  args: ["fetch-maps", "--url", {{ .Values.maps.url.href | toJson }}, "--dest", "/maps"]
   securityContext:
     {{- toYaml .Values.securityContext | nindent 4 }}
   resources:
