@@ -16,6 +16,8 @@ from typing import Iterator
 
 import grpc
 import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from kvferry.mappings.capture import cache_layers
 from kvferry.v1 import translate_pb2 as pb
@@ -155,15 +157,30 @@ def _direct_result(hit) -> TranslateResult:
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+def retry_hint(err: grpc.RpcError) -> float | None:
+    """Seconds the server asks us to wait (google.rpc.RetryInfo in the status details), or None when it gave none."""
+    try:
+        rich = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
+    except ValueError:  # details whose code disagrees with the call's: not a hint we can trust
+        return None
+    for detail in rich.details if rich is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return info.retry_delay.ToNanoseconds() / 1e9
+    return None
+
+
 def _retryable(err: grpc.RpcError) -> bool:
     code = err.code() if hasattr(err, "code") else None
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # only the stream cap is transient, not a size limit
-        return "retry after" in (err.details() or "")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # only a server that says when to retry (the stream cap), not a size limit
+        return retry_hint(err) is not None
     return code in _RETRYABLE
 
 
-def _delay(opts: ClientOptions, attempt: int) -> float:
-    return opts.backoff * (2 ** attempt) * (0.5 + random.random())
+def _delay(opts: ClientOptions, attempt: int, err: grpc.RpcError) -> float:
+    """Exponential backoff with jitter, never shorter than the server's RetryInfo."""
+    return max(opts.backoff * (2 ** attempt) * (0.5 + random.random()), retry_hint(err) or 0.0)
 
 
 TRANSLATE_METHOD = "/kvferry.v1.TranslateService/Translate"
@@ -252,7 +269,7 @@ class TranslateClient:
                 if attempt >= self.options.retries or not _retryable(err):
                     raise
                 self.endpoints.fail_over()
-                time.sleep(_delay(self.options, attempt))
+                time.sleep(_delay(self.options, attempt, err))
         raise AssertionError("unreachable")
 
 
@@ -304,5 +321,5 @@ class AsyncTranslateClient:
                 if attempt >= self.options.retries or not _retryable(err):
                     raise
                 self.endpoints.fail_over()
-                await asyncio.sleep(_delay(self.options, attempt))
+                await asyncio.sleep(_delay(self.options, attempt, err))
         raise AssertionError("unreachable")

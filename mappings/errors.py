@@ -21,6 +21,14 @@ class TooLarge(KvferryError):
     """A request exceeds a configured limit (tokens, bytes, streams)."""
 
 
+class Overloaded(TooLarge):
+    """Too much in flight now (the stream cap); transient: retry after ``retry_after`` seconds, here or elsewhere."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ArtifactError(KvferryError):
     """A map artifact is corrupt, tampered with, or of an unknown format."""
 

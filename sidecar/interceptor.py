@@ -9,12 +9,18 @@ import logging
 import time
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from kvferry.mappings import errors as e
 
 from .auth import CALLER, PROTECTED_PREFIX
 
 log = logging.getLogger("kvferry.rpc")
+
+RETRY_AFTER_KEY = "kvferry-retry-after-ms"
+"""Plain trailing metadata beside google.rpc.RetryInfo, for clients without a rich-status parser."""
 
 STATUS = {
     e.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -37,6 +43,16 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         if cls in STATUS:
             return STATUS[cls]
     return grpc.StatusCode.INTERNAL
+
+
+def retry_details(code: grpc.StatusCode, msg: str, retry_after: float) -> tuple:
+    """Trailing metadata carrying google.rpc.Status with a RetryInfo detail (and the plain millisecond hint)."""
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(round(retry_after * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    rich = rpc_status.to_status(status_pb2.Status(code=code.value[0], message=msg, details=[detail]))
+    return (*rich.trailing_metadata, (RETRY_AFTER_KEY, str(round(retry_after * 1000))))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -78,7 +94,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         else:
             msg = str(exc)
         self._done(method, code, t0)
-        await context.abort(code, msg)
+        retry_after = getattr(exc, "retry_after", None)
+        if retry_after is None:
+            await context.abort(code, msg)
+        await context.abort(code, msg, trailing_metadata=retry_details(code, msg, retry_after))
 
     @contextlib.asynccontextmanager
     async def _guard(self, context, method: str, full_method: str):

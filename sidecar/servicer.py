@@ -9,14 +9,13 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from kvferry.client import wire
-from kvferry.mappings.errors import CallerGone, InvalidInput, TooLarge, Unavailable, Unsupported
+from kvferry.mappings.errors import CallerGone, InvalidInput, Overloaded, Unavailable, Unsupported
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from .auth import tenant_for
 from .pipeline import TranslateSession
 
-RETRY_AFTER_KEY = "kvferry-retry-after-ms"
 log = logging.getLogger("kvferry.sidecar")
 
 
@@ -91,9 +90,8 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         if self.draining:
             raise Unavailable("this sidecar is draining (shutting down); retry on another endpoint")
         if self.active >= self.max_streams:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, "100"),))
-            raise TooLarge(f"{self.active} translate streams in flight, the limit is {self.max_streams}; "
-                           "retry after a short backoff (see trailing metadata kvferry-retry-after-ms)")
+            raise Overloaded(f"{self.active} translate streams in flight, the limit is {self.max_streams}; "
+                             "retry after a short backoff (google.rpc.RetryInfo in the status details)", retry_after=0.1)
         self.active += 1
         self.metrics.streams.inc()
         loop = asyncio.get_running_loop()

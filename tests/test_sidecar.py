@@ -395,6 +395,55 @@ def test_stream_cap_and_byte_limit_are_resource_exhausted(sidecar_factory, maps_
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes" in msg
 
 
+def test_stream_cap_sends_retry_info_and_the_client_honours_it(sidecar_factory, maps_dir):
+    """The client used to retry an overloaded sidecar only when the message text said "retry after": the hint now
+    travels as google.rpc.RetryInfo (and kvferry-retry-after-ms), and the client waits at least that long."""
+    import threading
+    import time
+
+    from kvferry.client.client import retry_hint
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_streams=1)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=8))
+    release = threading.Event()
+
+    def held():
+        yield reqs[0]
+        release.wait(20)
+        yield from reqs[1:]
+
+    with grpc.insecure_channel(sc.address) as ch:
+        first = pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=30)
+        deadline = time.time() + 10
+        while sc.sidecar.servicer.active == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert retry_hint(e.value) == pytest.approx(0.1)
+        assert ("kvferry-retry-after-ms", "100") in tuple(e.value.trailing_metadata())
+        threading.Timer(0.5, release.set).start()
+        with TranslateClient(ClientOptions(target=sc.address, retries=8, backoff=0.001)) as c:
+            t0 = time.perf_counter()
+            result = c.translate(kv, "S__S-self")
+            waited = time.perf_counter() - t0
+        assert result.attempts > 1 and waited >= 0.1 * (result.attempts - 1)
+        assert [m.WhichOneof("msg") for m in first][-1] == "trailer"
+
+
+def test_size_limits_carry_no_retry_hint(sidecar_factory, maps_dir):
+    from kvferry.client.client import retry_hint
+
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_request_bytes=40000)
+    big = make_kv(layers=4, tokens=40, heads=2, head_dim=32)
+    with TranslateClient(ClientOptions(target=sc.address, retries=3)) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.translate(big, "S__S-self")
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_hint(e.value) is None
+
+
 def test_maps_are_warmed_on_the_compute_thread_before_readiness(sidecar_factory, maps_dir, monkeypatch):
     """The first request used to pay ~1.5 s of one-off set-up (and could miss a short --max-stream-seconds):
     each servable map now runs once on the compute thread before health reports SERVING."""
