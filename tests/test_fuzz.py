@@ -89,9 +89,44 @@ def near_valid(draw):
     return msgs
 
 
+# The shapes that found holes when the sidecar was attacked (issue 14): strings far past any identifier limit,
+# huge repeated fields under a tiny declared size, 1-token chunks, non-finite values.
+long_text = st.one_of(st.text(max_size=40), st.integers(200, 70_000).map(lambda n: "x" * n))
+
+
+@st.composite
+def hostile(draw):
+    msgs = _valid_stream(draw(st.integers(1, 16)), draw(st.integers(1, 4)), 1, 0)
+    h = msgs[0].header
+    what = draw(st.sampled_from(["name", "version", "tenant", "prefix_key", "token_ids", "shape", "nan"]))
+    if what in ("name", "version"):
+        setattr(h.map, what, draw(long_text))
+    elif what in ("tenant", "prefix_key"):
+        setattr(h, what, draw(long_text))
+    elif what == "token_ids":  # up to 300k ids behind num_tokens <= 16: must be refused before any work
+        del h.token_ids[:]
+        h.token_ids.extend(range(draw(st.sampled_from([17, 1000, 300_000]))))
+    elif what == "shape":
+        c = msgs[draw(st.integers(1, len(msgs) - 1))].chunk
+        c.tensor.shape.extend([1] * draw(st.sampled_from([1, 64, 100_000])))
+    else:
+        msgs[draw(st.integers(1, len(msgs) - 1))] = _poisoned(msgs, draw)
+    return msgs
+
+
+def _poisoned(msgs, draw):
+    m = pb.TranslateRequest()
+    m.CopyFrom(msgs[draw(st.integers(1, len(msgs) - 1))])
+    data = bytearray(m.chunk.tensor.data)  # float32 source: one value becomes NaN, +Inf or -Inf
+    at = 4 * draw(st.integers(0, len(data) // 4 - 1))
+    data[at: at + 4] = draw(st.sampled_from([b"\x00\x00\xc0\x7f", b"\x00\x00\x80\x7f", b"\x00\x00\x80\xff"]))
+    m.chunk.tensor.data = bytes(data)
+    return m
+
+
 streams = st.one_of(st.lists(chunk(), max_size=3),
                     st.tuples(header, st.lists(st.one_of(chunk(), header), max_size=8)).map(lambda t: [t[0], *t[1]]),
-                    near_valid())
+                    near_valid(), hostile())
 
 
 CASES = int(os.environ.get("KVFERRY_FUZZ_CASES", "300"))  # `make fuzz` runs 10,000
@@ -128,3 +163,20 @@ def test_any_stream_gets_an_answer_or_a_proper_status(fuzz_server, msgs):
         OUTCOMES[e.code().name] += 1
         assert e.code() in ALLOWED, (e.code(), e.details())
         assert e.details()  # every rejection says what was wrong
+
+
+@settings(max_examples=max(CASES // 10, 30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 32), st.sampled_from([1, 2]), st.data())
+def test_one_token_chunks_succeed_and_non_finite_values_are_refused(fuzz_server, tokens, layout, data):
+    """1-token chunks are legal (and linear since the fix); a single NaN or Inf anywhere is INVALID_ARGUMENT, never
+    mapped into an answer or a cache."""
+    sc, stub = fuzz_server
+    msgs = _valid_stream(tokens, 1, layout, 0)
+    out = list(stub.Translate(iter(msgs), timeout=30))
+    assert out[-1].WhichOneof("msg") == "trailer"
+    poisoned = list(msgs)
+    at = data.draw(st.integers(1, len(msgs) - 1))
+    poisoned[at] = _poisoned([msgs[at], msgs[at]], data.draw)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Translate(iter(poisoned), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "finite" in e.value.details(), e.value.details()
