@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import time
@@ -89,33 +88,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _fail(self, context, exc: BaseException, method: str, t0: float):
         code = status_for(exc)
         if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed unexpectedly", method)
+            log.error("%s failed unexpectedly", method, exc_info=exc)
             msg = f"internal error: {type(exc).__name__}: {exc}"
         else:
             msg = str(exc)
         self._done(method, code, t0)
         retry_after = getattr(exc, "retry_after", None)
+        exc.__traceback__ = None  # its frames hold the request messages, and the abort below chains this exception
         if retry_after is None:
             await context.abort(code, msg)
         await context.abort(code, msg, trailing_metadata=retry_details(code, msg, retry_after))
 
-    @contextlib.asynccontextmanager
-    async def _guard(self, context, method: str, full_method: str):
-        """Authenticate, run the body, count the outcome: a domain error becomes its status, anything else INTERNAL
-        (logged), a cancellation CANCELLED (no traceback)."""
-        t0 = time.perf_counter()
-        try:
-            self._authenticate(context, full_method)
-            yield
-        except grpc.aio.AbortError:
-            raise
-        except asyncio.CancelledError:  # the caller cancelled while we waited on it
-            self._done(method, grpc.StatusCode.CANCELLED, t0)
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure gets a status, none crashes the server
-            await self._fail(context, exc, method, t0)
-        else:
-            self._done(method, grpc.StatusCode.OK, t0)
+    def _guard(self, context, method: str, full_method: str) -> "_Guard":
+        return _Guard(self, context, method, full_method)
 
     def _unary(self, fn, method, full_method):
         async def wrapper(request, context):
@@ -127,8 +112,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _stream(self, fn, method, full_method):
         if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write() itself (Translate)
             async def writer(request_iterator, context):
+                # gRPC keeps the AbortError of a failed call, and its traceback keeps this frame: hold the request
+                # iterator (whose receiver keeps the last request message, up to max_message_bytes) only in the call.
+                requests = [request_iterator]
+                del request_iterator
                 async with self._guard(context, method, full_method):
-                    await fn(request_iterator, context)
+                    await fn(requests.pop(), context)
 
             return writer
 
@@ -138,3 +127,32 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     yield item
 
         return wrapper
+
+
+class _Guard:
+    """Authenticate, run the body, count the outcome: a domain error becomes its status, anything else INTERNAL
+    (logged), a cancellation CANCELLED (no traceback).
+
+    A class, not @asynccontextmanager: that one throws the exception back into its generator with the traceback
+    and keeps it on its frame, so the AbortError gRPC keeps after a failed call would hold every frame of the
+    handler, and with them the request messages (a header of millions of token_ids is tens of MB once parsed)."""
+
+    def __init__(self, owner: ErrorInterceptor, context, method: str, full_method: str):
+        self.owner, self.context, self.method, self.full_method = owner, context, method, full_method
+
+    async def __aenter__(self) -> None:
+        self.t0 = time.perf_counter()
+        try:
+            self.owner._authenticate(self.context, self.full_method)
+        except Exception as exc:  # noqa: BLE001 - an auth failure is a status like any other
+            await self.owner._fail(self.context, exc, self.method, self.t0)
+
+    async def __aexit__(self, typ, exc, tb) -> bool:
+        del tb
+        if exc is None:
+            self.owner._done(self.method, grpc.StatusCode.OK, self.t0)
+        elif isinstance(exc, asyncio.CancelledError):  # the caller cancelled while we waited on it
+            self.owner._done(self.method, grpc.StatusCode.CANCELLED, self.t0)
+        elif isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+            await self.owner._fail(self.context, exc, self.method, self.t0)  # raises AbortError with the status
+        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import weakref
@@ -97,22 +98,29 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_stream_seconds
         try:
-            async for out in self._translate(request_iterator, deadline):
-                # The deadline covers sending too: a caller that stops reading blocks this write (flow control)
-                # and must not hold its stream slot past max_stream_seconds.
-                try:
-                    await asyncio.wait_for(context.write(out), max(deadline - loop.time(), 0.001))
-                except asyncio.TimeoutError:
-                    raise TimeoutError("the caller did not read the response before the sidecar's max_stream_seconds "
-                                       "ran out") from None
-                except Exception:  # noqa: BLE001 - gRPC refuses writes into a call the caller has cancelled or left
-                    raise CallerGone("the caller cancelled or left the Translate stream; nothing more can be sent") from None
+            # aclosing: a stream that fails closes its generators at once, so their frames (which hold the request
+            # messages) do not outlive the call.
+            async with contextlib.aclosing(self._translate(request_iterator, deadline)) as outs:
+                async for out in outs:
+                    # The deadline covers sending too: a caller that stops reading blocks this write (flow control)
+                    # and must not hold its stream slot past max_stream_seconds.
+                    try:
+                        await asyncio.wait_for(context.write(out), max(deadline - loop.time(), 0.001))
+                    except asyncio.TimeoutError:
+                        raise TimeoutError("the caller did not read the response before the sidecar's max_stream_seconds "
+                                           "ran out") from None
+                    except Exception:  # noqa: BLE001 - gRPC refuses writes into a call the caller has cancelled or left
+                        raise CallerGone("the caller cancelled or left the Translate stream; nothing more can be sent") from None
         finally:
             self.active -= 1
             self.metrics.streams.dec()
 
     async def _translate(self, request_iterator, deadline: float):
-        requests = _before(request_iterator, deadline)
+        async with contextlib.aclosing(_before(request_iterator, deadline)) as requests:
+            async for out in self._translate_stream(requests):
+                yield out
+
+    async def _translate_stream(self, requests):
         first = await anext(requests, None)
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidInput("a Translate stream must open with a header message")
