@@ -30,6 +30,15 @@ class Limits:
             raise InvalidInput(f"max_message_bytes must be in [{2 * self.MESSAGE_OVERHEAD}, {2**31 - 1}] (gRPC's limit "
                                f"is a signed 32-bit size); got {self.max_message_bytes}")
 
+    # Header bytes beyond its token_ids (identifiers are at most 256 characters each, fingerprints, small fields).
+    HEADER_FIXED_BYTES = 64 << 10
+
+    @property
+    def max_header_bytes(self) -> int:
+        """Largest serialized header a request within max_tokens can need: ten bytes per token id (the widest
+        varint) plus the fixed fields. A bigger one is refused before it is parsed."""
+        return 10 * self.max_tokens + self.HEADER_FIXED_BYTES
+
     def tokens_per_message(self, bytes_per_token: int) -> int:
         """How many tokens of a block fit one response message (0: not even one)."""
         return (self.max_message_bytes - self.MESSAGE_OVERHEAD) // bytes_per_token
@@ -41,3 +50,36 @@ class Limits:
         if declared_bytes > self.max_request_bytes:
             raise TooLarge(f"request declares {declared_bytes} bytes of source KV; the limit is {self.max_request_bytes}. "
                            "Send fewer tokens per request or raise --max-request-bytes.")
+
+
+@dataclass(frozen=True)
+class OversizedHeader:
+    """What the request decoder yields in place of a header too large to be one this sidecar could accept: it is
+    refused (RESOURCE_EXHAUSTED) without ever being parsed (8M token_ids parse to hundreds of MB)."""
+
+    size: int
+    limit: int
+
+    def refuse(self) -> TooLarge:
+        return TooLarge(f"a {self.size}-byte header is larger than any request within --max-tokens needs "
+                        f"({self.limit} bytes); send one token id per token, or raise --max-tokens")
+
+
+HEADER_TAG = b"\x0a"  # TranslateRequest field 1 (header), length-delimited: the first byte a serializer writes
+
+
+def request_decoder(limits: Limits, parse):
+    """Translate's request deserializer: ``parse`` (TranslateRequest.FromString), except that a header over
+    ``limits.max_header_bytes`` becomes an OversizedHeader: unparsed when it leads with the header's tag (every
+    serializer's output), and dropped right after parsing when a crafted message hides it behind other fields."""
+    cap = limits.max_header_bytes
+
+    def decode(data: bytes):
+        if len(data) > cap and data[:1] == HEADER_TAG:
+            return OversizedHeader(len(data), cap)
+        msg = parse(data)
+        if len(data) > cap and msg.WhichOneof("msg") == "header":
+            return OversizedHeader(len(data), cap)
+        return msg
+
+    return decode

@@ -20,6 +20,7 @@ from kvferry.v1 import translate_pb2 as pb
 
 from .config import SidecarConfig
 from .interceptor import ErrorInterceptor
+from .limits import request_decoder
 from .metrics import Metrics
 from .registry import MapRegistry
 from .servicer import TranslateServicer
@@ -34,9 +35,11 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 def translate_handlers(servicer) -> grpc.GenericRpcHandler:
     """TranslateService's handlers, as the generated stub registers them, except that Translate's response
-    serializer passes pre-encoded blocks through (see wire.encode_block_response)."""
+    serializer passes pre-encoded blocks through (see wire.encode_block_response), and its request deserializer
+    refuses oversized headers unparsed (limits.request_decoder)."""
+    decode = request_decoder(servicer.limits, pb.TranslateRequest.FromString)
     return grpc.method_handlers_generic_handler(SERVICE, {
-        "Translate": grpc.stream_stream_rpc_method_handler(servicer.Translate, request_deserializer=pb.TranslateRequest.FromString,
+        "Translate": grpc.stream_stream_rpc_method_handler(servicer.Translate, request_deserializer=decode,
                                                            response_serializer=wire.serialize),
         "ListMappings": grpc.unary_unary_rpc_method_handler(servicer.ListMappings,
                                                             request_deserializer=pb.ListMappingsRequest.FromString,

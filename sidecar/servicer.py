@@ -15,6 +15,7 @@ from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from .auth import tenant_for
+from .limits import OversizedHeader
 from .pipeline import TranslateSession
 
 log = logging.getLogger("kvferry.sidecar")
@@ -48,11 +49,16 @@ async def _before(requests, deadline: float):
         if remaining <= 0:
             raise TimeoutError("the Translate stream ran past the sidecar's max_stream_seconds; send faster or split the prompt")
         try:
-            msg = await asyncio.wait_for(anext(it), remaining)
+            # asyncio.timeout, not wait_for: the read runs in the handler's own task (no task per message), so a
+            # caller's cancel reaches the handler as a cancellation more often than as a plain end of stream.
+            async with asyncio.timeout(remaining):
+                msg = await anext(it)
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError("no request message arrived before the sidecar's max_stream_seconds ran out") from None
+        if isinstance(msg, OversizedHeader):
+            raise msg.refuse()
         yield msg
 
 

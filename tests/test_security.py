@@ -241,3 +241,33 @@ def test_a_caller_that_stops_reading_loses_its_slot_at_the_deadline(sidecar_fact
         with pytest.raises(grpc.RpcError) as e:
             list(stalled)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "did not read" in e.value.details()
+
+
+def test_oversized_headers_are_refused_unparsed(sidecar_factory, maps_dir):
+    """One 32 MB header of 8M token_ids with num_tokens=1 cost ~600 MB of server memory before it was refused:
+    a header larger than any request within --max-tokens needs is now refused before it is parsed."""
+    from kvferry.sidecar.limits import Limits, OversizedHeader, request_decoder
+    from kvferry.v1 import translate_pb2 as pb
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    limits = Limits(max_tokens=1000)
+    n = 100_000
+    big = pb.TranslateRequest(header=pb.TranslateHeader(map=pb.MapRef(name="S__S-self", latest=True), num_tokens=n,
+                                                        token_ids=range(n), source_dtype=1)).SerializeToString()
+
+    def never(data):
+        raise AssertionError("the oversized header was parsed")
+
+    out = request_decoder(limits, never)(big)
+    assert isinstance(out, OversizedHeader) and out.size == len(big) > limits.max_header_bytes
+    # a crafted message that hides the header behind another field is parsed, then dropped
+    chunk_first = pb.TranslateRequest(chunk=pb.SourceChunk(layer=1)).SerializeToString()
+    assert isinstance(request_decoder(limits, pb.TranslateRequest.FromString)(chunk_first + big), OversizedHeader)
+    ok = pb.TranslateRequest(header=pb.TranslateHeader(num_tokens=1000, token_ids=[49151] * 1000)).SerializeToString()
+    assert request_decoder(limits, pb.TranslateRequest.FromString)(ok).header.num_tokens == 1000  # the widest legal one
+
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_tokens=1000)
+    with grpc.insecure_channel(sc.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.TranslateServiceStub(ch).Translate(iter([pb.TranslateRequest.FromString(big)]), timeout=30))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-tokens" in e.value.details()
