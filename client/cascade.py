@@ -22,6 +22,7 @@ import torch
 from prometheus_client import Counter
 
 from kvferry.mappings.capture import cache_layers
+from kvferry.mappings.versions import serving_version
 from kvferry.mappings.drift import Drift, QueryTap, tail_drift
 
 from .client import TranslateClient, TranslateResult
@@ -107,14 +108,12 @@ class Cascade:
 
     def _latest(self) -> str:
         listed = [m for m in self.client.list_mappings(self.map_name) if m.name == self.map_name]
-        servable = [m for m in listed if m.servable]
-        if not servable:
+        chosen = serving_version({m.version: m.servable for m in listed})
+        if chosen is None:
             code = "map_gated_or_incompatible" if listed else "map_not_found"
             raise _NoVersion(f"{code}: no servable version of {self.map_name} on the sidecar"
                              + "".join(f"; {m.version}: {m.gate_reason}" for m in listed))
-        from kvferry.mappings.artifact import version_key
-
-        return max((m.version for m in servable), key=version_key)
+        return chosen
 
     def _thresholds(self, version: str, rollout: MapRollout) -> Thresholds:
         key = (self.map_name, version)

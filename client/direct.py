@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.mappings.artifact import version_key
+from kvferry.mappings.versions import serving_version
 from kvferry.mappings.errors import Unavailable
 from kvferry.v1 import translate_pb2 as pb
 
@@ -71,8 +71,9 @@ class DirectReader:
     @staticmethod
     def resolve(maps: list[pb.MappingInfo], name: str, version: str) -> pb.MappingInfo | None:
         """The servable map the sidecar would use: the exact version, or the newest servable one; None if gated."""
-        servable = [m for m in maps if m.name == name and m.servable and (m.version == version or not version)]
-        return max(servable, key=lambda m: version_key(m.version)) if servable else None
+        mine = {m.version: m for m in maps if m.name == name}
+        chosen = serving_version({v: m.servable for v, m in mine.items()}, version)
+        return mine[chosen] if chosen else None
 
     def read(self, info: pb.MappingInfo, token_ids, prefix_key: str, tenant: str = "",
              dtype: torch.dtype | None = None) -> DirectHit | None:

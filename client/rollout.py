@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 import tomllib
@@ -29,6 +28,7 @@ from pathlib import Path
 from prometheus_client import Gauge
 
 from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.versions import is_version
 
 log = logging.getLogger("kvferry.rollout")
 
@@ -36,7 +36,6 @@ ENABLED = Gauge("kvferry_rollout_enabled", "1 when the map may take the mapped p
 CANARY = Gauge("kvferry_rollout_canary_percent", "Share of eligible requests sent down the mapped path", ["map"])
 AUTO_OFF = Gauge("kvferry_rollout_auto_disabled", "1 while live quality monitoring holds the map off (alert on this)", ["map"])
 
-_VERSION = re.compile(r"^(latest|\d+\.\d+\.\d+(-[0-9A-Za-z.-]+)?)$")
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class MapRollout:
             raise InvalidInput("refresh must be >= 1: the target computes at least the last prompt token")
         if self.min_tokens <= self.refresh:
             raise InvalidInput("min_tokens must exceed refresh")
-        if not _VERSION.match(self.version):
+        if self.version != "latest" and not is_version(self.version):
             raise InvalidInput(f"version {self.version!r}: use 'latest' or a semantic version such as 1.1.0")
         if self.window < 1 or not 1 <= self.min_samples <= self.window:
             raise InvalidInput("window must be >= 1 and min_samples within 1..window")

@@ -30,7 +30,7 @@ class RealModelUnavailable(RuntimeError):
 
 
 def _latest_artifact(name: str):
-    from kvferry.mappings.artifact import version_key
+    from kvferry.mappings.versions import version_key
 
     root = paths.maps_dir() / name
     versions = sorted((p.name for p in root.iterdir() if (p / "manifest.json").is_file()), key=version_key) if root.is_dir() else []

@@ -26,31 +26,19 @@ from safetensors.torch import save as st_save
 
 from .errors import ArtifactError, Incompatible
 from .geometry import ModelIdentity, check_pair, digest
+from .versions import check_version
 
 FORMAT = "kvferry.maps"
 FORMAT_VERSION = 1
 KINDS = ("k", "v")
 MAP_DTYPES = (torch.float32, torch.bfloat16)  # what maps are stored and applied in
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise ArtifactError(f"invalid map or model name {name!r}: use letters, digits, '.', '_' or '-' (no path separators)")
     return name
-
-
-def check_version(version: str) -> str:
-    if not isinstance(version, str) or not _SEMVER.match(version):
-        raise ArtifactError(f"invalid map version {version!r}: use a semantic version such as 1.0.0")
-    return version
-
-
-def version_key(version: str) -> tuple:
-    major, minor, patch = re.match(r"(\d+)\.(\d+)\.(\d+)", version).groups()
-    pre = version.partition("-")[2]
-    return (int(major), int(minor), int(patch), pre == "", pre)
 
 
 @dataclass

@@ -14,7 +14,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.mappings.artifact import MapSet, check_name, check_version, load, version_key
+from kvferry.mappings.artifact import MapSet, check_name, load
+from kvferry.mappings.versions import check_version, serving_version, version_key
 from kvferry.mappings.errors import GateFailed, KvferryError, NotFound
 from kvferry.mappings.gates import Gates
 
@@ -134,8 +135,8 @@ class MapRegistry:
             if not entry.servable:
                 raise GateFailed(f"map {name} {version} is gated off: {entry.reason}")
             return entry.maps
-        servable = [v for v, e in versions.items() if e.servable]
-        if not servable:
+        chosen = serving_version({v: e.servable for v, e in versions.items()})
+        if chosen is None:
             raise GateFailed(f"no version of map {name!r} passes the serving gates: "
                              + "; ".join(f"{v}: {e.reason}" for v, e in versions.items()))
-        return versions[max(servable, key=version_key)].maps
+        return versions[chosen].maps
