@@ -18,6 +18,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvferry kvferry
 COPY mappings mappings
+COPY common common
 COPY sidecar sidecar
 COPY client client
 COPY proto proto

@@ -23,9 +23,9 @@ from kvferry.mappings.capture import cache_layers
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-from . import wire
+from kvferry.common import wire
 from .importers import contiguous_layers
-from .messages import CONTIGUOUS, Block, Chunk, Stats, TargetInfo, TranslateSpec
+from kvferry.common.messages import CONTIGUOUS, Block, Chunk, Stats, TargetInfo, TranslateSpec
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 

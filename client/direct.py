@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.mappings.versions import serving_version
-from kvferry.mappings.errors import Unavailable
+from kvferry.common.errors import Unavailable
 from kvferry.v1 import translate_pb2 as pb
 
-from .messages import CONTIGUOUS, Block, Stats, TargetInfo
-from .prefix import LayerKV, map_id, map_namespaces, model_key
-from .prefix_cache import PrefixCache
+from kvferry.common.messages import CONTIGUOUS, Block, Stats, TargetInfo
+from kvferry.common.prefix import LayerKV, map_id, map_namespaces, model_key
+from kvferry.common.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)

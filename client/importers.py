@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvferry.mappings.capture import to_dynamic_cache  # noqa: F401  (the HF importer; one implementation)
-from kvferry.mappings.errors import InvalidInput, TooLarge
+from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import TooLarge
 
-from .messages import Block
+from kvferry.common.messages import Block
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 

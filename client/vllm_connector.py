@@ -32,7 +32,7 @@ from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.versions import serving_version
 
 from .connector_config import ConnectorConfig
-from .prefix import Namespace, block_hashes, model_key
+from kvferry.common.prefix import Namespace, block_hashes, model_key
 
 log = logging.getLogger("kvferry.vllm")
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -99,7 +99,7 @@ class KvferryConnector(KVConnectorBase_V1):
     # ---- shared helpers ------------------------------------------------------------------------
     def store(self):
         if self._store is None:
-            from .stores import RedisStore
+            from kvferry.common.stores import RedisStore
 
             self._store = RedisStore(self.cfg.redis_url)
         return self._store
@@ -302,7 +302,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 log.warning("kvferry: publishing %s failed: %s", req_id, e)
 
     def _publish(self, token_ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        from .prefix_cache import publish_source
+        from kvferry.common.prefix_cache import publish_source
 
         key = publish_source([(k[None], v[None]) for k, v in layers], token_ids, self._model_identity(), store=self.store(),
                              secret=self._secret, tenant=self.cfg.tenant, block_size=self.cfg.prefix_block_size)

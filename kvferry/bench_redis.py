@@ -67,9 +67,9 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.client.direct import DirectReader
-    from kvferry.client.prefix import map_id, map_namespaces, model_id
-    from kvferry.client.prefix_cache import PrefixCache, publish_source
-    from kvferry.client.stores import RedisStore
+    from kvferry.common.prefix import map_id, map_namespaces, model_id
+    from kvferry.common.prefix_cache import PrefixCache, publish_source
+    from kvferry.common.stores import RedisStore
     from kvferry.mappings.capture import capture_kv, load_model
     from kvferry.sidecar.registry import MapRegistry
 

@@ -13,8 +13,9 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.client.prefix import check_tenant
-from kvferry.mappings.errors import InvalidInput, PermissionDenied, Unauthenticated
+from kvferry.common.prefix import check_tenant
+from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import PermissionDenied, Unauthenticated
 
 PROTECTED_PREFIX = "/kvferry."  # every kvferry service; health and reflection stay open
 

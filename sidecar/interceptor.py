@@ -12,6 +12,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from kvferry.common import errors as service
 from kvferry.mappings import errors as e
 
 from .auth import CALLER, PROTECTED_PREFIX
@@ -22,17 +23,17 @@ RETRY_AFTER_KEY = "kvferry-retry-after-ms"
 """Plain trailing metadata beside google.rpc.RetryInfo, for clients without a rich-status parser."""
 
 STATUS = {
-    e.NotFound: grpc.StatusCode.NOT_FOUND,
+    service.NotFound: grpc.StatusCode.NOT_FOUND,
     e.Incompatible: grpc.StatusCode.FAILED_PRECONDITION,
     e.GateFailed: grpc.StatusCode.FAILED_PRECONDITION,
     e.InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    e.TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    e.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    e.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
+    service.TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    service.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    service.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
     e.ArtifactError: grpc.StatusCode.FAILED_PRECONDITION,
-    e.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    e.CallerGone: grpc.StatusCode.CANCELLED,
-    e.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    service.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    service.CallerGone: grpc.StatusCode.CANCELLED,
+    service.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvferry.mappings.errors import InvalidInput, TooLarge
+from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import TooLarge
 
 
 @dataclass(frozen=True)

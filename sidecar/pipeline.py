@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kvferry.client.messages import PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids
+from kvferry.common.messages import PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import Incompatible, InvalidInput

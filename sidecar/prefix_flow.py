@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.client.prefix import Namespace, map_id, map_namespaces, model_id
-from kvferry.client.prefix_cache import Lookup, PrefixCache
-from kvferry.client.stores import StoreUnavailable, open_store
+from kvferry.common.prefix import Namespace, map_id, map_namespaces, model_id
+from kvferry.common.prefix_cache import Lookup, PrefixCache
+from kvferry.common.stores import StoreUnavailable, open_store
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
-from kvferry.mappings.errors import InvalidInput, NotFound
+from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import NotFound
 
 from .pipeline import TranslateSession, target_dtype
 

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvferry.client import wire
+from kvferry.common import wire
 from kvferry.v1 import translate_pb2 as pb
 
 from .config import SidecarConfig

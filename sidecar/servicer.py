@@ -9,8 +9,9 @@ import logging
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from kvferry.client import wire
-from kvferry.mappings.errors import CallerGone, InvalidInput, Overloaded, Unavailable, Unsupported
+from kvferry.common import wire
+from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import CallerGone, Overloaded, Unavailable, Unsupported
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 

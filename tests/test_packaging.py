@@ -14,6 +14,6 @@ def test_wheel_maps_folders_to_kvferry_subpackages(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"kvferry", next(t for t in top if t.endswith(".dist-info"))}
-    for module in ("kvferry/mappings/fit.py", "kvferry/sidecar/server.py", "kvferry/client/client.py",
+    for module in ("kvferry/mappings/fit.py", "kvferry/common/wire.py", "kvferry/sidecar/server.py", "kvferry/client/client.py",
                    "kvferry/v1/translate_pb2.py", "kvferry/cli.py"):
         assert module in names

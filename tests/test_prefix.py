@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvferry.client.client import ClientOptions, TranslateClient
-from kvferry.client.prefix import CorruptBlock, Namespace, block_hashes, decode_block, encode_block
-from kvferry.client.prefix_cache import PrefixCache, publish_source
-from kvferry.client.stores import MemoryStore, RedisStore, StoreUnavailable
+from kvferry.common.prefix import CorruptBlock, Namespace, block_hashes, decode_block, encode_block
+from kvferry.common.prefix_cache import PrefixCache, publish_source
+from kvferry.common.stores import MemoryStore, RedisStore, StoreUnavailable
 from kvferry.mappings.artifact import save
 from kvferry.mappings.fit import identity_mapset
 
@@ -55,7 +55,7 @@ def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
     import json
     import zlib
 
-    from kvferry.client.prefix import MAGIC, MAGIC_V1
+    from kvferry.common.prefix import MAGIC, MAGIC_V1
 
     layers = [tuple(t[0] for t in kv) for kv in make_kv(layers=2, tokens=8, heads=2, head_dim=16)]
     h = b"\x01" * 32

@@ -11,7 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.mappings.artifact import save
-from kvferry.mappings.errors import InvalidInput, PermissionDenied, Unauthenticated
+from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import PermissionDenied, Unauthenticated
 from kvferry.mappings.fit import identity_mapset
 from kvferry.sidecar.auth import Authenticator
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
@@ -201,7 +202,7 @@ def test_non_finite_source_kv_is_refused(sidecar_factory, maps_dir, family, bad)
 
 
 def test_tenant_names_are_matched_whole():
-    from kvferry.client.prefix import check_tenant
+    from kvferry.common.prefix import check_tenant
 
     assert check_tenant("alice") == "alice"
     for bad in ("alice\n", "\nalice", "al ice", "a" * 65, ""):

@@ -132,8 +132,8 @@ def _raw(sidecar, requests):
 
 
 def test_stream_errors(sidecar):
-    from kvferry.client import wire
-    from kvferry.client.messages import Chunk
+    from kvferry.common import wire
+    from kvferry.common.messages import Chunk
 
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
     reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=4, order="layers"))

@@ -30,7 +30,7 @@ def _published_kv_is_the_models_own(model, redis_url, ids):
     import redis
     import torch
 
-    from kvferry.client.prefix import Namespace, block_hashes, decode_block, model_id
+    from kvferry.common.prefix import Namespace, block_hashes, decode_block, model_id
     from kvferry.mappings.capture import capture_kv
 
     g = model.identity.geometry

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.client import wire
-from kvferry.client.messages import Block, Chunk
+from kvferry.common import wire
+from kvferry.common.messages import Block, Chunk
 from kvferry.v1 import translate_pb2 as pb
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

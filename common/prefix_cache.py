@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.mappings.errors import InvalidInput, Unavailable
+from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import Unavailable
 
 from .prefix import CorruptBlock, LayerKV, Namespace, block_hashes, decode_block, encode_block, split_blocks
 
@@ -96,7 +97,7 @@ def publish_source(cache, token_ids, source_identity, *, store, secret: bytes, t
                    block_size: int = 256, ttl: float = 3600.0) -> str:
     """Publish a source server's cache (HF cache or list of (K, V)) so sidecars can translate it by key.
 
-    ``store`` is a RedisStore/MemoryStore (see kvferry.client.stores.open_store); ``secret`` and
+    ``store`` is a RedisStore/MemoryStore (see kvferry.common.stores.open_store); ``secret`` and
     ``block_size`` must match the sidecars' prefix_secret and prefix_block_size. Returns the prefix key.
     """
     from kvferry.mappings.capture import cache_layers

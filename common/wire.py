@@ -78,7 +78,7 @@ def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, e
 
 
 # ---- messages <-> protobuf -------------------------------------------------------------------
-from kvferry.client.messages import CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids  # noqa: E402
+from kvferry.common.messages import CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids  # noqa: E402
 
 _LAYOUT_TO_PB = {CONTIGUOUS: pb.LAYOUT_CONTIGUOUS, PAGED: pb.LAYOUT_PAGED}
 _LAYOUT_FROM_PB = {v: k for k, v in _LAYOUT_TO_PB.items()}

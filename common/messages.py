@@ -1,6 +1,6 @@
 """Plain, typed messages of a translation: what crosses the wire, without protobuf in sight.
 
-Client and sidecar both build and read these; :mod:`kvferry.client.wire` converts them to and
+Client and sidecar both build and read these; :mod:`kvferry.common.wire` converts them to and
 from the kvferry.v1 protobuf messages.
 """
 

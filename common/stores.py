@@ -11,7 +11,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from kvferry.mappings.errors import Unavailable
+from kvferry.common.errors import Unavailable
 
 
 class StoreUnavailable(Unavailable):
