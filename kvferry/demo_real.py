@@ -74,7 +74,7 @@ def _match(got: list[int], want: list[int]) -> str:
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvferry.cli import _quiet_transformers
+    from kvferry.quiet import quiet_transformers
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
@@ -87,7 +87,7 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig
 
-    _quiet_transformers()
+    quiet_transformers()
     t_start = time.perf_counter()
     print(f"== real pair: {TARGET} (SmolLM2-135M-Instruct, 30 layers) and depth-cut sources (its first {SOURCES} layers)", flush=True)
     try:

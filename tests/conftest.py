@@ -112,49 +112,17 @@ def sidecar_factory():
         sc.stop()
 
 
-class RedisServer:
-    """A real redis-server (Debian's package) on a free loopback port, in a temp dir."""
-
-    def __init__(self, tmp):
-        import socket
-
-        import redis
-
-        if shutil.which("redis-server") is None:
-            pytest.fail("redis-server is not installed: `apt-get install redis-server` (make test and .ci/run do it)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.dir = tmp
-        self.client = redis.Redis(port=self.port)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.restart()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def restart(self) -> None:
-        """Start the server (again, on the same port) and wait until it answers PING."""
-        import subprocess
-        import time
-
-        import redis
-
-        self.proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                if self.client.ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    """A real redis-server (the benches' harness: one helper for both) with a client beside it."""
+    import redis
+
+    from kvferry.bench.harness import RedisServer
+
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: `apt-get install redis-server` (make test and .ci/run do it)")
+    server = RedisServer(str(tmp_path_factory.mktemp("redis")))
+    server.client = redis.Redis(port=server.port)
     yield server
     server.stop()
 

@@ -18,7 +18,7 @@ from kvferry.mappings.capture import read_corpus, token_windows  # noqa: E402
 from kvferry.mappings.fit import identity_mapset  # noqa: E402
 from kvferry.sidecar.background import BackgroundSidecar  # noqa: E402
 from kvferry.sidecar.config import SidecarConfig  # noqa: E402
-from kvferry.vllm_driver import EngineProcess  # noqa: E402
+from kvferry.bench.vllm_driver import EngineProcess  # noqa: E402
 
 from conftest import DATA, MODELS, PASSING_COPY  # noqa: E402
 

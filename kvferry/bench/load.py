@@ -86,7 +86,7 @@ async def _drive(address: str, a: argparse.Namespace, ms, pid: int) -> dict:
 def run(a: argparse.Namespace) -> int:
     from kvferry.sidecar.registry import MapRegistry
 
-    from .bench_translate import ServerProcess
+    from .harness import ServerProcess
 
     registry = MapRegistry(a.maps_dir, force=True)
     registry.scan()

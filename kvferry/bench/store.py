@@ -11,18 +11,14 @@ port unless --redis-url is given):
   hit TTFT      hit path + import into T's cache + refresh of the last r tokens + first token;
   miss TTFT     the same, with the target blocks deleted first: the sidecar maps the stored source
                 blocks, writes the result back, and streams it.
-The sidecar runs in its own process (``kvferry.bench_server``), as in production.
+The sidecar runs in its own process (``kvferry.bench.server``), as in production.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import socket
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,39 +27,10 @@ import torch
 from kvferry import paths
 
 
-def _median(fn, reps: int) -> float:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
-def _start_redis() -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if not binary:
-        raise SystemExit("redis-server not found: apt-get install redis-server, or pass --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    for _ in range(100):
-        try:
-            if redis.Redis(port=port).ping():
-                break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
 def run(a: argparse.Namespace) -> int:
     import redis
 
-    from kvferry.cli import _quiet_transformers
+    from kvferry.quiet import quiet_transformers
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.client.direct import DirectReader
@@ -73,10 +40,11 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.mappings.capture import capture_kv, load_model
     from kvferry.sidecar.registry import MapRegistry
 
-    from .bench_translate import ServerProcess, _long_ids
+    from .harness import RedisServer, ServerProcess, long_ids, median_seconds
 
-    _quiet_transformers()
-    proc, url = (None, a.redis_url) if a.redis_url else _start_redis()
+    quiet_transformers()
+    redis_server = None if a.redis_url else RedisServer()
+    url = a.redis_url or redis_server.url
     secret, bs, r = b"bench-secret", a.block_size, a.refresh
     source, target = load_model(a.source), load_model(a.target)
     raw = redis.Redis.from_url(url)
@@ -90,7 +58,7 @@ def run(a: argparse.Namespace) -> int:
                 TranslateClient(ClientOptions(target=sc.address, timeout=300), direct=DirectReader(RedisStore(url), secret, bs)) as near:
             kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
             for n in a.sizes:
-                ids = _long_ids(target.tokenizer, n)
+                ids = long_ids(target.tokenizer, n)
                 prefix_ids = ids[0, : (n - r) // bs * bs].tolist()  # full blocks; the target refreshes the rest
                 with torch.no_grad():
                     src = capture_kv(source.model, ids[:, : len(prefix_ids)])
@@ -117,14 +85,14 @@ def run(a: argparse.Namespace) -> int:
                 translate()  # miss: maps and writes back
                 first = translate()
                 assert first.stats.cached_blocks == len(tgt_keys), "target blocks were not all cached"
-                t_hit = _median(translate, a.reps)
+                t_hit = median_seconds(translate, a.reps)
                 nbytes = sum(len(b) for b in raw.mget(tgt_keys))
                 sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
-                t_get = _median(lambda: raw.mget(tgt_keys), a.reps)
-                t_floor = _median(lambda: sc.replay(sizes), a.reps)
+                t_get = median_seconds(lambda: raw.mget(tgt_keys), a.reps)
+                t_floor = median_seconds(lambda: sc.replay(sizes), a.reps)
                 assert translate(near).stats.extra.get("path") == "direct", "the direct reader missed"
-                t_direct = _median(lambda: translate(near), a.reps)
-                t_hit_ttft = _median(ttft, a.reps)
+                t_direct = median_seconds(lambda: translate(near), a.reps)
+                t_hit_ttft = median_seconds(ttft, a.reps)
                 t_miss_ttft = statistics.median([miss_ttft() for _ in range(a.reps)])
                 out_bytes = first.stats.bytes_out
                 row = {"n": n, "cached_tokens": m, "blocks": len(tgt_keys), "redis_bytes": nbytes, "hit_ms": t_hit * 1e3,
@@ -137,8 +105,8 @@ def run(a: argparse.Namespace) -> int:
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     finally:
-        if proc:
-            proc.kill()
+        if redis_server:
+            redis_server.stop()
     print(f"\nmap {ms.name} {ms.version}; prefix blocks of {bs} tokens; r={r}; medians of {a.reps}\n")
     print("| n | cached tokens | hit path ms | raw GET ms | gRPC floor ms | direct hit ms | hit MiB/s | raw GET MiB/s "
           "| hit/GET | floor/GET | direct/GET | hit TTFT ms | miss TTFT ms |")

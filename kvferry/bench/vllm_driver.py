@@ -1,6 +1,6 @@
 """Run one vLLM engine (optionally with the kvferry connector) and serve batches over stdin/stdout.
 
-    python -m kvferry.vllm_driver --model models/T --role kv_consumer --extra '{"sidecar": …}'
+    python -m kvferry.bench.vllm_driver --model models/T --role kv_consumer --extra '{"sidecar": …}'
 
 Prints ``{"ready": true, "block_size": …}`` once the engine is up, then for each JSON line on stdin
 (``{"prompts": [[ids…], …], "max_tokens": 8}``) one JSON line with, per prompt, the generated token
@@ -25,7 +25,7 @@ class EngineProcess:
                  max_model_len: int = 8192, max_num_batched_tokens: int | None = None):
         import subprocess
 
-        cmd = [sys.executable, "-m", "kvferry.vllm_driver", "--model", str(model), "--role", role,
+        cmd = [sys.executable, "-m", "kvferry.bench.vllm_driver", "--model", str(model), "--role", role,
                "--extra", json.dumps(extra or {}), "--max-model-len", str(max_model_len)]
         if max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]

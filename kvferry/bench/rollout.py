@@ -34,7 +34,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvferry.cli import _quiet_transformers
+    from kvferry.quiet import quiet_transformers
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
@@ -43,7 +43,7 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig
 
-    _quiet_transformers()
+    quiet_transformers()
     source, target = load_model(a.source), load_model(a.target)
     name = f"{source.identity.name}__{target.identity.name}"
     base_dir = sorted((a.maps_dir / name).iterdir())[-1] if not a.version else a.maps_dir / name / a.version

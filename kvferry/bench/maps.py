@@ -26,12 +26,12 @@ VARIANTS = {
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvferry.cli import _quiet_transformers
+    from kvferry.quiet import quiet_transformers
     from kvferry.mappings.capture import load_model
     from kvferry.mappings.evaluate import EvalSettings, evaluate
     from kvferry.mappings.fit import FitSettings, fit_pair
 
-    _quiet_transformers()
+    quiet_transformers()
     source, target = load_model(a.source), load_model(a.target)
     rows = {}
     settings = EvalSettings(prompts=a.prompts, greedy_prompts=0, recall_prompts=a.recall_prompts, refresh=a.refresh)

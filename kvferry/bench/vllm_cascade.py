@@ -21,8 +21,7 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.mappings.capture import read_corpus
     from transformers import AutoTokenizer
 
-    from .bench_redis import _start_redis
-    from .bench_translate import ServerProcess
+    from .harness import RedisServer, ServerProcess
     from .vllm_driver import EngineProcess
 
     secret = "bench-vllm-secret"
@@ -32,7 +31,8 @@ def run(a: argparse.Namespace) -> int:
         ids += tok(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= max(a.sizes) + a.reps:
             break
-    redis_proc, url = _start_redis()
+    redis_server = RedisServer()
+    url = redis_server.url
     rows = []
     try:
         with ServerProcess(a.maps_dir, redis_url=url, prefix_secret=secret, prefix_block_size=a.prefix_block) as sc:
@@ -54,7 +54,7 @@ def run(a: argparse.Namespace) -> int:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     finally:
-        redis_proc.terminate()
+        redis_server.stop()
     hf = {}
     hf_json = Path(a.hf_json)
     if hf_json.exists():

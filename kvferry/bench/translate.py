@@ -7,90 +7,23 @@ Measured side by side in one run, per prompt length n, medians over ``--reps``:
       recomputes the last r tokens and produces the first token;
   (c) the map applied in-process (no transport);
   (d) a raw gRPC echo of the same request bytes (the transport's limit) on the same kind of server.
-The sidecar and the echo service run in their own process (``kvferry.bench_server``), as in production.
+The sidecar and the echo service run in their own process (``kvferry.bench.server``), as in production.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import struct
-import time
 from pathlib import Path
 
-import grpc
 import torch
 
 from kvferry import paths
 
 
-def _median(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-class ServerProcess:
-    """The sidecar (and an echo service) in a separate process, as in production: no shared GIL."""
-
-    def __init__(self, maps_dir, threads: int = 0, **extra):
-        import re
-        import subprocess
-        import sys
-
-        cmd = [sys.executable, "-m", "kvferry.bench_server", "--maps-dir", str(maps_dir), "--threads", str(threads)]
-        for k, v in extra.items():
-            cmd += [f"--{k.replace('_', '-')}", str(v)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        m = re.search(r"listening on ([\d.]+:\d+)", line)
-        if not m:
-            self.proc.kill()
-            raise RuntimeError(f"bench server did not start: {line!r}")
-        self.address = m.group(1)
-        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        self.channel = grpc.insecure_channel(self.address, opts)
-        from kvferry.bench_server import ECHO_METHOD, REPLAY_METHOD
-
-        self.echo = self.channel.stream_stream(ECHO_METHOD)
-        self.replay_call = self.channel.unary_stream(REPLAY_METHOD)
-
-    def roundtrip(self, payloads: list[bytes]) -> int:
-        return sum(len(r) for r in self.echo(iter(payloads), timeout=120))
-
-    def replay(self, sizes: list[int]) -> int:
-        """Receive messages of these sizes from the server process: the transport alone, one way."""
-        return sum(len(r) for r in self.replay_call(struct.pack(f"<{len(sizes)}I", *sizes), timeout=120))
-
-    def close(self) -> None:
-        self.channel.close()
-        self.proc.terminate()
-        self.proc.wait(30)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _long_ids(tokenizer, n: int) -> torch.Tensor:
-    from kvferry.mappings.capture import read_corpus
-
-    ids: list[int] = []
-    for text in read_corpus([paths.data_file("heldout.jsonl")]):
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= n:
-            break
-    return torch.tensor(ids[:n])[None]
-
-
 def run(a: argparse.Namespace) -> int:
-    from kvferry.cli import _quiet_transformers
+    from kvferry.quiet import quiet_transformers
+    from .harness import ServerProcess, long_ids, median_seconds
     from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.mappings.apply import apply
@@ -98,7 +31,7 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.mappings.capture import capture_kv, load_model
     from kvferry.sidecar.registry import MapRegistry
 
-    _quiet_transformers()
+    quiet_transformers()
     torch.set_num_threads(a.threads or torch.get_num_threads())
     source, target = load_model(a.source), load_model(a.target)
     name = f"{source.identity.name}__{target.identity.name}"
@@ -110,7 +43,7 @@ def run(a: argparse.Namespace) -> int:
     with ServerProcess(a.maps_dir, a.threads or 0) as echo:
         with TranslateClient(ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client:
             for n in a.sizes:
-                ids = _long_ids(target.tokenizer, n)
+                ids = long_ids(target.tokenizer, n)
                 with torch.no_grad():
                     src = capture_kv(source.model, ids[:, : n - r])
                 kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
@@ -138,13 +71,13 @@ def run(a: argparse.Namespace) -> int:
                 wire_src = src if wire == torch.float32 else [(k.to(wire), v.to(wire)) for k, v in src]
                 payloads = [m.SerializeToString() for m in encode_requests(make_spec(wire_src, ms.name, ms.version, **kw), wire_src, a.chunk_tokens)]
                 full(), translate_path(), in_process(), echo.roundtrip(payloads)  # warm-up
-                t_full = _median(full, a.reps)
-                t_path = _median(translate_path, a.reps)
-                t_apply = _median(in_process, a.reps)
-                t_echo = _median(lambda: echo.roundtrip(payloads), a.reps)
+                t_full = median_seconds(full, a.reps)
+                t_path = median_seconds(translate_path, a.reps)
+                t_apply = median_seconds(in_process, a.reps)
+                t_echo = median_seconds(lambda: echo.roundtrip(payloads), a.reps)
                 st = state["res"].stats
                 req_bytes = sum(len(p) for p in payloads)
-                t_rpc = _median(lambda: client.translate(wire_src, ms.name, ms.version, **kw), a.reps)
+                t_rpc = median_seconds(lambda: client.translate(wire_src, ms.name, ms.version, **kw), a.reps)
                 row = {
                     "n": n, "refresh": r, "full_prefill_ms": t_full * 1e3, "translate_path_ttft_ms": t_path * 1e3,
                     "speedup": t_full / t_path, "apply_in_process_ms": t_apply * 1e3, "translate_rpc_ms": t_rpc * 1e3,

@@ -1,7 +1,7 @@
 """A sidecar plus a raw-bytes echo service in one process, for benchmarks that must not share the
 client's interpreter (and GIL). Prints "listening on HOST:PORT" once serving.
 
-    python -m kvferry.bench_server --maps-dir maps [--redis-url …] [--prefix-secret …]
+    python -m kvferry.bench.server --maps-dir maps [--redis-url …] [--prefix-secret …]
 """
 
 from __future__ import annotations

@@ -1,0 +1,121 @@
+"""What the benches share: a sidecar in its own process, a real redis-server, timing, long held-out prompts."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import torch
+
+from kvferry import paths
+
+
+def median_seconds(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class ServerProcess:
+    """The sidecar (and an echo service) in a separate process, as in production: no shared GIL."""
+
+    def __init__(self, maps_dir, threads: int = 0, **extra):
+        cmd = [sys.executable, "-m", "kvferry.bench.server", "--maps-dir", str(maps_dir), "--threads", str(threads)]
+        for k, v in extra.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        m = re.search(r"listening on ([\d.]+:\d+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"bench server did not start: {line!r}")
+        self.address = m.group(1)
+        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self.channel = grpc.insecure_channel(self.address, opts)
+        from kvferry.bench.server import ECHO_METHOD, REPLAY_METHOD
+
+        self.echo = self.channel.stream_stream(ECHO_METHOD)
+        self.replay_call = self.channel.unary_stream(REPLAY_METHOD)
+
+    def roundtrip(self, payloads: list[bytes]) -> int:
+        return sum(len(r) for r in self.echo(iter(payloads), timeout=120))
+
+    def replay(self, sizes: list[int]) -> int:
+        """Receive messages of these sizes from the server process: the transport alone, one way."""
+        return sum(len(r) for r in self.replay_call(struct.pack(f"<{len(sizes)}I", *sizes), timeout=120))
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def long_ids(tokenizer, n: int) -> torch.Tensor:
+    from kvferry.mappings.capture import read_corpus
+
+    ids: list[int] = []
+    for text in read_corpus([paths.data_file("heldout.jsonl")]):
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= n:
+            break
+    return torch.tensor(ids[:n])[None]
+
+
+class RedisServer:
+    """A real redis-server (Debian's package) on a free loopback port, in a temp dir; ``restart`` reuses the port."""
+
+    def __init__(self, directory: str | None = None):
+        self.binary = shutil.which("redis-server")
+        if not self.binary:
+            raise RuntimeError("redis-server not found: apt-get install redis-server (or pass --redis-url)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir = directory or tempfile.mkdtemp()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the server (again, on the same port) and wait until it answers PING."""
+        import redis
+
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.dir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
