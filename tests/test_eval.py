@@ -25,7 +25,8 @@ def test_exact_map_scores_like_gold(family):
     for arm in ("mapped", "mapped_refresh", "mapped_sinks"):
         row = ev["arms"][arm]
         assert row["top1"] == 1.0 and row["top10"] == 1.0 and abs(row["kl"]) < 1e-4 and row["attn_cos"] > 0.9999
-        assert row["greedy_agree"] == 1.0 and row["recall"] == ev["arms"]["gold"]["recall"]
+        assert row["greedy_agree"] == 1.0  # (recall is not compared: the tiny family scores 0 on it, so 0 == 0 tests
+        # nothing; long-range use is checked by the copy probe on the real pair, tests/test_real_pair.py)
     assert all(l["rel_err"] < 1e-5 for l in ev["layers"])
     assert ev["arms"]["no_context"]["kl"] > ev["arms"]["mapped"]["kl"]
     table = format_table(ev)

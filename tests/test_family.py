@@ -42,8 +42,7 @@ def test_target_beats_source_on_heldout_perplexity(family):
 @pytest.mark.parametrize("pair", ["S__T", "S__T64"])
 def test_shipped_maps_verify_and_pass_their_gates(family, pair):
     (path,) = sorted((ROOT / "maps" / pair).iterdir())[-1:]
-    ms = load_for_serving(path, Gates(), expect_source=family["S"].identity, expect_target=family[pair.split("__")[1]].identity) \
-        if pair == "S__T" else load(path, family["S"].identity, family["T64"].identity)
+    ms = load_for_serving(path, Gates(), expect_source=family["S"].identity, expect_target=family[pair.split("__")[1]].identity)
     assert ms.evidence and "mapped_refresh" in ms.evidence["arms"]
     assert ms.calibration["corpus_sha256"] and ms.calibration["tokens"] > 0
 

@@ -63,5 +63,7 @@ def test_other_responses_and_non_canonical_blocks_go_through_protobuf():
     assert isinstance(got, pb.TranslateResponse)
     with pytest.raises(wire.InvalidInput, match="3 bytes"):
         wire.block_from_pb(got.block)
-    with pytest.raises(Exception):
+    from google.protobuf.message import DecodeError
+
+    with pytest.raises(DecodeError):
         wire.decode_response(b"\x12\xff\xff")  # truncated: protobuf refuses it too
