@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +89,9 @@ class PrefixService:
         self.metrics.prefix_writes.inc(n)
         return n
 
-    def from_store(self, spec, ms: MapSet, limits) -> tuple[TranslateSession, int]:
-        """A key-only request: stored target blocks, then stored source blocks mapped now and written back.
+    def from_store(self, spec, ms: MapSet, limits, compute: Executor) -> tuple[TranslateSession, int]:
+        """A key-only request: stored target blocks, then stored source blocks mapped now and written back. Runs on an
+        I/O thread; the mapping itself runs on ``compute`` (the sidecar's one compute thread).
 
         Returns a session whose initial_blocks() is the whole answer, and how many blocks were cached.
         Raises Unavailable when the store is down, NotFound when nothing is stored for the key.
@@ -118,7 +120,7 @@ class PrefixService:
             raise NotFound("no stored blocks for this prefix_key (expired, evicted, or never published)")
         layers = tgt.layers()
         if src.blocks:
-            mapped = [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, src.layers(), tgt.end_block * bs)]
+            mapped = compute.submit(_map_blocks, ms, src.layers(), tgt.end_block * bs, dtype).result()
             try:
                 self.metrics.prefix_writes.inc(self.cache.store_blocks(tgt_ns, tgt.hashes, mapped, tgt.end_block, covered,
                                                                        token_offset=tgt.end_block * bs))
@@ -127,3 +129,7 @@ class PrefixService:
             layers = mapped if not layers else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(layers, mapped)]
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
         return TranslateSession(spec2, ms, limits, cached=layers, expect_chunks=False), tgt.end_block
+
+
+def _map_blocks(ms: MapSet, layers, offset: int, dtype: torch.dtype):
+    return [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, offset)]

@@ -138,7 +138,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         if spec.prefix_key:
             if self.prefix is None:
                 raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
-            session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits)
+            session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
         else:
             if self.prefix is not None and spec.token_ids:
                 plan = await asyncio.to_thread(self.prefix.plan, spec, ms)

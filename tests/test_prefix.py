@@ -155,7 +155,17 @@ def _wait_for_writes(sc, n, timeout=10.0):
     raise AssertionError("mapped blocks were not written back")
 
 
-def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, family, redis_url):
+def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, family, redis_url, monkeypatch):
+    import kvferry.sidecar.prefix_flow as flow
+
+    threads = []
+
+    def watched(*args, **kw):  # the real apply(), noting where it ran: map compute belongs on the compute thread
+        threads.append(threading.current_thread().name)
+        return real_apply(*args, **kw)
+
+    real_apply = flow.apply
+    monkeypatch.setattr(flow, "apply", watched)
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
     kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=4)
     ids = list(range(7, 77))
@@ -164,6 +174,7 @@ def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, f
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         res = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
         assert res.info.num_tokens == 64 and res.stats.cached_blocks == 0  # 4 full blocks, mapped from Redis
+        assert threads and all(t.startswith("kvferry-compute") for t in threads), threads  # not the default executor
         for (k, v), (tk, tv) in zip(kv, res.layers()):
             torch.testing.assert_close(tk, k[:, :, :64], rtol=1e-5, atol=1e-5)
         again = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
