@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvferry.common import wire
 from kvferry.v1 import translate_pb2 as pb
@@ -45,6 +45,22 @@ def translate_handlers(servicer) -> grpc.GenericRpcHandler:
                                                             request_deserializer=pb.ListMappingsRequest.FromString,
                                                             response_serializer=pb.ListMappingsResponse.SerializeToString),
     })
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(services: tuple[str, ...], server) -> None:
+    """Server reflection as grpc.reflection.v1 (what grpcurl and current tools ask first) and v1alpha. grpcio-reflection
+    ships only v1alpha; v1's messages are the same fields under a new package, so one servicer answers both.
+    Reflection carries no comments: translate.proto is the contract's documentation."""
+    names = (*services, REFLECTION_V1, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    servicer = reflection.aio.ReflectionServicer(names)  # public: reflection's __all__ exports aio
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}),))
 
 
 def warm(ms, tokens: int = 32) -> None:
@@ -92,7 +108,7 @@ class Sidecar:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.extra_handlers:
             self.server.add_generic_rpc_handlers(self.extra_handlers)
-        reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME, health.SERVICE_NAME), self.server)
+        enable_reflection((SERVICE, health.SERVICE_NAME), self.server)
         address = f"{c.host}:{c.port}"
         if c.tls_cert:
             creds = grpc.ssl_server_credentials(

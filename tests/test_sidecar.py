@@ -274,13 +274,19 @@ def test_health_reflection_and_metrics(sidecar_factory, maps_dir, family):
     with grpc.insecure_channel(sc.address) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvferry.v1.TranslateService"))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2
 
-    with grpc.insecure_channel(sc.address) as ch:
-        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        (resp,) = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
-        names = {s.name for s in resp.list_services_response.service}
-    assert "kvferry.v1.TranslateService" in names and "grpc.health.v1.Health" in names
+    for version in ("v1alpha", "v1"):  # v1 is what grpcurl and current tools ask first; only v1alpha answered
+        with grpc.insecure_channel(sc.address) as ch:
+            call = ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            (resp,) = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+            names = {s.name for s in resp.list_services_response.service}
+            assert {"kvferry.v1.TranslateService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= names
+            (resp,) = list(call(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvferry.v1.TranslateService")]),
+                                timeout=10))
+            assert resp.file_descriptor_response.file_descriptor_proto, version
     s = family["S"]
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         c.translate(make_kv(layers=4, tokens=12, heads=2, head_dim=32), "S__S-self", **_spec_kw(s))
