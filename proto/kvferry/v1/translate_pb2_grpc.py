@@ -51,6 +51,7 @@ class TranslateServiceServicer:
 
     def Translate(self, request_iterator, context):
         """Stream a source cache in (header, then chunks); stream target blocks out (header, blocks, trailer).
+        Rules, sizes and status codes: the comment at the top of this file.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

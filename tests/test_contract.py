@@ -1,0 +1,64 @@
+"""The proto is the whole contract: a Node.js client built from translate.proto alone (tests/contract/translate.js,
+@grpc/grpc-js + @grpc/proto-loader, installed by `make test`) translates through a real sidecar with a real
+cross-model map (S -> T) and must get the Python client's answer byte for byte."""
+
+import base64
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.mappings.capture import capture_kv
+
+from conftest import ROOT
+
+NODE_MODULES = ROOT / ".tools" / "node-contract" / "node_modules"
+PROTO = ROOT / "proto" / "kvferry" / "v1" / "translate.proto"
+
+
+@pytest.fixture(scope="module")
+def s_to_t(tmp_path_factory):
+    root = tmp_path_factory.mktemp("contract-maps")
+    shutil.copytree(ROOT / "maps" / "S__T", root / "S__T")
+    return root
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().numpy().tobytes()).decode()
+
+
+def test_a_node_client_from_the_proto_gets_the_python_answer(sidecar_factory, s_to_t, family, tmp_path):
+    node = shutil.which("node")
+    assert node, "node is not installed (make test needs node and npm for the contract test)"
+    assert (NODE_MODULES / "@grpc" / "grpc-js").is_dir(), "run `make test` (it installs @grpc/grpc-js into .tools/node-contract)"
+    s = family["S"]
+    ids = torch.arange(5, 5 + 37)[None]
+    kv = capture_kv(s.model, ids)
+    sc = sidecar_factory(maps_dir=str(s_to_t))
+    fingerprints = dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=16)) as c:
+        py = c.translate(kv, "S__T", "1.0.0", **fingerprints)
+    g = s.identity.geometry
+    header = {"map": {"name": "S__T", "version": "1.0.0"}, "source_geometry_fingerprint": fingerprints["source_geometry"],
+              "tokenizer_fingerprint": fingerprints["tokenizer"], "num_tokens": 37, "source_dtype": "DTYPE_FLOAT32",
+              "layout": "LAYOUT_CONTIGUOUS"}
+    request = {"header": header, "chunk_tokens": 16,  # the same ranges as the Python client: the same arithmetic
+               "tokens": 37, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
+               "layers": [{"k": _b64(k[0]), "v": _b64(v[0])} for k, v in kv]}
+    (tmp_path / "in.json").write_text(json.dumps(request))
+    r = subprocess.run([node, str(ROOT / "tests" / "contract" / "translate.js"), sc.address, str(PROTO), str(tmp_path / "in.json"),
+                        str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120,
+                       env={"NODE_PATH": str(NODE_MODULES), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert "code" not in out, out
+    assert out["header"]["map_version"] == "1.0.0" and out["header"]["target"]["layers"] == len(py.layers())
+    assert int(out["trailer"]["tokens"]) == 37 and out["trailer"]["blocks"] > len(py.layers())  # several blocks a layer
+    for (k, v), got in zip(py.layers(), out["layers"]):
+        assert base64.b64decode(got["k"]) == k[0].contiguous().numpy().tobytes()
+        assert base64.b64decode(got["v"]) == v[0].contiguous().numpy().tobytes()
+    assert py.layers()[0][0].shape[1] != kv[0][0].shape[1] or len(py.layers()) != len(kv)  # a real S -> T shape change
