@@ -24,7 +24,7 @@ COPY client client
 COPY proto proto
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir $TORCH_INDEX "$TORCH_SPEC" \
- && /opt/venv/bin/pip install --no-cache-dir '.[fast]'
+ && /opt/venv/bin/pip install --no-cache-dir '.[server,fast]'
 
 FROM base-${VARIANT}
 COPY --from=build /opt/venv /opt/venv

