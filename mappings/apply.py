@@ -18,23 +18,11 @@ from .features import from_features, to_features
 
 
 def fused_groups(ms: MapSet) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
-    """Maps that read the same source features, with their weights side by side (cached on the MapSet).
+    """Maps that read the same source features, with their weights side by side (MapSet.fused_groups owns the cache).
 
     With k = all source layers every map reads the same input, so one matmul serves all of them.
     """
-    cache = getattr(ms, "_fused", None)
-    if cache is not None:
-        return cache
-    groups: dict[tuple, list[tuple[int, str]]] = {}
-    for key, m in sorted(ms.maps.items()):
-        groups.setdefault((m.source_layers, m.inputs), []).append(key)
-    out = []
-    for (sources, inputs), keys in groups.items():
-        w = torch.cat([ms.maps[k].weight for k in keys], dim=1)
-        b = torch.cat([ms.maps[k].bias for k in keys])
-        out.append(((sources, inputs), keys, w, b))
-    ms._fused = out
-    return out
+    return ms.fused_groups()
 
 
 def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.Tensor, dim: int) -> None:

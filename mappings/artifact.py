@@ -96,6 +96,17 @@ class MapSet:
         self._fused = None
         return self
 
+    def fused_groups(self) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
+        """Maps grouped by the source features they read, weights and biases concatenated per group: built once per
+        MapSet (and again after ``to()``), so apply runs one matmul per group. Lives and dies with the MapSet."""
+        if self._fused is None:
+            groups: dict[tuple, list[tuple[int, str]]] = {}
+            for key, m in sorted(self.maps.items()):
+                groups.setdefault((m.source_layers, m.inputs), []).append(key)
+            self._fused = [((sources, inputs), keys, torch.cat([self.maps[k].weight for k in keys], dim=1),
+                            torch.cat([self.maps[k].bias for k in keys])) for (sources, inputs), keys in groups.items()]
+        return self._fused
+
     def validate(self) -> None:
         check_name(self.source.name), check_name(self.target.name), check_version(self.version)
         check_pair(self.source, self.target)

@@ -8,6 +8,8 @@ positions. Frequencies come from transformers' own RoPE initialisers, so every s
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -60,25 +62,25 @@ def _config_for(spec: RopeSpec):
     return cfg
 
 
-_CACHE: dict[RopeSpec, tuple[torch.Tensor, float]] = {}
-
-
 def inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim/2], attention scaling) for a spec, cached."""
+    """(inverse frequencies [head_dim/2], attention scaling) for a spec, cached (a few hundred bytes per spec)."""
     spec.check_supported()
-    if spec not in _CACHE:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    return _inv_freq(spec)
 
-        cfg = _config_for(spec)
-        if spec.rope_type == "default":
-            freqs = 1.0 / (spec.theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float) / spec.head_dim))
-            scale = 1.0
-        else:
-            freqs, scale = ROPE_INIT_FUNCTIONS[spec.rope_type](cfg, "cpu")
-        if freqs.numel() * 2 != spec.head_dim:
-            raise Incompatible("partial rotary embeddings are not supported: rotary dim != head_dim")
-        _CACHE[spec] = (freqs.float(), float(scale))
-    return _CACHE[spec]
+
+@functools.lru_cache(maxsize=64)  # bounded: one entry per RoPE geometry served
+def _inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = _config_for(spec)
+    if spec.rope_type == "default":
+        freqs = 1.0 / (spec.theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float) / spec.head_dim))
+        scale = 1.0
+    else:
+        freqs, scale = ROPE_INIT_FUNCTIONS[spec.rope_type](cfg, "cpu")
+    if freqs.numel() * 2 != spec.head_dim:
+        raise Incompatible("partial rotary embeddings are not supported: rotary dim != head_dim")
+    return freqs.float(), float(scale)
 
 
 def cos_sin(spec: RopeSpec, positions: torch.Tensor | range, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,6 @@ class PrefixService:
         self.cache = PrefixCache(self.store, secret, config.prefix_block_size, config.prefix_ttl_seconds,
                                  config.prefix_max_blob_bytes)
         self.metrics = metrics
-        self.shared = bool(config.redis_url)
         self.write_streamed = config.prefix_write_back  # may a caller's streamed KV become stored answers?
 
     @staticmethod
