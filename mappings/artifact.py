@@ -75,6 +75,7 @@ class MapSet:
     created_at: str = ""
     kvferry_version: str = ""
     content_sha256: str = ""
+    _fused: list | None = field(default=None, init=False, repr=False, compare=False)  # see fused_groups()
 
     @property
     def name(self) -> str:
