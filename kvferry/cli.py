@@ -139,6 +139,23 @@ def cmd_models(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(a: argparse.Namespace) -> int:
+    """A map artifact's provenance, per-layer held-out R² (from its fit) and gate verdict, read from the manifest."""
+    from kvferry.mappings.artifact import load
+    from kvferry.mappings.gates import Gates
+
+    ms = load(a.artifact)
+    tl = ms.target.geometry.layers
+    print(f"{ms.name} {ms.version}: {ms.source.name} ({ms.source.geometry.layers} layers) -> {ms.target.name} ({tl} layers), "
+          f"{str(ms.dtype).removeprefix('torch.')}, fitted on {ms.calibration.get('tokens', '?')} tokens")
+    for kind in ("k", "v"):
+        r2 = [ms.maps[(t, kind)].heldout_r2 for t in range(tl)]
+        print(f"held-out R² of {kind.upper()} by target layer: " + ", ".join(f"{x:.2f}" for x in r2))
+    problems = Gates().failures(ms.evidence)
+    print("serving gates (defaults): " + ("pass" if not problems else "fail: " + "; ".join(problems)))
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from kvferry import demo
 
@@ -213,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     from kvferry.sidecar.config import add_arguments
+
+    ins = sub.add_parser("inspect", help="a map artifact's provenance, per-layer held-out R² and gate verdict")
+    ins.add_argument("artifact", type=Path, help="maps/<source>__<target>/<version>")
+    ins.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("serve", help="run the gRPC translation sidecar")
     add_arguments(s)
