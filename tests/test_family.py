@@ -51,3 +51,19 @@ def test_corpus_manifest_records_source_license_and_digests():
     man = json.loads((DATA / "corpus.json").read_text())
     assert "PSF" in man["license"] and set(man["splits"]) == {"train", "calib", "heldout"}
     assert all(len(s["sha256"]) == 64 for s in man["splits"].values())
+
+
+def test_inspect_prints_the_manifest_r2_and_the_gate_verdict():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvferry", "inspect", str(ROOT / "maps" / "S__T" / "1.1.0")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((ROOT / "maps" / "S__T" / "1.1.0" / "manifest.json").read_text())
+    k = [m["heldout_r2"] for m in sorted(manifest["maps"], key=lambda m: m["target_layer"]) if m["kind"] == "k"]
+    assert "held-out R² of K by target layer: " + ", ".join(f"{x:.2f}" for x in k) in r.stdout
+    assert "serving gates (defaults): pass" in r.stdout
+    gated = subprocess.run([sys.executable, "-m", "kvferry", "inspect", str(ROOT / "maps" / "smollm2-135m-l10__smollm2-135m" / "0.1.0")],
+                           capture_output=True, text=True, timeout=120)
+    assert gated.returncode == 0 and "serving gates (defaults): fail: " in gated.stdout and "long-range copy" in gated.stdout
