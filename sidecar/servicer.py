@@ -1,4 +1,5 @@
-"""The gRPC servicer: adapts kvferry.v1 messages to the pipeline and registry; no logic of its own."""
+"""The gRPC servicer: adapts kvferry.v1 messages to the translation flow (flow.py) and the registry; stream slots,
+deadlines and sending are its only concerns."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvferry.common import wire
 from kvferry.mappings.errors import InvalidInput
-from kvferry.common.errors import CallerGone, Overloaded, Unavailable, Unsupported
+from kvferry.common.errors import CallerGone, Overloaded, Unavailable
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from .auth import tenant_for
+from .flow import TranslateFlow
 from .limits import OversizedHeader
-from .pipeline import TranslateSession
 
 log = logging.getLogger("kvferry.sidecar")
 
@@ -63,33 +64,20 @@ async def _before(requests, deadline: float):
         yield msg
 
 
-def _add_and_encode(session: TranslateSession, chunk) -> list[bytes]:
-    """Map what the chunk completes and serialise it, on the compute thread (the event loop keeps receiving)."""
-    return [wire.encode_block_response(b) for b in session.add(chunk)]
-
-
 class TranslateServicer(pb_grpc.TranslateServiceServicer):
     def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None,
                  max_stream_seconds: float = 300.0):
         self.registry, self.limits, self.metrics = registry, limits, metrics
         self.max_stream_seconds = max_stream_seconds
         self.prefix = prefix  # PrefixService or None
-        self._background: set[asyncio.Task] = set()
         self.max_streams, self.gate_arm = max_streams, gate_arm
         self.active = 0
         self.draining = False
-        self.sessions: weakref.WeakSet = weakref.WeakSet()  # live request state, for memory accounting
+        self.sessions: weakref.WeakSet = weakref.WeakSet()  # live request state (tests check none outlives its call)
         # One compute thread: torch's intra-op (OpenMP) pool belongs to the thread that enters it, so spreading
         # map work over the default executor's threads would start one spinning pool per thread and oversubscribe.
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-compute")
-
-    def _write_back_done(self, task: asyncio.Task) -> None:
-        """A write-back that failed in a way the prefix service did not expect is counted and logged once, here:
-        never an unretrieved task exception, never the caller's problem (its answer was already sent)."""
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.metrics.prefix_store_errors.inc()
-            log.error("prefix write-back failed: %s: %s", type(task.exception()).__name__, str(task.exception())[:200])
+        self.flow = TranslateFlow(registry, limits, metrics, prefix, self.compute)
 
     async def ListMappings(self, request, context):
         return pb.ListMappingsResponse(mappings=[mapping_info(e, self.gate_arm) for e in self.registry.entries(request.name_prefix)])
@@ -132,22 +120,10 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidInput("a Translate stream must open with a header message")
         spec = dataclasses.replace(wire.spec_from_pb(first.header), tenant=tenant_for(first.header.tenant))
-        ms = self.registry.resolve(spec.map_name, spec.map_version)
-        self.limits.check(spec.num_tokens, 0)  # before the prefix store hashes, reads, maps or writes anything
-        plan, cached_blocks = None, 0
-        if spec.prefix_key:
-            if self.prefix is None:
-                raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
-            session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
-        else:
-            if self.prefix is not None and spec.token_ids:
-                plan = await asyncio.to_thread(self.prefix.plan, spec, ms)
-            cached = plan.lookup.layers() if plan and plan.lookup.blocks else None
-            cached_blocks = len(plan.lookup.blocks) if plan else 0
-            write_back = plan is not None and self.prefix.write_streamed
-            session = TranslateSession(spec, ms, self.limits, cached, keep_output=write_back)
+        opened = await self.flow.open(spec)
+        session = opened.session
         self.sessions.add(session)
-        g = ms.target.geometry
+        g = opened.ms.target.geometry
         yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
         for block in session.initial_blocks():
             yield wire.encode_block_response(block)
@@ -158,19 +134,8 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
             kind = wire.KIND_FROM_PB.get(c.kind)
             if kind is None:
                 raise InvalidInput(f"chunk for layer {c.layer}: kind must be KV_KIND_KEY or KV_KIND_VALUE")
-            session.check_chunk_header(c.layer, kind, c.token_start, c.token_end)
+            session.check_chunk_header(c.layer, kind, c.token_start, c.token_end)  # before the bytes are decoded
             chunk = wire.chunk_from_pb(c, session.expected_shape(c.token_end - c.token_start), spec.source_dtype)
-            for encoded in await asyncio.get_running_loop().run_in_executor(self.compute, _add_and_encode, session, chunk):
+            for encoded in await self.flow.add(opened, chunk, wire.encode_block_response):
                 yield encoded
-        stats = session.finish()
-        stats.cached_blocks = cached_blocks
-        if plan is not None and self.prefix.write_streamed and session.outputs:
-            task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, plan, session.output_layers()))
-            self._background.add(task)  # off the critical path; keep a reference until it finishes
-            task.add_done_callback(self._write_back_done)
-        label = f"{ms.name}@{ms.version}"
-        self.metrics.tokens.labels(label).inc(stats.tokens)
-        self.metrics.bytes_in.labels(label).inc(stats.bytes_in)
-        self.metrics.bytes_out.labels(label).inc(stats.bytes_out)
-        self.metrics.compute.labels(label).observe(stats.compute_seconds)
-        yield wire.stats_to_pb(stats)
+        yield wire.stats_to_pb(self.flow.finish(opened))

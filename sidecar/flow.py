@@ -1,0 +1,83 @@
+"""One Translate call's work, with no gRPC in it: open a session from the header (map, limits, the prefix store's
+part), feed it chunks on the compute thread, finish it (stats, metrics, write-back). The servicer only adapts
+messages to these calls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from kvferry.common.errors import Unsupported
+from kvferry.common.messages import Block, Chunk, Stats, TranslateSpec
+from kvferry.mappings.artifact import MapSet
+
+from .limits import Limits
+from .pipeline import TranslateSession
+
+log = logging.getLogger("kvferry.sidecar")
+
+
+@dataclass
+class Opened:
+    """A started translation: its session, the map it uses, and what the prefix store already held."""
+
+    session: TranslateSession
+    ms: MapSet
+    plan: object | None  # prefix_flow.Plan: where newly mapped blocks would be written back
+    cached_blocks: int
+
+
+class TranslateFlow:
+    """The sidecar's translation logic. ``compute`` is the one thread all map compute runs on."""
+
+    def __init__(self, registry, limits: Limits, metrics, prefix, compute: Executor):
+        self.registry, self.limits, self.metrics, self.prefix, self.compute = registry, limits, metrics, prefix, compute
+        self._background: set[asyncio.Task] = set()
+
+    async def open(self, spec: TranslateSpec) -> Opened:
+        ms = self.registry.resolve(spec.map_name, spec.map_version)
+        self.limits.check(spec.num_tokens, 0)  # before the prefix store hashes, reads, maps or writes anything
+        if spec.prefix_key:
+            if self.prefix is None:
+                raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
+            session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
+            return Opened(session, ms, None, cached_blocks)
+        plan = await asyncio.to_thread(self.prefix.plan, spec, ms) if self.prefix is not None and spec.token_ids else None
+        cached = plan.lookup.layers() if plan and plan.lookup.blocks else None
+        write_back = plan is not None and self.prefix.write_streamed
+        session = TranslateSession(spec, ms, self.limits, cached, keep_output=write_back)
+        return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0)
+
+    async def add(self, opened: Opened, chunk: Chunk, encode) -> list:
+        """Map what ``chunk`` completes on the compute thread, and ``encode`` each block there too."""
+        return await asyncio.get_running_loop().run_in_executor(self.compute, _add, opened.session, chunk, encode)
+
+    def finish(self, opened: Opened) -> Stats:
+        """End of the request stream: the stats, the metrics, and (off the critical path) the write-back."""
+        stats = opened.session.finish()
+        stats.cached_blocks = opened.cached_blocks
+        if opened.plan is not None and opened.session.outputs:
+            task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, opened.plan, opened.session.output_layers()))
+            self._background.add(task)  # keep a reference until it finishes
+            task.add_done_callback(self._write_back_done)
+        label = f"{opened.ms.name}@{opened.ms.version}"
+        self.metrics.tokens.labels(label).inc(stats.tokens)
+        self.metrics.bytes_in.labels(label).inc(stats.bytes_in)
+        self.metrics.bytes_out.labels(label).inc(stats.bytes_out)
+        self.metrics.compute.labels(label).observe(stats.compute_seconds)
+        return stats
+
+    def _write_back_done(self, task: asyncio.Task) -> None:
+        """A write-back that failed in a way the prefix service did not expect is counted and logged once, here:
+        never an unretrieved task exception, never the caller's problem (its answer was already sent)."""
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.metrics.prefix_store_errors.inc()
+            log.error("prefix write-back failed: %s: %s", type(task.exception()).__name__, str(task.exception())[:200])
+
+
+def _add(session: TranslateSession, chunk: Chunk, encode) -> list:
+    blocks: list[Block] = session.add(chunk)
+    return [encode(b) for b in blocks]
