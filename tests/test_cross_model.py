@@ -72,6 +72,8 @@ def test_streamed_contiguous_and_paged_equal_apply(sidecar_factory, maps_dir, so
     table = pool.allocate(len(ids))
     pool.write(paged.blocks, table)
     _same(pool.gather(table, len(ids)), want)
+    pool.free(table)  # the table's blocks go back to the pool for the next request
+    assert sorted(pool.allocate(len(ids))) == sorted(table)
 
 
 @pytest.mark.parametrize("pair", PAIRS)

@@ -217,3 +217,10 @@ def test_a_map_for_another_target_model_is_never_used(sidecar_factory, maps_dir,
         cascade = Cascade(t.model, c, "S__S-self", MapRollout(version="1.0.0", refresh=8, min_tokens=32), family["S"].identity)
         res = cascade.generate(prompts[0], capture_kv(family["S"].model, prompts[0]), max_new_tokens=2)
     assert res.path == "fallback" and res.reason.startswith("map_incompatible")
+
+
+def test_set_policy_replaces_the_policy_in_process():
+    store = PolicyStore(RolloutPolicy(maps={"S__T": MapRollout(version="1.0.0")}))
+    assert store.get("S__T").version == "1.0.0"
+    store.set_policy(RolloutPolicy(maps={"S__T": MapRollout(version="1.1.0", canary_percent=25)}))
+    assert store.get("S__T").version == "1.1.0" and store.get("S__T").canary_percent == 25
