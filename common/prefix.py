@@ -7,11 +7,12 @@ name, version and content digest. Keys therefore reveal nothing about the text, 
 reuses the blocks of its shared prefix, and one tenant's keys can never equal another's.
 
 Value: one self-describing, checksummed blob per block holding every layer's K and V:
-    b"KVFB2\\n" + crc32(payload) (4 bytes, little-endian) + payload,  payload = safetensors
+    b"KVFB3\n" + xxh3_64(payload) (8 bytes, little-endian) + payload,  payload = safetensors
     (layer.{i}.k / layer.{i}.v, each [kv_heads, block_size, head_dim], with metadata naming the
     format, tokens and block hash). The checksum catches corruption and truncation (it is not a
-    signature: see SECURITY.md); CRC-32 runs at twice SHA-256's speed here, and reads are the hot path.
-    Blobs of format 1 (b"KVFB1\\n" + sha256) are still read. Tensors are read in place, without copies.
+    signature: see SECURITY.md); xxh3 runs at ~30 GiB/s here against CRC-32's ~4 and SHA-256's ~2, and
+    reads are the hot path. Blobs of format 2 (b"KVFB2\n" + CRC-32) and 1 (b"KVFB1\n" + SHA-256) are
+    still read. Tensors are read in place, without copies.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import xxhash
 from safetensors.torch import save as st_save
 
 from kvferry.mappings.errors import InvalidInput, KvferryError
 
 from .wire import view_bytes
 
-MAGIC = b"KVFB2\n"
-MAGIC_V1 = b"KVFB1\n"  # sha256 checksum; still readable
+MAGIC = b"KVFB3\n"  # xxh3-64 of the payload (~30 GiB/s; CRC-32 ran ~4 GiB/s and was the hit path's largest cost)
+MAGIC_V2 = b"KVFB2\n"  # CRC-32; still read
+MAGIC_V1 = b"KVFB1\n"  # SHA-256; still read
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -119,15 +122,19 @@ def encode_block(layers: list[LayerKV], block_hash: bytes, tokens: int) -> bytes
     meta = {"format": "kvferry.block", "version": "1", "tokens": str(tokens), "hash": block_hash.hex(),
             "layers": str(len(layers))}
     payload = st_save(tensors, metadata=meta)
-    return MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload
+    return MAGIC + xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little") + payload
 
 
 def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int], dtype: torch.dtype | None = None) -> list[LayerKV]:
     """Verify and unpack a blob; raises CorruptBlock on any mismatch."""
     view = memoryview(blob)
-    if blob.startswith(MAGIC) and len(blob) >= len(MAGIC) + 4:
-        start = len(MAGIC) + 4
-        if zlib.crc32(view[start:]) != int.from_bytes(blob[len(MAGIC) : start], "little"):
+    if blob.startswith(MAGIC) and len(blob) >= len(MAGIC) + 8:
+        start = len(MAGIC) + 8
+        if xxhash.xxh3_64_intdigest(view[start:]) != int.from_bytes(blob[len(MAGIC) : start], "little"):
+            raise CorruptBlock("checksum mismatch")
+    elif blob.startswith(MAGIC_V2) and len(blob) >= len(MAGIC_V2) + 4:
+        start = len(MAGIC_V2) + 4
+        if zlib.crc32(view[start:]) != int.from_bytes(blob[len(MAGIC_V2) : start], "little"):
             raise CorruptBlock("checksum mismatch")
     elif blob.startswith(MAGIC_V1) and len(blob) >= len(MAGIC_V1) + 32:
         start = len(MAGIC_V1) + 32

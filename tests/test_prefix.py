@@ -59,12 +59,12 @@ def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
     import json
     import zlib
 
-    from kvferry.common.prefix import MAGIC, MAGIC_V1
+    from kvferry.common.prefix import MAGIC, MAGIC_V1, MAGIC_V2
 
     layers = [tuple(t[0] for t in kv) for kv in make_kv(layers=2, tokens=8, heads=2, head_dim=16)]
     h = b"\x01" * 32
     blob = encode_block(layers, h, 8)
-    payload = blob[len(MAGIC) + 4 :]
+    payload = blob[len(MAGIC) + 8 :]
     v1 = MAGIC_V1 + hashlib.sha256(payload).digest() + payload
     for got in (decode_block(blob, h, 2, (2, 8, 16)), decode_block(v1, h, 2, (2, 8, 16))):
         torch.testing.assert_close(got[1][0], layers[1][0])
@@ -75,7 +75,7 @@ def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
     text += b" " * (n - len(text)) if len(text) <= n else b""
     forged = len(text).to_bytes(8, "little") + text + payload[8 + n :]
     with pytest.raises(CorruptBlock, match="offsets"):
-        decode_block(MAGIC + zlib.crc32(forged).to_bytes(4, "little") + forged, h, 2, (2, 8, 16))
+        decode_block(MAGIC_V2 + zlib.crc32(forged).to_bytes(4, "little") + forged, h, 2, (2, 8, 16))
 
 
 def test_memory_store_is_bounded_and_expires():
@@ -405,26 +405,28 @@ def _golden_layers():
 
 
 def test_golden_block_bytes():
-    """The blob format (KVFB2: CRC-32 + safetensors) is written byte for byte as committed and read back; a format-1
-    blob (KVFB1: SHA-256) of the same payload still decodes."""
+    """The blob format (KVFB3: xxh3-64 + safetensors) is written as committed and read back; the format-2 blob
+    (KVFB2: CRC-32) committed before it, and a format-1 blob (KVFB1: SHA-256) of the same payload, still decode."""
     import hashlib
 
-    from kvferry.common.prefix import MAGIC, MAGIC_V1
+    from kvferry.common.prefix import MAGIC, MAGIC_V1, MAGIC_V2
 
-    blob, h = (GOLDEN / "block.bin").read_bytes(), bytes(range(32))
+    h = bytes(range(32))
+    v3, v2 = (GOLDEN / "block_v3.bin").read_bytes(), (GOLDEN / "block.bin").read_bytes()
     fresh = encode_block(_golden_layers(), h, 4)
-    # safetensors writes its header's metadata in hash-map order, so bytes 6-9 (the CRC) and the header's key order
-    # may differ between processes; the header's content and the data section may not
-    assert len(fresh) == len(blob) and fresh[:6] == blob[:6] == MAGIC
+    # safetensors writes its header's metadata in hash-map order, so the checksum and the header's key order may
+    # differ between processes; the header's content and the data section may not
+    assert len(fresh) == len(v3) and fresh[:6] == v3[:6] == MAGIC and v2[:6] == MAGIC_V2
 
-    def parts(b: bytes):
-        p = b[len(MAGIC) + 4:]
+    def parts(b: bytes, skip: int):
+        p = b[len(MAGIC) + skip:]
         n = int.from_bytes(p[:8], "little")
         return json.loads(p[8 : 8 + n]), p[8 + n:]
 
-    assert parts(fresh) == parts(blob)
-    for want, got in zip(_golden_layers(), decode_block(blob, h, 2, (2, 4, 8))):
-        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    payload = blob[len(MAGIC) + 4:]
+    assert parts(fresh, 8) == parts(v3, 8) == parts(v2, 4)
+    for blob in (v3, v2):
+        for want, got in zip(_golden_layers(), decode_block(blob, h, 2, (2, 4, 8))):
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    payload = v2[len(MAGIC_V2) + 4:]
     v1 = MAGIC_V1 + hashlib.sha256(payload).digest() + payload
     assert torch.equal(decode_block(v1, h, 2, (2, 4, 8))[1][1], _golden_layers()[1][1])
