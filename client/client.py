@@ -116,8 +116,9 @@ def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source
         n, dtype = int(layers[0][0].shape[-2]), layers[0][0].dtype
     else:  # key-only: the source KV is in the prefix store
         n, dtype = len(token_ids), source_dtype or torch.float32
+    ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
     return TranslateSpec(map_name, version, source_geometry, tokenizer, n, start_position,
-                         tuple(int(t) for t in token_ids), dtype, layout, block_size, target_dtype, prefix_key, tenant)
+                         tuple(map(int, ids)), dtype, layout, block_size, target_dtype, prefix_key, tenant)
 
 
 class _Collector:
