@@ -37,6 +37,20 @@ def _spec_kw(s):
     return dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
 
 
+def _held_stream(release, wait: float = 20):
+    """A small valid S__S-self request stream whose header goes at once and whose chunks wait for ``release``:
+    a stream that holds a slot for as long as a test needs."""
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=8))
+
+    def held():
+        yield reqs[0]
+        release.wait(wait)
+        yield from reqs[1:]
+
+    return kv, reqs, held
+
+
 def test_list_mappings(client):
     (m,) = client.list_mappings()
     assert m.name == "S__S-self" and m.version == "1.0.0" and m.servable
@@ -311,14 +325,8 @@ def test_health_not_serving_without_maps_and_while_draining(sidecar_factory, tmp
     import threading, time
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
-    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=8))
     hold = threading.Event()
-
-    def held():
-        yield reqs[0]
-        hold.wait(10)
-        yield from reqs[1:]
+    _, reqs, held = _held_stream(hold, 10)
 
     with grpc.insecure_channel(full.address) as ch:
         assert check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.SERVING
@@ -370,14 +378,8 @@ def test_stream_cap_and_byte_limit_are_resource_exhausted(sidecar_factory, maps_
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_streams=1, max_request_bytes=40000)
-    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
-    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=8))
     release = threading.Event()
-
-    def held():
-        yield reqs[0]
-        release.wait(20)
-        yield from reqs[1:]
+    kv, reqs, held = _held_stream(release)
 
     done = {}
 
@@ -411,14 +413,8 @@ def test_stream_cap_sends_retry_info_and_the_client_honours_it(sidecar_factory, 
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_streams=1)
-    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
-    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=8))
     release = threading.Event()
-
-    def held():
-        yield reqs[0]
-        release.wait(20)
-        yield from reqs[1:]
+    kv, reqs, held = _held_stream(release)
 
     with grpc.insecure_channel(sc.address) as ch:
         first = pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=30)
