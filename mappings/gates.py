@@ -71,10 +71,15 @@ class Gates:
                            f"{full:.3f} (gate: >= {self.min_copy_retention:.0%}; truncation scores {row.get('truncate', float('nan')):.3f})")
         return out
 
+    def verdict(self, evidence: dict | None, force: bool = False) -> tuple[bool, list[str]]:
+        """The one answer to "may this map serve?": (serves, the gate failures). ``force`` serves it anyway (testing)."""
+        problems = self.failures(evidence)
+        return (not problems or force), problems
+
     def check(self, ms: MapSet, force: bool = False) -> None:
         """Raise GateFailed for a map that may not serve, unless ``force``."""
-        problems = self.failures(ms.evidence)
-        if problems and not force:
+        serves, problems = self.verdict(ms.evidence, force)
+        if not serves:
             raise GateFailed(f"map {ms.name} {ms.version} is gated off: " + "; ".join(problems) +
                              ". Improve the map, lower the gates deliberately, or force it for testing.")
 

@@ -91,14 +91,13 @@ class MapRegistry:
                     ms = load(vdir).to(self.device)
                     if ms.name != key[0] or ms.version != key[1]:
                         raise KvferryError(f"manifest says {ms.name} {ms.version} but it sits in {key[0]}/{key[1]}")
-                    problems = self.gates.failures(ms.evidence)
+                    servable, problems = self.gates.verdict(ms.evidence, self.force)
                 except Exception as e:  # noqa: BLE001 - one bad artifact (even a well-checksummed, malformed one) is refused alone
                     self._bad[vdir] = sig
                     reason = str(e)[:300] if isinstance(e, KvferryError) else f"malformed artifact ({type(e).__name__}: {str(e)[:200]})"
                     events.append(f"refused {vdir}: {reason}")
                     log.error("refused map %s (what is loaded keeps serving): %s", vdir, reason)
                     continue
-                servable = not problems or self.force
                 entry = Entry(vdir, ms, servable, "; ".join(problems), sig)
                 with self._lock:
                     self._entries[key] = entry
