@@ -45,6 +45,13 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
                            f"({limits.max_message_bytes}); use a smaller block_size or raise --max-message-bytes")
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite. A finite float32 sum proves it (any NaN or ±Inf makes the sum NaN or
+    infinite) at a fraction of isfinite().all()'s cost (100 us against 4.4 ms for 8 MiB here); only a sum that is
+    not finite, from a bad element or from overflow of huge finite values, takes the exact elementwise check."""
+    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
 def target_dtype(spec: TranslateSpec, ms: MapSet) -> torch.dtype:
     """The dtype of the returned (and stored) target KV: the request's, else the source dtype, or the map's when it
     is narrower (a bfloat16 map's output carries bfloat16 precision; wider bytes would carry no more information)."""
@@ -130,7 +137,7 @@ class TranslateSession:
         if chunk.tensor.dtype != self.spec.source_dtype:
             raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()}: dtype {chunk.tensor.dtype} but the header "
                                f"declared {self.spec.source_dtype}")
-        if not bool(torch.isfinite(chunk.tensor).all()):  # one vectorised pass; NaN/Inf would map to NaN/Inf
+        if not all_finite(chunk.tensor):  # NaN/Inf would map to NaN/Inf
             raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()} tokens [{chunk.start}, {chunk.end}) holds NaN "
                                "or infinite values; send the source model's cache as it computed it")
         self.stats.bytes_in += chunk.tensor.numel() * chunk.tensor.element_size()

@@ -67,3 +67,22 @@ def test_other_responses_and_non_canonical_blocks_go_through_protobuf():
 
     with pytest.raises(DecodeError):
         wire.decode_response(b"\x12\xff\xff")  # truncated: protobuf refuses it too
+
+
+def test_all_finite_is_exact():
+    """The sidecar's NaN/Inf check takes a fast path (a finite sum proves every element finite); huge finite values
+    whose sum overflows must still pass, and one NaN or Inf anywhere must still fail, in every wire dtype."""
+    from kvferry.sidecar.pipeline import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(3, 64, 16).to(dtype)
+        assert all_finite(x)
+        huge = torch.full((3, 64, 16), torch.finfo(dtype).max, dtype=dtype)
+        assert all_finite(huge) and all_finite(-huge)  # the sum overflows; the elements are finite
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y[2, 63, 15] = bad
+            assert not all_finite(y), (dtype, bad)
+        mixed = torch.cat([huge[:1], -huge[:1]])
+        mixed[0, 0, 0] = float("nan")
+        assert not all_finite(mixed)
