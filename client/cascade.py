@@ -22,10 +22,9 @@ import torch
 from prometheus_client import Counter
 
 from kvferry.mappings.capture import cache_layers
-from kvferry.mappings.versions import serving_version
 from kvferry.mappings.drift import Drift, QueryTap, tail_drift
 
-from .client import TranslateClient, TranslateResult
+from .client import TranslateClient, TranslateResult, serving_mapping
 from .importers import to_dynamic_cache
 from .monitor import QualityMonitor, Thresholds, shadow_scores
 from .rollout import MapRollout, PolicyStore
@@ -108,12 +107,12 @@ class Cascade:
 
     def _latest(self) -> str:
         listed = [m for m in self.client.list_mappings(self.map_name) if m.name == self.map_name]
-        chosen = serving_version({m.version: m.servable for m in listed})
+        chosen = serving_mapping(listed, self.map_name)
         if chosen is None:
             code = "map_gated_or_incompatible" if listed else "map_not_found"
             raise _NoVersion(f"{code}: no servable version of {self.map_name} on the sidecar"
                              + "".join(f"; {m.version}: {m.gate_reason}" for m in listed))
-        return chosen
+        return chosen.version
 
     def _thresholds(self, version: str, rollout: MapRollout) -> Thresholds:
         key = (self.map_name, version)

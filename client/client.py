@@ -20,6 +20,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from kvferry.mappings.capture import cache_layers
+from kvferry.mappings.versions import serving_version
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
@@ -153,6 +154,14 @@ class _Collector:
 
 def _direct_result(hit) -> TranslateResult:
     return TranslateResult(hit.info, hit.blocks(), hit.stats, hit.stats.wall_seconds, attempts=0)
+
+
+def serving_mapping(listed, name: str, version: str = "") -> pb.MappingInfo | None:
+    """Among ListMappings' answer, the map a request for ``name`` (and ``version``, "" for latest) is served with,
+    by the sidecar's own rule (mappings.versions.serving_version); None when that version or every one is gated."""
+    mine = {m.version: m for m in listed if m.name == name}
+    chosen = serving_version({v: m.servable for v, m in mine.items()}, version)
+    return mine[chosen] if chosen else None
 
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)

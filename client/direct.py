@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.mappings.versions import serving_version
 from kvferry.common.errors import Unavailable
 from kvferry.v1 import translate_pb2 as pb
 
 from kvferry.common.messages import CONTIGUOUS, Block, Stats, TargetInfo
 from kvferry.common.prefix import LayerKV, map_id, map_namespaces, model_key
 from kvferry.common.prefix_cache import PrefixCache
+
+from .client import serving_mapping
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class DirectReader:
         a fingerprint the sidecar would refuse, the store unreachable): the caller then asks the sidecar."""
         if not spec.prefix_key or spec.layout != CONTIGUOUS:
             return None
-        info = self.resolve(self._maps, spec.map_name, spec.map_version)
+        info = serving_mapping(self._maps, spec.map_name, spec.map_version)
         if (info is None or (spec.source_geometry and spec.source_geometry != info.source.fingerprint)
                 or (spec.tokenizer and spec.tokenizer != info.tokenizer_fingerprint)):
             return None
@@ -67,13 +68,6 @@ class DirectReader:
             return self.read(info, spec.token_ids, spec.prefix_key, spec.tenant, spec.target_dtype)
         except Unavailable:
             return None
-
-    @staticmethod
-    def resolve(maps: list[pb.MappingInfo], name: str, version: str) -> pb.MappingInfo | None:
-        """The servable map the sidecar would use: the exact version, or the newest servable one; None if gated."""
-        mine = {m.version: m for m in maps if m.name == name}
-        chosen = serving_version({v: m.servable for v, m in mine.items()}, version)
-        return mine[chosen] if chosen else None
 
     def read(self, info: pb.MappingInfo, token_ids, prefix_key: str, tenant: str = "",
              dtype: torch.dtype | None = None) -> DirectHit | None:

@@ -29,7 +29,6 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.versions import serving_version
 
 from .connector_config import ConnectorConfig
 from kvferry.common.prefix import Namespace, block_hashes, model_key
@@ -120,10 +119,11 @@ class KvferryConnector(KVConnectorBase_V1):
             return source
         source = None
         try:
-            mine = {m.version: m for m in self.client().list_mappings(self.cfg.map_name) if m.name == self.cfg.map_name}
-            chosen = serving_version({v: m.servable for v, m in mine.items()}, version)
+            from .client import serving_mapping
+
+            chosen = serving_mapping(self.client().list_mappings(self.cfg.map_name), self.cfg.map_name, version)
             if chosen is not None:  # the version the sidecar will serve, not the first servable one listed
-                source = (mine[chosen].source.fingerprint, mine[chosen].tokenizer_fingerprint)
+                source = (chosen.source.fingerprint, chosen.tokenizer_fingerprint)
         except Exception as e:  # noqa: BLE001 - a sidecar outage means "no match", never a failed request
             log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
         self._status = (time.monotonic(), source, version)

@@ -3,7 +3,7 @@
 
 import pytest
 
-from kvferry.client.direct import DirectReader
+from kvferry.client.client import serving_mapping
 from kvferry.client.rollout import MapRollout
 from kvferry.mappings.errors import ArtifactError, InvalidInput
 from kvferry.mappings.versions import is_version, serving_version, version_key
@@ -34,14 +34,15 @@ def test_serving_version():
     assert serving_version({"1.0.0": False}) is None and serving_version({}) is None
 
 
-def test_direct_reader_picks_what_the_sidecar_picks():
-    """Listed oldest-first, as ListMappings sorts them: the first servable one is not the one that serves."""
+def test_clients_pick_what_the_sidecar_picks():
+    """The direct reader, the cascade and the vLLM connector all read ListMappings through serving_mapping. Listed
+    oldest-first, as ListMappings sorts them: the first servable one is not the one that serves."""
     listed = [pb.MappingInfo(name="S__T", version=v, servable=s)
               for v, s in (("1.0.0", True), ("1.1.0", True), ("1.2.0", False))]
-    assert DirectReader.resolve(listed, "S__T", "").version == "1.1.0"
-    assert DirectReader.resolve(listed, "S__T", "1.0.0").version == "1.0.0"
-    assert DirectReader.resolve(listed, "S__T", "1.2.0") is None
-    assert DirectReader.resolve(listed, "other", "") is None
+    assert serving_mapping(listed, "S__T", "").version == "1.1.0"
+    assert serving_mapping(listed, "S__T", "1.0.0").version == "1.0.0"
+    assert serving_mapping(listed, "S__T", "1.2.0") is None
+    assert serving_mapping(listed, "other", "") is None
 
 
 def test_names_are_full_matched():
