@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvferry.mappings.errors import InvalidInput
+
 CONTIGUOUS = "contiguous"
 PAGED = "paged"
 
@@ -94,7 +96,5 @@ class Stats:
 
 def check_token_ids(count: int, num_tokens: int) -> None:
     """token_ids, when given, carry one id per token: the one rule for the wire decoder and the pipeline."""
-    from kvferry.mappings.errors import InvalidInput
-
     if count and count != num_tokens:
         raise InvalidInput(f"header has {count} token_ids for num_tokens={num_tokens}; send one id per token")

@@ -151,8 +151,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     for kind in ("k", "v"):
         r2 = [ms.maps[(t, kind)].heldout_r2 for t in range(tl)]
         print(f"held-out R² of {kind.upper()} by target layer: " + ", ".join(f"{x:.2f}" for x in r2))
-    problems = Gates().failures(ms.evidence)
-    print("serving gates (defaults): " + ("pass" if not problems else "fail: " + "; ".join(problems)))
+    serves, problems = Gates().verdict(ms.evidence)
+    print("serving gates (defaults): " + ("pass" if serves else "fail: " + "; ".join(problems)))
     return 0
 
 

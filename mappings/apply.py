@@ -17,14 +17,6 @@ from .errors import InvalidInput
 from .features import from_features, to_features
 
 
-def fused_groups(ms: MapSet) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
-    """Maps that read the same source features, with their weights side by side (MapSet.fused_groups owns the cache).
-
-    With k = all source layers every map reads the same input, so one matmul serves all of them.
-    """
-    return ms.fused_groups()
-
-
 def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.Tensor, dim: int) -> None:
     """Append a contiguous token range, merging the newest pieces while the older is no larger (a binary counter):
     every token is copied O(log n) times and a list holds O(log n) pieces, so n one-token chunks cost
@@ -53,7 +45,7 @@ class StreamingApplier:
         self.start_position = positions
         self.out_dtype = out_dtype
         self.tokens = tokens  # total tokens, when known: completion is then checkable
-        self._groups = fused_groups(ms)
+        self._groups = ms.fused_groups()  # maps reading the same source features share one matmul
         self._done = [0] * len(self._groups)  # tokens mapped per group
         self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind)
         self._feats: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}  # (start, [B, n, w]) pieces

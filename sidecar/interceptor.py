@@ -96,9 +96,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._done(method, code, t0)
         retry_after = getattr(exc, "retry_after", None)
         exc.__traceback__ = None  # its frames hold the request messages, and the abort below chains this exception
-        if retry_after is None:
-            await context.abort(code, msg)
-        await context.abort(code, msg, trailing_metadata=retry_details(code, msg, retry_after))
+        trailing = () if retry_after is None else retry_details(code, msg, retry_after)
+        await context.abort(code, msg, trailing_metadata=trailing)
 
     def _guard(self, context, method: str, full_method: str) -> "_Guard":
         return _Guard(self, context, method, full_method)

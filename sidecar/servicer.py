@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,8 +18,6 @@ from kvferry.v1 import translate_pb2_grpc as pb_grpc
 from .auth import tenant_for
 from .flow import TranslateFlow
 from .limits import OversizedHeader
-
-log = logging.getLogger("kvferry.sidecar")
 
 
 def _geometry(g) -> pb.Geometry:
