@@ -39,18 +39,23 @@ def test_config_precedence_and_validation(tmp_path):
         from_sources(argparse.Namespace(config=None), env={"KVFERRY_PORT": "eighty"})
 
 
+def _serve(maps_dir, *flags: str) -> tuple[subprocess.Popen, int, int | None]:
+    """`kvferry serve` in its own process: (the process, its gRPC port, its metrics port if it has one)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--maps-dir", str(maps_dir), "--port", "0",
+                             "--force-maps", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        m = re.search(r"listening on [\d.]+:(\d+)(?:, metrics on :(\d+))?", proc.stdout.readline())
+        if m:
+            return proc, int(m.group(1)), int(m.group(2)) if m.group(2) else None
+    proc.kill()
+    raise AssertionError("the sidecar did not report its port")
+
+
 def test_sigterm_drains_in_flight_streams(tmp_path, family):
     save(identity_mapset(family["S"].identity, version="1.0.0"), tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--maps-dir", str(tmp_path), "--port", "0",
-                             "--force-maps", "--drain-seconds", "20"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, port, _ = _serve(tmp_path, "--drain-seconds", "20")
     try:
-        port = None
-        deadline = time.time() + 60
-        while time.time() < deadline and port is None:
-            line = proc.stdout.readline()
-            m = re.search(r"listening on [\d.]+:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, "the sidecar did not report its port"
         kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32)
         reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=32))
         sent_half = threading.Event()
@@ -83,3 +88,39 @@ def test_sigterm_drains_in_flight_streams(tmp_path, family):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_cancels_are_counted_as_cancels(tmp_path, family):
+    """A caller that cancels mid-upload reaches the handler as a plain end of stream, a moment before gRPC's cancel
+    notice: it was counted INVALID_ARGUMENT ("truncated stream"), every time, across processes. Cancels mid-upload
+    and mid-download are now all CANCELLED in the metrics (a real process: in-process, the client and server share
+    one gRPC core, and some cancels never reach the server's side of it at all)."""
+    import urllib.request
+
+    save(identity_mapset(family["S"].identity, version="1.0.0"), tmp_path)
+    proc, port, metrics_port = _serve(tmp_path, "--metrics-port", "0")
+    try:
+        small = make_kv(layers=4, tokens=64, heads=2, head_dim=32)
+        small_reqs = list(encode_requests(make_spec(small, "S__S-self"), small, chunk_tokens=16))
+        big = make_kv(layers=4, tokens=4096, heads=2, head_dim=32)
+        big_reqs = list(encode_requests(make_spec(big, "S__S-self"), big, chunk_tokens=256))
+
+        def stalls():
+            yield from small_reqs[:5]
+            time.sleep(3)  # the caller cancels while the sidecar waits for the rest
+
+        for requests, reads in [(stalls, 1)] * 4 + [(lambda: iter(big_reqs), 2)] * 4:
+            with grpc.insecure_channel(f"127.0.0.1:{port}", [("grpc.http2.bdp_probe", 0)]) as ch:
+                call = pb_grpc.TranslateServiceStub(ch).Translate(requests(), timeout=30)
+                for _ in range(reads):
+                    next(call)  # the header (and the first block)
+                time.sleep(0.1 if reads == 1 else 0)  # the sidecar has read all that was sent, and waits for more
+                call.cancel()
+                time.sleep(0.3)
+        time.sleep(0.5)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        counts = dict(re.findall(r'kvferry_requests_total\{code="(\w+)",method="Translate"\} ([\d.]+)', text))
+        assert counts == {"CANCELLED": "8.0"}, counts
+    finally:
+        proc.kill()
+        proc.wait(30)
