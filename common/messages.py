@@ -62,6 +62,28 @@ class Block:
     value: torch.Tensor
 
 
+@dataclass
+class BlockBytes:
+    """A contiguous block whose tensors are given as byte pieces, to be joined once, into the response message:
+    a cached prefix sent straight from its stored blobs. ``key``/``value``: pieces whose concatenation is the
+    [kv_heads, end - start, head_dim] tensor in C order (little-endian ``dtype``)."""
+
+    layer: int
+    start: int
+    end: int
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, int, int]
+    key: list
+    value: list
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V together."""
+        h, t, d = self.shape
+        return 2 * h * t * d * self.dtype.itemsize
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """The response header: what the request resolved to."""

@@ -39,6 +39,7 @@ MAGIC = b"KVFB3\n"  # xxh3-64 of the payload (~30 GiB/s; CRC-32 ran ~4 GiB/s and
 MAGIC_V2 = b"KVFB2\n"  # CRC-32; still read
 MAGIC_V1 = b"KVFB1\n"  # SHA-256; still read
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -140,8 +141,38 @@ def encode_block(layers: list[LayerKV], block_hash: bytes, tokens: int) -> bytes
     return MAGIC + xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little") + payload
 
 
-def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int], dtype: torch.dtype | None = None) -> list[LayerKV]:
-    """Verify and unpack a blob; raises CorruptBlock on any mismatch."""
+@dataclass(frozen=True)
+class StoredBlock:
+    """A verified blob, not yet copied anywhere: per layer, where its K and V bytes lie in ``data`` (each
+    [kv_heads, block_size, head_dim] in C order, of ``dtype``)."""
+
+    data: memoryview
+    dtype: torch.dtype
+    shape: tuple[int, int, int]
+    offsets: tuple[tuple[int, int], ...]  # per layer: (K's offset, V's offset)
+
+    def layer(self, i: int) -> LayerKV:
+        """Layer i's (K, V): tensors viewing the blob (no copy)."""
+        n = self.nbytes
+        k, v = self.offsets[i]
+        return (view_bytes(self.data[k : k + n], self.dtype, self.shape, f"layer {i} K"),
+                view_bytes(self.data[v : v + n], self.dtype, self.shape, f"layer {i} V"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one tensor (one layer's K, or its V)."""
+        h, t, d = self.shape
+        return h * t * d * _ITEMSIZE[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row (head_dim values) of one head."""
+        return self.shape[2] * _ITEMSIZE[self.dtype]
+
+
+def read_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int]) -> StoredBlock:
+    """Verify a blob (checksum, metadata, every tensor's name, dtype, shape and bounds) without copying its
+    tensors; raises CorruptBlock on any mismatch."""
     view = memoryview(blob)
     if blob.startswith(MAGIC) and len(blob) >= len(MAGIC) + 8:
         start = len(MAGIC) + 8
@@ -158,39 +189,53 @@ def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, 
     else:
         raise CorruptBlock("not a kvferry block (bad magic or truncated)")
     try:
-        meta, tensors = _read_safetensors(view[start:])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, InvalidInput) as e:
+        return _read_safetensors(view[start:], block_hash, layers, shape)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CorruptBlock(f"unreadable payload: {e}") from None
-    if meta.get("hash") != block_hash.hex() or meta.get("layers") != str(layers):
-        raise CorruptBlock("block metadata does not match the requested hash or layer count")
+
+
+def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int], dtype: torch.dtype | None = None) -> list[LayerKV]:
+    """Verify and unpack a blob into per-layer (K, V) tensors viewing it (a copy only to change dtype);
+    raises CorruptBlock on any mismatch."""
+    block = read_block(blob, block_hash, layers, shape)
     out = []
     for i in range(layers):
-        k, v = tensors.get(f"layer.{i}.k"), tensors.get(f"layer.{i}.v")
-        if k is None or v is None or tuple(k.shape) != shape or tuple(v.shape) != shape:
-            raise CorruptBlock(f"layer {i} missing or of the wrong shape")
+        k, v = block.layer(i)
         if dtype is not None and k.dtype != dtype:
             k, v = k.to(dtype), v.to(dtype)
         out.append((k, v))
     return out
 
 
-def _read_safetensors(buf: memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Parse a safetensors payload into tensors that view ``buf`` (no copies); every offset is bounds-checked."""
+def _read_safetensors(buf: memoryview, block_hash: bytes, layers: int, shape: tuple[int, int, int]) -> StoredBlock:
+    """Where each layer's K and V lie in a safetensors payload; every name, dtype, shape and offset is checked."""
     n = int.from_bytes(buf[:8], "little")
     if not 0 < n <= len(buf) - 8:
         raise ValueError("bad header length")
     header = json.loads(bytes(buf[8 : 8 + n]))
     data = buf[8 + n :]
     meta = header.pop("__metadata__", {}) or {}
-    tensors = {}
-    for name, info in header.items():
-        dtype = _ST_DTYPES[info["dtype"]]
-        shape = tuple(int(x) for x in info["shape"])
-        lo, hi = (int(x) for x in info["data_offsets"])
-        if not 0 <= lo <= hi <= len(data):
-            raise ValueError(f"tensor {name}: offsets [{lo}, {hi}) fall outside the payload")
-        tensors[name] = view_bytes(data[lo:hi], dtype, shape, f"tensor {name} at offsets [{lo}, {hi})")
-    return meta, tensors
+    if meta.get("hash") != block_hash.hex() or meta.get("layers") != str(layers):
+        raise CorruptBlock("block metadata does not match the requested hash or layer count")
+    names = {f"layer.{i}.{k}" for i in range(layers) for k in "kv"}
+    if set(header) != names:
+        raise CorruptBlock(f"the block's tensors are not layer.0..{layers - 1}.k/.v")
+    dtypes = {info["dtype"] for info in header.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _ST_DTYPES:
+        raise CorruptBlock(f"the block's tensors have dtypes {sorted(dtypes)}; expected one of {sorted(_ST_DTYPES)}")
+    dtype = _ST_DTYPES[dtypes.pop()]
+    size = shape[0] * shape[1] * shape[2] * _ITEMSIZE[dtype]
+    offsets = []
+    for i in range(layers):
+        pair = []
+        for kind in "kv":
+            info = header[f"layer.{i}.{kind}"]
+            lo, hi = (int(x) for x in info["data_offsets"])
+            if tuple(int(x) for x in info["shape"]) != shape or hi - lo != size or not 0 <= lo <= hi <= len(data):
+                raise CorruptBlock(f"layer {i} {kind.upper()}: wrong shape, or offsets [{lo}, {hi}) outside the payload")
+            pair.append(lo)
+        offsets.append(tuple(pair))
+    return StoredBlock(data, dtype, shape, tuple(offsets))
 
 
 def split_blocks(layers: list[LayerKV], start: int, stop: int, block_size: int) -> list[list[LayerKV]]:

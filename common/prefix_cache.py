@@ -9,29 +9,57 @@ import torch
 from kvferry.mappings.errors import InvalidInput
 from kvferry.common.errors import Unavailable
 
-from .prefix import CorruptBlock, LayerKV, Namespace, block_hashes, decode_block, encode_block, split_blocks
+from .prefix import CorruptBlock, LayerKV, Namespace, StoredBlock, block_hashes, encode_block, read_block, split_blocks
 
 
 @dataclass
 class Lookup:
-    """The longest run of consecutive stored blocks starting at ``start_block``."""
+    """The longest run of consecutive stored blocks starting at ``start_block``, verified and not yet copied."""
 
     hashes: list[bytes]  # every full block's hash for the token ids
     start_block: int
-    blocks: list[list[LayerKV]]  # per found block: per layer (K, V) [kv_heads, block_size, head_dim]
+    blocks: list[StoredBlock]
     corrupt: int = 0
+    dtype: torch.dtype | None = None  # the dtype the caller asked for (None: as stored)
 
     @property
     def end_block(self) -> int:
         return self.start_block + len(self.blocks)
 
+    @property
+    def tokens(self) -> int:
+        return sum(b.shape[1] for b in self.blocks)
+
+    @property
+    def as_stored(self) -> bool:
+        """Whether every found block holds the asked dtype, so its bytes can travel as they are."""
+        return all(self.dtype in (None, b.dtype) for b in self.blocks)
+
     def layers(self) -> list[LayerKV]:
-        """The found blocks joined per layer: (K, V) [1, kv_heads, tokens, head_dim]."""
+        """The found blocks joined per layer (one copy), in the asked dtype: (K, V) [1, kv_heads, tokens, head_dim]."""
         if not self.blocks:
             return []
-        n = len(self.blocks[0])
-        return [(torch.cat([b[i][0] for b in self.blocks], 1)[None], torch.cat([b[i][1] for b in self.blocks], 1)[None])
-                for i in range(n)]
+        out = []
+        for i in range(len(self.blocks[0].offsets)):
+            k, v = zip(*(b.layer(i) for b in self.blocks))
+            k, v = torch.cat(k, 1)[None], torch.cat(v, 1)[None]
+            out.append((k, v) if self.dtype in (None, k.dtype) else (k.to(self.dtype), v.to(self.dtype)))
+        return out
+
+    def pieces(self, layer: int, kind: int, start: int, stop: int) -> list[memoryview]:
+        """Layer ``layer``'s K (kind 0) or V (kind 1) for found tokens [start, stop), as the stored bytes whose
+        concatenation is that [kv_heads, stop - start, head_dim] tensor in C order: head by head, block by block.
+        Only for blocks stored in the asked dtype (``as_stored``)."""
+        spans, at = [], 0  # per block overlapping [start, stop): (its bytes, first row's offset, span bytes, head stride)
+        for b in self.blocks:
+            heads, n, _ = b.shape
+            row = b.row_bytes
+            lo, hi = max(start - at, 0), min(stop - at, n)
+            if lo < hi:
+                spans.append((b.data, b.offsets[layer][kind] + lo * row, (hi - lo) * row, n * row))
+            at += n
+        return [data[base + h * stride : base + h * stride + size] for h in range(heads if spans else 0)
+                for data, base, size, stride in spans]
 
 
 class PrefixCache:
@@ -62,7 +90,7 @@ class PrefixCache:
             if blob is None:
                 break
             try:
-                found.append(decode_block(blob, h, layers, (kv_heads, self.block_size, head_dim), dtype))
+                found.append(read_block(blob, h, layers, (kv_heads, self.block_size, head_dim)))
             except CorruptBlock:
                 corrupt += 1
                 try:
@@ -70,7 +98,7 @@ class PrefixCache:
                 except Unavailable:
                     pass
                 break
-        return Lookup(hashes, start_block, found, corrupt)
+        return Lookup(hashes, start_block, found, corrupt, dtype)
 
     def store_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
                      token_offset: int = 0) -> int:

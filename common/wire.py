@@ -78,7 +78,7 @@ def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, e
 
 
 # ---- messages <-> protobuf -------------------------------------------------------------------
-from kvferry.common.messages import CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids  # noqa: E402
+from kvferry.common.messages import CONTIGUOUS, PAGED, Block, BlockBytes, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids  # noqa: E402
 
 _LAYOUT_TO_PB = {CONTIGUOUS: pb.LAYOUT_CONTIGUOUS, PAGED: pb.LAYOUT_PAGED}
 _LAYOUT_FROM_PB = {v: k for k, v in _LAYOUT_TO_PB.items()}
@@ -165,13 +165,18 @@ def _scalar(field: int, value: int) -> list[bytes]:
 
 def _tensor_fields(t: torch.Tensor) -> list[bytes]:
     """The fields of a kvferry.v1.Tensor: dtype, packed shape, then the data, taken straight from the tensor."""
-    shape = b"".join(_varint(int(s)) for s in t.shape)
     data = _tensor_buffer(t) if t.numel() else b""
-    out = _scalar(1, dtype_to_pb(t.dtype))
-    if shape:
-        out += [b"\x12", _varint(len(shape)), shape]
-    if data:
-        out += [b"\x1a", _varint(len(data)), data]
+    return _data_fields(t.dtype, t.shape, [data], len(data))
+
+
+def _data_fields(dtype: torch.dtype, shape, pieces: list, size: int) -> list[bytes]:
+    """The fields of a kvferry.v1.Tensor whose data is the concatenation of ``pieces`` (``size`` bytes)."""
+    packed = b"".join(_varint(int(s)) for s in shape)
+    out = _scalar(1, dtype_to_pb(dtype))
+    if packed:
+        out += [b"\x12", _varint(len(packed)), packed]
+    if size:
+        out += [b"\x1a", _varint(size), *pieces]
     return out
 
 
@@ -179,11 +184,16 @@ def _length_delimited(field: int, parts: list[bytes]) -> list[bytes]:
     return [_varint(field << 3 | 2), _varint(sum(len(p) for p in parts)), *parts]
 
 
-def encode_block_response(b: Block) -> bytes:
+def encode_block_response(b: Block | BlockBytes) -> bytes:
     """A TranslateResponse carrying ``b``, serialised without building protobuf objects: the same bytes as
-    ``block_to_pb(b).SerializeToString()`` (checked in the tests); the tensor data is copied once, into the message."""
+    ``block_to_pb(b).SerializeToString()`` (checked in the tests); the tensor data is copied once, into the message
+    (for BlockBytes, straight from its pieces)."""
+    if isinstance(b, BlockBytes):
+        k, v = (_data_fields(b.dtype, b.shape, pieces, b.nbytes // 2) for pieces in (b.key, b.value))
+    else:
+        k, v = _tensor_fields(b.key), _tensor_fields(b.value)
     body = (_scalar(1, b.layer) + _scalar(2, b.start) + _scalar(3, b.end) + _scalar(4, b.index)
-            + _length_delimited(5, _tensor_fields(b.key)) + _length_delimited(6, _tensor_fields(b.value)))
+            + _length_delimited(5, k) + _length_delimited(6, v))
     return b"".join(_length_delimited(2, body))
 
 

@@ -45,7 +45,7 @@ class TranslateFlow:
             session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
             return Opened(session, ms, None, cached_blocks)
         plan = await asyncio.to_thread(self.prefix.plan, spec, ms) if self.prefix is not None and spec.token_ids else None
-        cached = plan.lookup.layers() if plan and plan.lookup.blocks else None
+        cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed
         session = TranslateSession(spec, ms, self.limits, cached, keep_output=write_back)
         return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0)

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from kvferry.common.messages import PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids
+from kvferry.common.messages import PAGED, Block, BlockBytes, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids
+from kvferry.common.prefix_cache import Lookup
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import Incompatible, InvalidInput
@@ -66,18 +67,25 @@ class TranslateSession:
 
     Chunks go to the applier as they arrive; whatever target KV they complete leaves at once, as
     token-range blocks (contiguous layout: several blocks per layer, in token order) or as pages.
-    ``cached``: target KV for the first tokens, found in the prefix store ([1, kv_heads, m, head_dim]
-    per target layer); those tokens are not mapped again. ``expect_chunks=False`` for requests whose
+    ``cached``: target KV for the first tokens, found in the prefix store: a Lookup (its blocks' bytes are
+    sent as stored when the layout is contiguous and the dtype matches: one copy, into the messages), or
+    per target layer (K, V) [1, kv_heads, m, head_dim]; those tokens are not mapped again. ``expect_chunks=False`` for requests whose
     source KV came from the store. ``keep_output`` retains the target KV (for write-back).
     """
 
-    def __init__(self, spec: TranslateSpec, ms: MapSet, limits: Limits, cached: list | None = None,
+    def __init__(self, spec: TranslateSpec, ms: MapSet, limits: Limits, cached: Lookup | list | None = None,
                  expect_chunks: bool = True, keep_output: bool = False):
         check_spec(spec, ms, limits)
         self.spec, self.ms = spec, ms
         self.out_dtype = target_dtype(spec, ms)
+        self.stored: Lookup | None = None  # a cached prefix sent from its stored bytes
+        if isinstance(cached, Lookup):
+            if cached.blocks and cached.as_stored and spec.layout != PAGED and not keep_output:
+                self.stored, cached = cached, None
+            else:
+                cached = cached.layers()
         self.cached = cached or None
-        self.skip = int(cached[0][0].shape[2]) if cached else 0
+        self.skip = self.stored.tokens if self.stored else int(cached[0][0].shape[2]) if cached else 0
         self.expect_chunks = expect_chunks
         self.outputs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = {} if keep_output else None
         n = spec.num_tokens
@@ -103,9 +111,9 @@ class TranslateSession:
         g = self.ms.source.geometry
         return (g.kv_heads, layer_tokens, g.head_dim)
 
-    def initial_blocks(self) -> list[Block]:
+    def initial_blocks(self) -> list[Block | BlockBytes]:
         """Blocks that need no source data: the cached prefix, if any."""
-        out = []
+        out = self._emit_stored() if self.stored else []
         for t, (k, v) in enumerate(self.cached or []):
             out += self._emit(t, 0, self.skip, k.to(self.out_dtype), v.to(self.out_dtype))
         if self.applier is None:
@@ -176,6 +184,18 @@ class TranslateSession:
         self._count(out)
         return out
 
+    def _emit_stored(self) -> list[BlockBytes]:
+        """The stored prefix, layer by layer, cut to the message limit: pieces of the stored blobs, no tensors."""
+        g, out = self.ms.target.geometry, []
+        for t in range(g.layers):
+            for s in range(0, self.skip, self._block_tokens):
+                e = min(s + self._block_tokens, self.skip)
+                out.append(BlockBytes(t, s, e, self._index[t], self.out_dtype, (g.kv_heads, e - s, g.head_dim),
+                                      self.stored.pieces(t, 0, s, e), self.stored.pieces(t, 1, s, e)))
+                self._index[t] += 1
+        self._count(out)
+        return out
+
     def _cut_page(self, layer: int, take: int) -> Block:
         bs = self.spec.block_size
         ks, vs, got = [], [], 0
@@ -209,9 +229,9 @@ class TranslateSession:
         self._count(out)
         return out
 
-    def _count(self, blocks: list[Block]) -> None:
+    def _count(self, blocks: list[Block | BlockBytes]) -> None:
         for b in blocks:
-            self.stats.bytes_out += 2 * b.key.numel() * b.key.element_size()
+            self.stats.bytes_out += b.nbytes if isinstance(b, BlockBytes) else 2 * b.key.numel() * b.key.element_size()
         self.stats.blocks += len(blocks)
 
     def output_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

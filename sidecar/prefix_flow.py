@@ -117,7 +117,7 @@ class PrefixService:
         covered = tgt.end_block + len(src.blocks)
         if covered == 0:
             raise NotFound("no stored blocks for this prefix_key (expired, evicted, or never published)")
-        layers = tgt.layers()
+        cached = tgt  # all stored: sent from the blobs' bytes
         if src.blocks:
             mapped = compute.submit(_map_blocks, ms, src.layers(), tgt.end_block * bs, dtype).result()
             try:
@@ -125,9 +125,10 @@ class PrefixService:
                                                                        token_offset=tgt.end_block * bs))
             except StoreUnavailable as e:
                 self._store_error(e)
-            layers = mapped if not layers else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(layers, mapped)]
+            layers = tgt.layers()
+            cached = mapped if not layers else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(layers, mapped)]
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
-        return TranslateSession(spec2, ms, limits, cached=layers, expect_chunks=False), tgt.end_block
+        return TranslateSession(spec2, ms, limits, cached=cached, expect_chunks=False), tgt.end_block
 
 
 def _map_blocks(ms: MapSet, layers, offset: int, dtype: torch.dtype):

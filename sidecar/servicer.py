@@ -66,6 +66,49 @@ async def _before(requests, deadline: float):
         yield msg
 
 
+class _Sender:
+    """Writes the response messages in order, one in flight at a time, while the next one is built: the write of
+    message i (gRPC copies and sends it off the event loop) overlaps building message i + 1.
+
+    The deadline covers sending too: a caller that stops reading blocks a write (flow control) and must not hold
+    its stream slot past max_stream_seconds."""
+
+    def __init__(self, context, deadline: float):
+        self.context, self.deadline = context, deadline
+        self.pending: asyncio.Future | None = None
+
+    async def send(self, msg) -> None:
+        await self.drain()
+        self.pending = asyncio.ensure_future(self._write(msg))
+        await asyncio.sleep(0)  # let the write reach gRPC before the next message is built
+
+    async def drain(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            await pending
+
+    async def settle(self) -> None:
+        """After a failure: let a write still in flight finish or fail (it ends by the deadline) before the status
+        goes out, since gRPC takes no status while a message is being sent; its error is the caller leaving."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                await pending
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the failure being handled is what counts
+                pass
+
+    async def _write(self, msg) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(self.context.write(msg), max(self.deadline - loop.time(), 0.001))
+        except asyncio.TimeoutError:
+            raise TimeoutError("the caller did not read the response before the sidecar's max_stream_seconds ran out") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - gRPC refuses writes into a call the caller has cancelled or left
+            raise CallerGone("the caller cancelled or left the Translate stream; nothing more can be sent") from None
+
+
 class TranslateServicer(pb_grpc.TranslateServiceServicer):
     def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None,
                  max_stream_seconds: float = 300.0):
@@ -97,17 +140,14 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         try:
             # aclosing: a stream that fails closes its generators at once, so their frames (which hold the request
             # messages) do not outlive the call.
-            async with contextlib.aclosing(self._translate(request_iterator, deadline)) as outs:
-                async for out in outs:
-                    # The deadline covers sending too: a caller that stops reading blocks this write (flow control)
-                    # and must not hold its stream slot past max_stream_seconds.
-                    try:
-                        await asyncio.wait_for(context.write(out), max(deadline - loop.time(), 0.001))
-                    except asyncio.TimeoutError:
-                        raise TimeoutError("the caller did not read the response before the sidecar's max_stream_seconds "
-                                           "ran out") from None
-                    except Exception:  # noqa: BLE001 - gRPC refuses writes into a call the caller has cancelled or left
-                        raise CallerGone("the caller cancelled or left the Translate stream; nothing more can be sent") from None
+            sender = _Sender(context, deadline)
+            try:
+                async with contextlib.aclosing(self._translate(request_iterator, deadline)) as outs:
+                    async for out in outs:
+                        await sender.send(out)
+                await sender.drain()
+            finally:
+                await sender.settle()
         finally:
             self.active -= 1
             self.metrics.streams.dec()

@@ -16,7 +16,7 @@ from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import capture_kv
 
-from conftest import ROOT
+from conftest import ROOT, make_kv
 
 PAIRS = ["S__T", "S__T64"]
 SECRET, BS = b"cross-model-secret", 16
@@ -92,3 +92,26 @@ def test_key_only_and_direct_reads_equal_apply(sidecar_factory, maps_dir, source
         hit = ask()  # now read straight from Redis by the client
         assert hit.attempts == 0 and hit.stats.extra["path"] == "direct"
         _same(hit.layers(), want)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_a_sidecar_hit_sends_the_stored_bytes_cut_to_the_message_limit(sidecar_factory, maps_dir, source, redis_url, pair):
+    """A hit through the sidecar sends the stored blobs' bytes as they are (no tensors): at the smallest message limit,
+    its blocks cut the 16-token stored blocks mid-way, and still carry exactly what the miss mapped and stored."""
+    s = source[0]
+    g = s.identity.geometry
+    n = 2600
+    kv = [(k * 0.1, v * 0.1) for k, v in make_kv(layers=g.layers, tokens=n, heads=g.kv_heads, head_dim=g.head_dim, seed=3)]
+    ids = [(7 * i) % 500 + 1 for i in range(n)]
+    key = publish_source(kv, ids, s.identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    sc = sidecar_factory(maps_dir=str(maps_dir), redis_url=redis_url, prefix_secret=SECRET.decode(), prefix_block_size=BS,
+                         max_message_bytes=1 << 20)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        ask = lambda: c.translate(None, pair, "1.0.0", token_ids=ids, tenant="acme", prefix_key=key, **_kw(s))  # noqa: E731
+        mapped = ask()  # maps the stored source blocks, sends tensors, writes the target blocks back
+        hit = ask()
+    assert hit.stats.cached_blocks == n // BS and hit.stats.compute_seconds == 0
+    cuts = [b.end for b in hit.blocks if b.layer == 1]
+    assert len(cuts) > 1 and cuts[0] % BS != 0 and cuts[-1] == n // BS * BS, cuts  # mid-block cuts
+    for (k, v), (mk, mv) in zip(hit.layers(), mapped.layers()):
+        assert torch.equal(k, mk) and torch.equal(v, mv)

@@ -54,6 +54,33 @@ def test_block_roundtrip_and_corruption():
         decode_block(blob, b"\x02" * 32, 3, (2, BS, 8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stored_bytes_are_the_bytes_the_tensor_path_would_send(dtype):
+    """A hit is sent from the stored blobs' bytes (pieces gathered head by head, block by block, one copy into the
+    message): for any token range, aligned to the blocks or not, the message equals the one built from tensors."""
+    from kvferry.common import wire
+    from kvferry.common.messages import Block, BlockBytes
+
+    heads, dim, n = 3, 8, 3 * BS
+    kv = make_kv(layers=2, tokens=n, heads=heads, head_dim=dim, seed=5, dtype=dtype)
+    ids = list(range(100, 100 + n))
+    pc, ns = PrefixCache(MemoryStore(), SECRET, BS), Namespace("acme", "m")
+    pc.publish(ns, ids, kv)
+    look = pc.lookup(ns, ids, 2, heads, dim, dtype=dtype)
+    assert look.as_stored and look.tokens == n
+    joined = look.layers()
+    for layer in range(2):
+        torch.testing.assert_close(joined[layer][0], kv[layer][0], rtol=0, atol=0)
+        for start, stop in [(0, n), (0, BS), (5, 21), (BS, 2 * BS + 1), (n - 1, n)]:
+            k, v = joined[layer][0][0, :, start:stop], joined[layer][1][0, :, start:stop]
+            want = wire.encode_block_response(Block(layer, start, stop, 7, k, v))
+            got = wire.encode_block_response(BlockBytes(layer, start, stop, 7, dtype, (heads, stop - start, dim),
+                                                        look.pieces(layer, 0, start, stop), look.pieces(layer, 1, start, stop)))
+            assert got == want, (layer, start, stop)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    assert not pc.lookup(ns, ids, 2, heads, dim, dtype=other).as_stored  # another dtype goes through tensors
+
+
 def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
     import hashlib
     import json
