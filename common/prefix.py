@@ -18,6 +18,7 @@ Value: one self-describing, checksummed blob per block holding every layer's K a
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import hmac
 import json
@@ -217,25 +218,33 @@ def _read_safetensors(buf: memoryview, block_hash: bytes, layers: int, shape: tu
     meta = header.pop("__metadata__", {}) or {}
     if meta.get("hash") != block_hash.hex() or meta.get("layers") != str(layers):
         raise CorruptBlock("block metadata does not match the requested hash or layer count")
-    names = {f"layer.{i}.{k}" for i in range(layers) for k in "kv"}
-    if set(header) != names:
+    pairs, names = _tensor_names(layers)
+    if header.keys() != names:
         raise CorruptBlock(f"the block's tensors are not layer.0..{layers - 1}.k/.v")
     dtypes = {info["dtype"] for info in header.values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in _ST_DTYPES:
         raise CorruptBlock(f"the block's tensors have dtypes {sorted(dtypes)}; expected one of {sorted(_ST_DTYPES)}")
     dtype = _ST_DTYPES[dtypes.pop()]
-    size = shape[0] * shape[1] * shape[2] * _ITEMSIZE[dtype]
+    size, want, end = shape[0] * shape[1] * shape[2] * _ITEMSIZE[dtype], list(shape), len(data)
     offsets = []
-    for i in range(layers):
-        pair = []
-        for kind in "kv":
-            info = header[f"layer.{i}.{kind}"]
-            lo, hi = (int(x) for x in info["data_offsets"])
-            if tuple(int(x) for x in info["shape"]) != shape or hi - lo != size or not 0 <= lo <= hi <= len(data):
-                raise CorruptBlock(f"layer {i} {kind.upper()}: wrong shape, or offsets [{lo}, {hi}) outside the payload")
-            pair.append(lo)
-        offsets.append(tuple(pair))
+    for pair in pairs:
+        at = []
+        for name in pair:
+            info = header[name]
+            lo, hi = info["data_offsets"]
+            if (info["shape"] != want or type(lo) is not int or type(hi) is not int or hi - lo != size
+                    or not 0 <= lo <= hi <= end):
+                raise CorruptBlock(f"tensor {name}: wrong shape, or offsets [{lo}, {hi}) outside the payload")
+            at.append(lo)
+        offsets.append(tuple(at))
     return StoredBlock(data, dtype, shape, tuple(offsets))
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_names(layers: int) -> tuple[tuple[tuple[str, str], ...], frozenset]:
+    """The tensor names of a block of ``layers`` layers: per layer (K's, V's), and all of them."""
+    pairs = tuple((f"layer.{i}.k", f"layer.{i}.v") for i in range(layers))
+    return pairs, frozenset(name for pair in pairs for name in pair)
 
 
 def split_blocks(layers: list[LayerKV], start: int, stop: int, block_size: int) -> list[list[LayerKV]]:

@@ -33,17 +33,31 @@ class Lookup:
     @property
     def as_stored(self) -> bool:
         """Whether every found block holds the asked dtype, so its bytes can travel as they are."""
-        return all(self.dtype in (None, b.dtype) for b in self.blocks)
+        want = self.dtype or (self.blocks[0].dtype if self.blocks else None)
+        return all(b.dtype == want for b in self.blocks)
 
     def layers(self) -> list[LayerKV]:
-        """The found blocks joined per layer (one copy), in the asked dtype: (K, V) [1, kv_heads, tokens, head_dim]."""
+        """The found blocks joined per layer (one copy, straight from the blobs' bytes), in the asked dtype:
+        (K, V) [1, kv_heads, tokens, head_dim]."""
         if not self.blocks:
             return []
+        heads, _, dim = self.blocks[0].shape
+        n, stored = self.tokens, self.blocks[0].dtype
+        if any(b.dtype != stored for b in self.blocks):  # writers that asked for different dtypes: convert per block
+            want = self.dtype or stored
+            return [tuple(torch.cat([b.layer(i)[kind].to(want) for b in self.blocks], 1)[None] for kind in (0, 1))
+                    for i in range(len(self.blocks[0].offsets))]
         out = []
         for i in range(len(self.blocks[0].offsets)):
-            k, v = zip(*(b.layer(i) for b in self.blocks))
-            k, v = torch.cat(k, 1)[None], torch.cat(v, 1)[None]
-            out.append((k, v) if self.dtype in (None, k.dtype) else (k.to(self.dtype), v.to(self.dtype)))
+            kv = []
+            for kind in (0, 1):
+                t = torch.empty((1, heads, n, dim), dtype=stored)
+                dst, at = memoryview(t.view(torch.uint8).numpy()).cast("B"), 0
+                for piece in self.pieces(i, kind, 0, n):
+                    dst[at : at + len(piece)] = piece
+                    at += len(piece)
+                kv.append(t if self.dtype in (None, stored) else t.to(self.dtype))
+            out.append(tuple(kv))
         return out
 
     def pieces(self, layer: int, kind: int, start: int, stop: int) -> list[memoryview]:

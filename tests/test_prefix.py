@@ -78,7 +78,17 @@ def test_stored_bytes_are_the_bytes_the_tensor_path_would_send(dtype):
                                                         look.pieces(layer, 0, start, stop), look.pieces(layer, 1, start, stop)))
             assert got == want, (layer, start, stop)
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32
-    assert not pc.lookup(ns, ids, 2, heads, dim, dtype=other).as_stored  # another dtype goes through tensors
+    converted = pc.lookup(ns, ids, 2, heads, dim, dtype=other)
+    assert not converted.as_stored  # another dtype goes through tensors
+    torch.testing.assert_close(converted.layers()[1][1], kv[1][1].to(other), rtol=0, atol=0)
+    # Blocks stored in different dtypes (writers that asked for different ones) are converted block by block.
+    pc2 = PrefixCache(MemoryStore(), SECRET, BS)
+    pc2.publish(ns, ids[:BS], [(k[..., :BS, :], v[..., :BS, :]) for k, v in kv])
+    pc2.publish(ns, ids, [(k.to(other), v.to(other)) for k, v in kv])  # the first block is kept (writes never overwrite)
+    mixed = pc2.lookup(ns, ids, 2, heads, dim, dtype=dtype)
+    assert [b.dtype for b in mixed.blocks] == [dtype, other, other] and not mixed.as_stored
+    torch.testing.assert_close(mixed.layers()[0][0][..., :BS, :], kv[0][0][..., :BS, :], rtol=0, atol=0)
+    torch.testing.assert_close(mixed.layers()[0][0][..., BS:, :], kv[0][0][..., BS:, :].to(other).to(dtype), rtol=0, atol=0)
 
 
 def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
