@@ -98,10 +98,10 @@ class _Sender:
                 pass
 
     async def _write(self, msg) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(self.context.write(msg), max(self.deadline - loop.time(), 0.001))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout_at(self.deadline):  # no task per message (wait_for made one)
+                await self.context.write(msg)
+        except TimeoutError:
             raise TimeoutError("the caller did not read the response before the sidecar's max_stream_seconds ran out") from None
         except asyncio.CancelledError:
             raise
