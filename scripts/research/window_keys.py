@@ -1,0 +1,177 @@
+"""Issue 13 lever: keys of the late target layers from a short window of source tokens.
+
+The diagnosis (docs/real_pair.md): with the 10-layer source, copying is lost in the *keys* of target layers
+~10-24, which read what those layers' attention moved between positions (previous-token heads feed the induction
+heads). A per-token map sees one position; this one reads W positions (t, t-1, ..., t-W+1) of the last few source
+layers' position-free K and V, in one closed-form ridge solve per target layer (one shared eigendecomposition).
+
+Arms, on fresh held-out copy-probe prompts (target recomputes the last 16 tokens in every mapped arm):
+  full, truncate_16              the target alone
+  l10                            the shipped map
+  oracle_K                       the shipped map with the target's own keys for the replaced layers (the ceiling)
+  window_W                       the shipped map with the replaced layers' keys from the window map
+
+    .venv/bin/python scripts/research/window_keys.py --windows 1,2,4 --tokens 40000 --out runs/results/window_keys
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvferry import paths
+from kvferry.mappings.apply import apply
+from kvferry.mappings.artifact import load
+from kvferry.mappings.capture import capture_kv, kv_slice, load_model, read_corpus, token_stream, token_windows
+from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
+from kvferry.mappings.features import from_features, to_features
+
+LAMBDAS = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
+
+
+def source_features(kv, layers: list[int], rope, window: int) -> torch.Tensor:
+    """[T, window * len(layers) * 2 * width]: position-free K and V of ``layers`` at t, t-1, ... (zeros before 0)."""
+    t = kv[0][0].shape[2]
+    per = torch.cat([torch.cat([to_features(kv[l][0], rope, range(t))[0], to_features(kv[l][1], None, range(t))[0]], -1)
+                     for l in layers], -1)
+    shifted = [per]
+    for w in range(1, window):
+        shifted.append(torch.cat([torch.zeros(w, per.shape[1]), per[:-w]], 0))
+    return torch.cat(shifted, -1)
+
+
+def target_keys(kv, layers: list[int], rope) -> torch.Tensor:
+    """[T, len(layers) * width]: position-free keys of the target ``layers``."""
+    t = kv[0][0].shape[2]
+    return torch.cat([to_features(kv[l][0], rope, range(t))[0] for l in layers], -1)
+
+
+def fit(xs: list[torch.Tensor], ys: list[torch.Tensor], held: int, widths: int) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    """Ridge per output block of ``widths`` columns, lambda chosen on the last ``held`` sequences; float64 sums."""
+    xtr, ytr = torch.cat(xs[:-held]).double(), torch.cat(ys[:-held]).double()
+    xho, yho = torch.cat(xs[-held:]).double(), torch.cat(ys[-held:]).double()
+    mx, my = xtr.mean(0), ytr.mean(0)
+    xc, yc = xtr - mx, ytr - my
+    evals, evecs = torch.linalg.eigh(xc.T @ xc)
+    proj = evecs.T @ (xc.T @ yc)  # [d, out]
+    xh = (xho - mx) @ evecs
+    best = [None] * (ytr.shape[1] // widths)
+    for lam in LAMBDAS:
+        scale = lam * float(evals.max()) * 1e-6
+        pred = (xh / (evals + scale)) @ proj + my
+        for b in range(len(best)):
+            sl = slice(b * widths, (b + 1) * widths)
+            r2 = 1 - float(((pred[:, sl] - yho[:, sl]) ** 2).sum() / ((yho[:, sl] - yho[:, sl].mean(0)) ** 2).sum())
+            if best[b] is None or r2 > best[b][0]:
+                best[b] = (r2, scale)
+    w = torch.empty(xtr.shape[1], ytr.shape[1], dtype=torch.float64)
+    for b, (_, scale) in enumerate(best):
+        sl = slice(b * widths, (b + 1) * widths)
+        w[:, sl] = evecs @ (proj[:, sl] / (evals + scale)[:, None])
+    bias = my - mx @ w
+    return w.float(), bias.float(), [r2 for r2, _ in best]
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--map", type=Path, default=paths.maps_dir() / "smollm2-135m-l10__smollm2-135m" / "0.1.0")
+    ap.add_argument("--source-layers", default="6,7,8,9")
+    ap.add_argument("--target-layers", default="10-24")
+    ap.add_argument("--windows", default="1,2,4")
+    ap.add_argument("--tokens", type=int, default=40000)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--gaps", default="500,1000")
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--out", type=Path, default=Path("runs/results/window_keys"))
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    t_start = time.perf_counter()
+    ms = load(a.map)
+    target = load_model(paths.model_dir("pretrained") / ms.target.name)
+    source = load_model(paths.model_dir("pretrained") / ms.source.name)
+    s_layers = [int(x) for x in a.source_layers.split(",")]
+    lo, hi = (int(x) for x in a.target_layers.split("-"))
+    t_layers = list(range(lo, hi + 1))
+    windows = [int(w) for w in a.windows.split(",")]
+    srope, trope = ms.source.geometry.rope, ms.target.geometry.rope
+    tg = ms.target.geometry
+    width = tg.kv_heads * tg.head_dim
+
+    seqs = token_windows(target.tokenizer, read_corpus([paths.data_file("calib.jsonl")]), a.seq, a.tokens)
+    feats: dict[int, list[torch.Tensor]] = {w: [] for w in windows}
+    ys: list[torch.Tensor] = []
+    for ids in seqs:
+        skv, tkv = capture_kv(source.model, ids[None]), capture_kv(target.model, ids[None])
+        for w in windows:
+            feats[w].append(source_features(skv, s_layers, srope, w))
+        ys.append(target_keys(tkv, t_layers, trope))
+    print(f"captured {len(seqs)} x {a.seq} tokens in {time.perf_counter() - t_start:.0f} s", flush=True)
+    held = max(1, len(seqs) // 10)
+    maps, r2s = {}, {}
+    for w in windows:
+        t0 = time.perf_counter()
+        wt, b, r2 = fit(feats[w], ys, held, width)
+        maps[w], r2s[w] = (wt, b), r2
+        print(f"window {w}: {feats[w][0].shape[1]} inputs, held-out R2 per layer "
+              + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2)) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    del feats, ys
+
+    stream = token_stream(target.tokenizer, read_corpus([paths.data_file("heldout.jsonl")]))
+    exs = make_examples(stream, CopySettings(gaps=tuple(int(g) for g in a.gaps.split(",")), prompts=a.prompts, seed=a.seed))
+    r = 16
+    sums: dict[tuple[int, str], float] = {}
+    for ex in exs:
+        n = len(ex.prompt)
+        ids = torch.tensor([ex.prompt[:-1]])
+        skv = capture_kv(source.model, ids)
+        tkv = capture_kv(target.model, ids)
+        mapped = apply(ms, skv, 0)
+        row = {"full": continuation_accuracy(target.model, None, ex.prompt, ex.answer),
+               "truncate_16": continuation_accuracy(target.model, None, ex.prompt[n - r:], ex.answer)}
+
+        def with_keys(keys) -> list:
+            out = [(k.float(), v.float()) for k, v in mapped]
+            for i, l in enumerate(t_layers):
+                out[l] = (keys[i], out[l][1])
+            return out
+
+        def score(kv) -> float:
+            return continuation_accuracy(target.model, kv_slice(kv, 0, n - r), ex.prompt[n - r:], ex.answer)
+
+        row["l10"] = score([(k.float(), v.float()) for k, v in mapped])
+        row["oracle_K"] = score(with_keys([tkv[l][0] for l in t_layers]))
+        t = ids.shape[1]
+        for w in windows:
+            wt, b = maps[w]
+            y = (source_features(skv, s_layers, srope, w) @ wt + b)[None]
+            keys = [from_features(y[..., i * width : (i + 1) * width].contiguous(), tg.kv_heads, trope, range(t)).contiguous()
+                    for i in range(len(t_layers))]
+            row[f"window_{w}"] = score(with_keys(keys))
+        for k, v in row.items():
+            sums[(ex.gap, k)] = sums.get((ex.gap, k), 0.0) + v
+        print(ex.gap, {k: round(v, 3) for k, v in row.items()}, flush=True)
+    gaps = sorted({g for g, _ in sums})
+    arms = list(dict.fromkeys(k for _, k in sums))
+    result = {"settings": vars(a) | {"map": str(a.map), "out": str(a.out)}, "seconds": time.perf_counter() - t_start,
+              "heldout_r2": {str(w): dict(zip(map(str, t_layers), r2s[w])) for w in windows},
+              "gaps": {str(g): {k: sums[(g, k)] / a.prompts for k in arms} for g in gaps}}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = ["| arm | " + " | ".join(f"gap {g}" for g in gaps) + " | retention (min over gaps) |",
+             "|---|" + "---|" * (len(gaps) + 1)]
+    for k in arms:
+        vals = [result["gaps"][str(g)][k] for g in gaps]
+        ret = min(v / max(result["gaps"][str(g)]["full"], 1e-9) for v, g in zip(vals, gaps))
+        lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {ret:.2f} |")
+    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
