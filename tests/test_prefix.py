@@ -107,12 +107,16 @@ def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
         torch.testing.assert_close(got[1][0], layers[1][0])
     n = int.from_bytes(payload[:8], "little")
     header = json.loads(payload[8 : 8 + n])
-    header["layer.0.k"]["data_offsets"] = [0, 10 ** 9]  # claims more bytes than the blob holds
-    text = json.dumps(header).encode()
-    text += b" " * (n - len(text)) if len(text) <= n else b""
-    forged = len(text).to_bytes(8, "little") + text + payload[8 + n :]
-    with pytest.raises(CorruptBlock, match="offsets"):
-        decode_block(MAGIC_V2 + zlib.crc32(forged).to_bytes(4, "little") + forged, h, 2, (2, 8, 16))
+    good = header["layer.0.k"]["data_offsets"]
+    lies = {"past the blob": [0, 10 ** 9], "float offsets": [float(good[0]), float(good[1])],
+            "wrong size": [good[0], good[1] - 2]}
+    for what, offsets in lies.items():
+        header["layer.0.k"]["data_offsets"] = offsets
+        text = json.dumps(header).encode()
+        text += b" " * (n - len(text)) if len(text) <= n else b""
+        forged = len(text).to_bytes(8, "little") + text + payload[8 + n :]
+        with pytest.raises(CorruptBlock, match="offsets"):  # a hit sends byte ranges: every offset is checked
+            decode_block(MAGIC_V2 + zlib.crc32(forged).to_bytes(4, "little") + forged, h, 2, (2, 8, 16))
 
 
 def test_memory_store_is_bounded_and_expires():
