@@ -18,11 +18,11 @@ Writes JSON and a markdown table (``--out``). Example:
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+from tables import write_results  # scripts/research/tables.py (beside this script)
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -122,17 +122,7 @@ def main() -> None:
                            "refresh": r, "seed": a.seed},
               "seconds": time.perf_counter() - t0,
               "gaps": {str(g): {k: sums[(g, k)] / a.prompts for k in arms} for g in gaps}}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["| arm | " + " | ".join(f"gap {g}" for g in gaps) + " | retention (min over gaps) |",
-             "|---|" + "---|" * (len(gaps) + 1)]
-    for k in arms:
-        vals = [result["gaps"][str(g)][k] for g in gaps]
-        ret = min(v / max(result["gaps"][str(g)]["full"], 1e-9) for v, g in zip(vals, gaps))
-        lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {ret:.2f} |")
-    table = "\n".join(lines)
-    a.out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    write_results(a.out, result, gaps, arms)
 
 
 if __name__ == "__main__":

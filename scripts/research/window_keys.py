@@ -17,11 +17,11 @@ Arms, on fresh held-out copy-probe prompts (target recomputes the last 16 tokens
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+from tables import write_results  # scripts/research/tables.py (beside this script)
 
 from kvferry import paths
 from kvferry.mappings.apply import apply
@@ -161,16 +161,7 @@ def main() -> None:
     result = {"settings": vars(a) | {"map": str(a.map), "out": str(a.out)}, "seconds": time.perf_counter() - t_start,
               "heldout_r2": {str(w): dict(zip(map(str, t_layers), r2s[w])) for w in windows},
               "gaps": {str(g): {k: sums[(g, k)] / a.prompts for k in arms} for g in gaps}}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["| arm | " + " | ".join(f"gap {g}" for g in gaps) + " | retention (min over gaps) |",
-             "|---|" + "---|" * (len(gaps) + 1)]
-    for k in arms:
-        vals = [result["gaps"][str(g)][k] for g in gaps]
-        ret = min(v / max(result["gaps"][str(g)]["full"], 1e-9) for v, g in zip(vals, gaps))
-        lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {ret:.2f} |")
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.out, result, gaps, arms)
 
 
 if __name__ == "__main__":
