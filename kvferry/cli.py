@@ -30,7 +30,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
     settings = FitSettings(k=a.k, seq_len=a.seq_len, max_tokens=a.max_tokens, subsample=a.subsample, seed=a.seed,
-                           inputs=a.inputs, per_head=a.per_head, dtype=a.dtype, selection=a.selection)
+                           inputs=a.inputs, per_head=a.per_head, dtype=a.dtype, selection=a.selection,
+                           min_gain=a.min_gain)
     src, tgt = load_model(a.source, a.source_name), load_model(a.target, a.target_name)
     ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet, stats_path=a.stats)
     if ms is not None:
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kv: each map reads the source layers' K and V; same: K from K, V from V")
     f.add_argument("--selection", choices=["greedy", "ranked"], default="greedy",
                    help="greedy: forward selection of source layers (default); ranked: the k best layers alone (fast for wide models)")
+    f.add_argument("--min-gain", type=float, default=0.0,
+                   help="greedy: stop adding source layers once the next raises held-out R² by less than this (0: always k)")
     f.add_argument("--per-head", action="store_true", help="block-diagonal maps (target head j reads one source head)")
     f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights' stored and applied dtype (bfloat16: faster apply; evaluate it before serving)")

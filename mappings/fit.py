@@ -49,6 +49,10 @@ class FitSettings:
     """Which source features feed a map: "kv" (each map reads the chosen layers' K and V) or "same" (K from K, V from V)."""
     per_head: bool = False
     """Block-diagonal maps: each target kv head reads only its corresponding source head."""
+    min_gain: float = 0.0
+    """Greedy selection stops adding source layers once the next would raise held-out R² by less than this (0: always
+    k). A layer left out saves its share of the map's FLOPs on every translated token; where one source layer already
+    reproduces the target layer (a shared or copied layer: R² 1.0), the map reads that layer alone."""
     selection: str = "greedy"
     """How each map's k source layers are chosen: "greedy" forward selection by held-out R² (the default), or
     "ranked": the k best layers on their own, far fewer eigendecompositions for wide models (docs/benchmarks.md)."""
@@ -69,6 +73,8 @@ class FitSettings:
             raise InvalidInput("lambdas must be positive")
         if self.inputs not in ("same", "kv"):
             raise InvalidInput(f"inputs must be 'same' or 'kv', got {self.inputs!r}")
+        if not 0 <= self.min_gain < 1:
+            raise InvalidInput(f"min_gain must be in [0, 1), got {self.min_gain!r}")
         if self.selection not in SELECTIONS:
             raise InvalidInput(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -82,7 +88,8 @@ class FitSettings:
                 "subsample": self.subsample, "lambdas": list(self.lambdas), "seed": self.seed,
                 "inputs": self.inputs, "per_head": self.per_head,
                 **({"dtype": self.dtype} if self.dtype != "float32" else {}),
-                **({"selection": self.selection} if self.selection != "greedy" else {})}
+                **({"selection": self.selection} if self.selection != "greedy" else {}),
+                **({"min_gain": self.min_gain} if self.min_gain else {})}
 
 
 def _all_features(kv, geometry, positions: torch.Tensor) -> torch.Tensor:
@@ -155,7 +162,8 @@ def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settin
             inputs = settings.inputs_for(kind)
             blocks = {l: torch.cat([feature_cols(sg, l, c) for c in inputs]) for l in range(sg.layers)}
             chosen, fit = select_and_fit(gs.train, gs.heldout, feature_cols(tg, t, kind), blocks, settings.k, settings.lambdas,
-                                         rounding_variance(settings.dtype), solver, settings.selection)
+                                         rounding_variance(settings.dtype), solver, settings.selection,
+                                         settings.min_gain)
             weight, bias, r2 = fit.weight, fit.bias, fit.heldout_r2
             if settings.per_head:
                 weight, bias, r2 = _per_head(solver, sg, tg, t, kind, chosen, inputs, settings)

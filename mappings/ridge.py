@@ -196,7 +196,7 @@ SELECTIONS = ("greedy", "ranked")
 
 def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, blocks: dict[int, torch.Tensor], k: int,
                    lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0, solver: RidgeSolver | None = None,
-                   selection: str = "greedy") -> tuple[list[int], RidgeFit]:
+                   selection: str = "greedy", min_gain: float = 0.0) -> tuple[list[int], RidgeFit]:
     """Choose k candidate blocks (source layers) by held-out R², then refit on all rows.
 
     ``selection="greedy"``: forward selection, each step adding the block that helps most given those chosen
@@ -204,7 +204,8 @@ def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, block
     best held-out R² on their own, then one path for the union (L + one decomposition per distinct union):
     for wide models, where greedy selection costs hours on a CPU.
     ``blocks`` maps a candidate (a source layer) to its x columns; the chosen blocks' columns are
-    concatenated in ascending candidate order. Pass one ``solver`` for all maps over the same sums to share
+    concatenated in ascending candidate order. ``min_gain`` > 0 (greedy only): stop before k once the best next block
+    would raise held-out R² by less than that. Pass one ``solver`` for all maps over the same sums to share
     their eigendecompositions.
     """
     solver = solver or RidgeSolver(train, heldout)
@@ -230,6 +231,8 @@ def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, block
             i = int(torch.argmax(path))
             trial[cand] = (float(path[i]), lambdas[i])
         cand, (r2, lam) = max(trial.items(), key=lambda kv: kv[1][0])
+        if chosen and min_gain > 0 and r2 - best_r2 < min_gain:
+            break
         chosen.append(cand)
         best_r2, best_lam = r2, lam
     chosen.sort()

@@ -15,11 +15,14 @@ from conftest import DATA, MODELS
 CALIB = [str(DATA / "calib.jsonl")]
 
 
-def test_self_map_gives_the_models_own_logits(family):
+@pytest.mark.parametrize("min_gain", [0.0, 1e-4])
+def test_self_map_gives_the_models_own_logits(family, min_gain):
     s = family["S"]
-    ms = fit_pair(s, s, CALIB, FitSettings(k=2, seq_len=256, max_tokens=16384), progress=False)
+    ms = fit_pair(s, s, CALIB, FitSettings(k=2, seq_len=256, max_tokens=16384, min_gain=min_gain), progress=False)
     for (t, kind), m in ms.maps.items():
         assert t in m.source_layers and m.heldout_r2 > 0.9999
+        # with a minimum gain, a layer the source shares is read alone: a second layer adds nothing
+        assert len(m.source_layers) == (1 if min_gain else 2)
     ids = torch.randint(2, 4096, (2, 200))
     mapped = apply(ms, capture_kv(s.model, ids[:, :-1]))
     with torch.no_grad():
@@ -46,6 +49,8 @@ def test_subsampling_and_too_little_text(family, tmp_path):
     tiny.write_text("x = 1\n")
     with pytest.raises(InvalidInput, match="windows"):
         fit_pair(s, s, [str(tiny)], FitSettings(seq_len=128), progress=False)
+    with pytest.raises(InvalidInput, match="min_gain"):
+        FitSettings(min_gain=1.0)
     with pytest.raises(InvalidInput):
         FitSettings(subsample=0)
 
