@@ -10,6 +10,7 @@ Arms, on fresh held-out copy-probe prompts (target recomputes the last 16 tokens
   l10                            the shipped map
   oracle_K                       the shipped map with the target's own keys for the replaced layers (the ceiling)
   window_W                       the shipped map with the replaced layers' keys from the window map
+  window_W+mlp                   the same, plus a small MLP trained on the window map's residual (--mlp-hidden)
 
     .venv/bin/python scripts/research/window_keys.py --windows 1,2,4 --tokens 40000 --out runs/results/window_keys
 """
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+import residual_mlp  # scripts/research/residual_mlp.py (beside this script)
 from tables import write_results  # scripts/research/tables.py (beside this script)
 
 from kvferry import paths
@@ -88,6 +90,8 @@ def main() -> None:
     ap.add_argument("--gaps", default="500,1000")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--mlp-hidden", type=int, default=0, help="0: no MLP arm")
+    ap.add_argument("--mlp-epochs", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("runs/results/window_keys"))
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -113,13 +117,21 @@ def main() -> None:
         ys.append(target_keys(tkv, t_layers, trope))
     print(f"captured {len(seqs)} x {a.seq} tokens in {time.perf_counter() - t_start:.0f} s", flush=True)
     held = max(1, len(seqs) // 10)
-    maps, r2s = {}, {}
+    maps, r2s, mlps = {}, {}, {}
     for w in windows:
         t0 = time.perf_counter()
         wt, b, r2 = fit(feats[w], ys, held, width)
         maps[w], r2s[w] = (wt, b), r2
         print(f"window {w}: {feats[w][0].shape[1]} inputs, held-out R2 per layer "
               + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2)) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if a.mlp_hidden:
+            t0 = time.perf_counter()
+            rows = sum(len(f) for f in feats[w][-held:])
+            net, r2 = residual_mlp.train(torch.cat(feats[w]), torch.cat(ys), rows, wt, b, width,
+                                         hidden=a.mlp_hidden, epochs=a.mlp_epochs)
+            mlps[w], r2s[f"{w}+mlp"] = net, r2
+            print(f"window {w}+mlp: held-out R2 per layer " + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2))
+                  + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     del feats, ys
 
     stream = token_stream(target.tokenizer, read_corpus([paths.data_file("heldout.jsonl")]))
@@ -149,17 +161,21 @@ def main() -> None:
         t = ids.shape[1]
         for w in windows:
             wt, b = maps[w]
-            y = (source_features(skv, s_layers, srope, w) @ wt + b)[None]
-            keys = [from_features(y[..., i * width : (i + 1) * width].contiguous(), tg.kv_heads, trope, range(t)).contiguous()
-                    for i in range(len(t_layers))]
-            row[f"window_{w}"] = score(with_keys(keys))
+            x = source_features(skv, s_layers, srope, w)
+            arms = {f"window_{w}": x @ wt + b}
+            if w in mlps:
+                arms[f"window_{w}+mlp"] = arms[f"window_{w}"] + mlps[w](x)
+            for name, y in arms.items():
+                keys = [from_features(y[None, :, i * width : (i + 1) * width].contiguous(), tg.kv_heads, trope, range(t)).contiguous()
+                        for i in range(len(t_layers))]
+                row[name] = score(with_keys(keys))
         for k, v in row.items():
             sums[(ex.gap, k)] = sums.get((ex.gap, k), 0.0) + v
         print(ex.gap, {k: round(v, 3) for k, v in row.items()}, flush=True)
     gaps = sorted({g for g, _ in sums})
     arms = list(dict.fromkeys(k for _, k in sums))
     result = {"settings": vars(a) | {"map": str(a.map), "out": str(a.out)}, "seconds": time.perf_counter() - t_start,
-              "heldout_r2": {str(w): dict(zip(map(str, t_layers), r2s[w])) for w in windows},
+              "heldout_r2": {str(w): dict(zip(map(str, t_layers), r2)) for w, r2 in r2s.items()},
               "gaps": {str(g): {k: sums[(g, k)] / a.prompts for k in arms} for g in gaps}}
     write_results(a.out, result, gaps, arms)
 
