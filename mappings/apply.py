@@ -36,21 +36,33 @@ class StreamingApplier:
     each piece of output leaves as early as possible, and source features are dropped once every
     map that reads them has consumed them. ``push`` yields (target_layer, start, end, K, V) with
     K, V [B, kv_heads, end - start, head_dim]; token indices are relative to the first token.
+
+    Windowed maps (``ms.context`` > 0) also read the tokens before each token. Before position 0 there are none (the
+    fit saw zeros there too); a translation that starts later must first push those ``context`` tokens, at negative
+    indices -context..-1: they are read, never mapped. Without them the applier refuses to start, since the first
+    tokens would be mapped from a context they do not have.
     """
 
-    def __init__(self, ms: MapSet, positions: int = 0, out_dtype: torch.dtype | None = None, tokens: int | None = None):
+    def __init__(self, ms: MapSet, positions: int = 0, out_dtype: torch.dtype | None = None, tokens: int | None = None,
+                 context: int = 0):
         if not isinstance(positions, int):
             raise InvalidInput("positions must be the absolute position (int) of the first token")
+        if context != min(ms.context, positions):
+            raise InvalidInput(f"map {ms.name} {ms.version} reads the {ms.context} source tokens before each token; a "
+                               f"translation starting at position {positions} must also send the "
+                               f"{min(ms.context, positions)} before it (got {context}). Translate from position 0 or "
+                               "send that context")
         self.ms = ms
         self.start_position = positions
+        self.context = context
         self.out_dtype = out_dtype
         self.tokens = tokens  # total tokens, when known: completion is then checkable
         self._groups = ms.fused_groups()  # maps reading the same source features share one matmul
         self._done = [0] * len(self._groups)  # tokens mapped per group
-        self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind)
+        self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind); starts at -context
         self._feats: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}  # (start, [B, n, w]) pieces
         self._readers: dict[tuple[int, str], list[int]] = {}
-        for gi, ((sources, inputs), _, _, _) in enumerate(self._groups):
+        for gi, ((sources, inputs, _), _, _, _) in enumerate(self._groups):
             for s in sources:
                 for c in inputs:
                     self._readers.setdefault((s, c), []).append(gi)
@@ -70,9 +82,10 @@ class StreamingApplier:
             raise InvalidInput(f"source layer {layer} {kind.upper()} has shape {tuple(tensor.shape)}; expected "
                                f"[batch, {sg.kv_heads}, tokens, {sg.head_dim}]")
         key = (layer, kind)
-        if start != self._next.get(key, 0):
+        expect = self._next.get(key, -self.context)
+        if start != expect:
             raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens must arrive in order; expected start "
-                               f"{self._next.get(key, 0)}, got {start}" + (" (sent twice?)" if start < self._next.get(key, 0) else ""))
+                               f"{expect}, got {start}" + (" (sent twice?)" if start < expect else ""))
         n = tensor.shape[2]
         if self.tokens is not None and start + n > self.tokens:
             raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens past the declared {self.tokens}")
@@ -85,19 +98,31 @@ class StreamingApplier:
         yield from self._advance()
 
     def _slice(self, key: tuple[int, str], a: int, b: int) -> torch.Tensor:
+        """Features of tokens [a, b); tokens before the first pushed one (before position 0) read zeros."""
+        first = -self.context
         parts = [(s, f) for s, f in self._feats[key] if s < b and s + f.shape[1] > a]
         pieces = [f[:, max(a - s, 0) : min(b - s, f.shape[1])] for s, f in parts]
+        if a < first:
+            f = self._feats[key][0][1]
+            pieces.insert(0, f.new_zeros(f.shape[0], min(first, b) - a, f.shape[2]))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def _inputs(self, group: tuple, a: int, b: int) -> torch.Tensor:
+        """A group's map input for tokens [a, b): its source features side by side, then (windowed) those of the
+        window - 1 tokens before, nearest first."""
+        sources, inputs, window = group
+        return torch.cat([self._slice((s, c), a - o, b - o) for o in range(window) for s in sources for c in inputs], dim=-1)
 
     def _advance(self):
         tg = self.ms.target.geometry
         width = tg.kv_width
-        for gi, ((sources, inputs), keys, w, b) in enumerate(self._groups):
-            ready = min(self._next.get((s, c), 0) for s in sources for c in inputs)
+        for gi, (group, keys, w, b) in enumerate(self._groups):
+            sources, inputs, _ = group
+            ready = min(self._next.get((s, c), -self.context) for s in sources for c in inputs)
             a = self._done[gi]
             if ready <= a:
                 continue
-            x = torch.cat([self._slice((s, c), a, ready) for s in sources for c in inputs], dim=-1)
+            x = self._inputs(group, a, ready)
             y = torch.addmm(b.to(x.device), x.reshape(-1, x.shape[-1]), w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
             pos = range(self.start_position + a, self.start_position + ready)
             for i, (t, kind) in enumerate(keys):
@@ -124,7 +149,7 @@ class StreamingApplier:
 
     def _trim(self) -> None:
         for key, readers in self._readers.items():
-            low = min(self._done[g] for g in readers)
+            low = min(self._done[g] - self._groups[g][0][2] + 1 for g in readers)  # windows keep their last tokens
             if key in self._feats:
                 self._feats[key] = [(s, f) for s, f in self._feats[key] if s + f.shape[1] > low]
 

@@ -29,9 +29,11 @@ from .geometry import ModelIdentity, check_pair, digest
 from .versions import check_version
 
 FORMAT = "kvferry.maps"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written only for sets with a windowed map; per-token sets are still written as version 1
+READ_VERSIONS = (1, 2)
 KINDS = ("k", "v")
 MAP_DTYPES = (torch.float32, torch.bfloat16)  # what maps are stored and applied in
+MAX_WINDOW = 64  # tokens a windowed map may read per output token
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -43,9 +45,12 @@ def check_name(name: str) -> str:
 
 @dataclass
 class LayerMap:
-    """One target layer's K or V map: y = concat(x[s, c] for s in source_layers for c in inputs) @ weight + bias.
+    """One target layer's K or V map: y[t] = concat(x[t - o, s, c] for o < window for s in source_layers
+    for c in inputs) @ weight + bias.
 
-    x[s, "k"] is source layer s's un-rotated keys and x[s, "v"] its values, heads side by side.
+    x[t, s, "k"] is source layer s's un-rotated keys at token t and x[t, s, "v"] its values, heads side by side.
+    ``window`` 1 is a per-token map; a windowed map also reads the window - 1 tokens before each token (offset o = 0
+    first), zeros before the sequence's first token.
     """
 
     target_layer: int
@@ -56,6 +61,7 @@ class LayerMap:
     lam: float = 0.0
     heldout_r2: float = float("nan")
     inputs: tuple[str, ...] = ()  # source features read; () means (kind,)
+    window: int = 1  # tokens read per output token: t, t-1, ..., t-window+1
 
     def __post_init__(self) -> None:
         self.inputs = tuple(self.inputs) or (self.kind,)
@@ -81,6 +87,11 @@ class MapSet:
     def name(self) -> str:
         return f"{self.source.name}__{self.target.name}"
 
+    @property
+    def context(self) -> int:
+        """Source tokens before a token that its maps read (0 for per-token maps)."""
+        return max((m.window for m in self.maps.values()), default=1) - 1
+
     def layer(self, target_layer: int, kind: str) -> LayerMap:
         return self.maps[(target_layer, kind)]
 
@@ -98,14 +109,14 @@ class MapSet:
         return self
 
     def fused_groups(self) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
-        """Maps grouped by the source features they read, weights and biases concatenated per group: built once per
+        """Maps grouped by the source features they read ((source_layers, inputs, window)), weights and biases concatenated per group: built once per
         MapSet (and again after ``to()``), so apply runs one matmul per group. Lives and dies with the MapSet."""
         if self._fused is None:
             groups: dict[tuple, list[tuple[int, str]]] = {}
             for key, m in sorted(self.maps.items()):
-                groups.setdefault((m.source_layers, m.inputs), []).append(key)
-            self._fused = [((sources, inputs), keys, torch.cat([self.maps[k].weight for k in keys], dim=1),
-                            torch.cat([self.maps[k].bias for k in keys])) for (sources, inputs), keys in groups.items()]
+                groups.setdefault((m.source_layers, m.inputs, m.window), []).append(key)
+            self._fused = [(group, keys, torch.cat([self.maps[k].weight for k in keys], dim=1),
+                            torch.cat([self.maps[k].bias for k in keys])) for group, keys in groups.items()]
         return self._fused
 
     def validate(self) -> None:
@@ -125,7 +136,9 @@ class MapSet:
                     raise ArtifactError(f"layer {t}{kind}: source layers {m.source_layers} outside 0..{sg.layers - 1}")
                 if not m.inputs or any(c not in KINDS for c in m.inputs) or len(set(m.inputs)) != len(m.inputs):
                     raise ArtifactError(f"layer {t}{kind}: inputs {m.inputs} must be distinct items of {KINDS}")
-                want = (len(m.source_layers) * len(m.inputs) * sg.kv_width, tg.kv_width)
+                if not isinstance(m.window, int) or not 1 <= m.window <= MAX_WINDOW:
+                    raise ArtifactError(f"layer {t}{kind}: window {m.window!r} outside 1..{MAX_WINDOW}")
+                want = (m.window * len(m.source_layers) * len(m.inputs) * sg.kv_width, tg.kv_width)
                 if tuple(m.weight.shape) != want or tuple(m.bias.shape) != (tg.kv_width,):
                     raise ArtifactError(f"layer {t}{kind}: weight {tuple(m.weight.shape)} / bias {tuple(m.bias.shape)}, "
                                         f"expected {want} / ({tg.kv_width},) for these geometries")
@@ -145,12 +158,19 @@ def _tensors(ms: MapSet) -> dict[str, torch.Tensor]:
     return out
 
 
+def _format_version(ms: MapSet) -> int:
+    """1 for per-token sets (byte-identical to what earlier kvferry wrote), 2 once a map is windowed: a kvferry that
+    cannot apply windows refuses the artifact instead of reading its weights as per-token maps."""
+    return 2 if ms.context else 1
+
+
 def _manifest(ms: MapSet) -> dict:
     body = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "name": ms.name, "version": ms.version,
+        "format": FORMAT, "format_version": _format_version(ms), "name": ms.name, "version": ms.version,
         "content_sha256": ms.content_sha256, "source": ms.source.as_dict(), "target": ms.target.as_dict(),
         "maps": [{"target_layer": t, "kind": k, "source_layers": list(m.source_layers), "inputs": list(m.inputs), "lambda": m.lam,
-                  "heldout_r2": None if m.heldout_r2 != m.heldout_r2 else round(m.heldout_r2, 6)}
+                  "heldout_r2": None if m.heldout_r2 != m.heldout_r2 else round(m.heldout_r2, 6),
+                  **({"window": m.window} if m.window != 1 else {})}
                  for (t, k), m in sorted(ms.maps.items())],
         "fit": ms.fit, "calibration": ms.calibration, "evidence": ms.evidence,
         "created_at": ms.created_at, "kvferry_version": ms.kvferry_version,
@@ -175,7 +195,7 @@ def save(ms: MapSet, root: str | Path, overwrite: bool = False) -> Path:
     dest = artifact_dir(root, ms)
     if dest.exists() and not overwrite:
         raise ArtifactError(f"{dest} exists; bump the version (artifacts are immutable) or pass overwrite=True")
-    meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "name": ms.name, "version": ms.version,
+    meta = {"format": FORMAT, "format_version": str(_format_version(ms)), "name": ms.name, "version": ms.version,
             "source_geometry": ms.source.geometry.fingerprint, "target_geometry": ms.target.geometry.fingerprint,
             "tokenizer": ms.source.tokenizer}
     blob = _canonical(st_save(_tensors(ms), metadata=meta))
@@ -210,9 +230,9 @@ def read_manifest(path: str | Path) -> dict:
         raise ArtifactError(f"{f} is not valid JSON ({e}); restore it from the map's source") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise ArtifactError(f"{f} is not a kvferry map manifest (format != {FORMAT!r})")
-    if man.get("format_version") != FORMAT_VERSION:
+    if man.get("format_version") not in READ_VERSIONS:
         raise ArtifactError(f"{f}: format_version {man.get('format_version')!r} is not supported by this kvferry "
-                            f"(reads {FORMAT_VERSION}); upgrade kvferry or re-export the map")
+                            f"(reads {', '.join(map(str, READ_VERSIONS))}); upgrade kvferry or re-export the map")
     claimed = man.pop("manifest_sha256", None)
     if claimed != digest(man):
         raise ArtifactError(f"{f}: manifest_sha256 does not match its contents; the manifest was edited or corrupted")
@@ -255,7 +275,7 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
             raise ArtifactError(f"{path}: layer {t}{kind} source layers disagree between tensors and manifest")
         r2 = entry.get("heldout_r2")
         maps[(t, kind)] = LayerMap(t, kind, srcs, w, b, float(entry.get("lambda", 0.0)), float("nan") if r2 is None else r2,
-                                   tuple(entry.get("inputs") or (kind,)))
+                                   tuple(entry.get("inputs") or (kind,)), _window(path, entry, man["format_version"]))
     ms = MapSet(source, target, maps, man["version"], man.get("fit", {}), man.get("calibration", {}), man.get("evidence"),
                 man.get("created_at", ""), man.get("kvferry_version", ""), man["content_sha256"])
     if ms.name != man["name"]:
@@ -265,6 +285,16 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
         if want is not None:
             check_identity(want, got, role)
     return ms
+
+
+def _window(path: Path, entry: dict, format_version: int) -> int:
+    window = entry.get("window", 1)
+    if window != 1 and format_version < 2:
+        raise ArtifactError(f"{path}: layer {entry['target_layer']}{entry['kind']} is windowed but the manifest says "
+                            "format_version 1; the artifact was edited: re-export it")
+    if type(window) is not int:
+        raise ArtifactError(f"{path}: layer {entry['target_layer']}{entry['kind']} window {window!r} is not an integer")
+    return window
 
 
 def check_identity(model: ModelIdentity, in_map: ModelIdentity, role: str) -> None:

@@ -89,7 +89,13 @@ class TranslateSession:
         self.expect_chunks = expect_chunks
         self.outputs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = {} if keep_output else None
         n = spec.num_tokens
-        self.applier = (StreamingApplier(ms, spec.start_position + self.skip, self.out_dtype, n - self.skip)
+        # a windowed map also reads the source tokens just before the first it maps: those of the cached prefix
+        self.context = min(ms.context, spec.start_position + self.skip)
+        if self.context > self.skip:
+            raise InvalidInput(f"map {ms.name} {ms.version} reads the {ms.context} source tokens before each token, and this "
+                               f"request starts at position {spec.start_position} without them: send the sequence from "
+                               "position 0 (its cached prefix is not mapped again), or use a per-token map")
+        self.applier = (StreamingApplier(ms, spec.start_position + self.skip, self.out_dtype, n - self.skip, self.context)
                         if self.skip < n else None)
         layers = ms.target.geometry.layers
         self._next: dict[tuple[int, str], int] = {}
@@ -150,9 +156,10 @@ class TranslateSession:
                                "or infinite values; send the source model's cache as it computed it")
         self.stats.bytes_in += chunk.tensor.numel() * chunk.tensor.element_size()
         self._next[(chunk.layer, chunk.kind)] = chunk.end
-        if self.applier is None or chunk.end <= self.skip:
+        first = self.skip - self.context  # the first token the applier reads
+        if self.applier is None or chunk.end <= first:
             return []  # covered by the prefix store: validated, not mapped
-        lo = max(chunk.start, self.skip)
+        lo = max(chunk.start, first)
         tensor = chunk.tensor[:, lo - chunk.start :][None]
         t0 = time.perf_counter()
         blocks = []

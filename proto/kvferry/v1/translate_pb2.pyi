@@ -215,7 +215,7 @@ class MapEvidence(_message.Message):
     def __init__(self, arm: _Optional[str] = ..., top1: _Optional[float] = ..., top10: _Optional[float] = ..., kl: _Optional[float] = ..., attn_cos: _Optional[float] = ..., recommended_refresh: _Optional[int] = ..., drift_attn_cos: _Optional[float] = ..., drift_rel_err: _Optional[float] = ...) -> None: ...
 
 class MappingInfo(_message.Message):
-    __slots__ = ("name", "version", "source", "target", "tokenizer_fingerprint", "content_sha256", "servable", "gate_reason", "evidence")
+    __slots__ = ("name", "version", "source", "target", "tokenizer_fingerprint", "content_sha256", "servable", "gate_reason", "evidence", "context_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class MappingInfo(_message.Message):
     SERVABLE_FIELD_NUMBER: _ClassVar[int]
     GATE_REASON_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     source: Geometry
@@ -234,7 +235,8 @@ class MappingInfo(_message.Message):
     servable: bool
     gate_reason: str
     evidence: MapEvidence
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., source: _Optional[_Union[Geometry, _Mapping]] = ..., target: _Optional[_Union[Geometry, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., content_sha256: _Optional[str] = ..., servable: _Optional[bool] = ..., gate_reason: _Optional[str] = ..., evidence: _Optional[_Union[MapEvidence, _Mapping]] = ...) -> None: ...
+    context_tokens: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., source: _Optional[_Union[Geometry, _Mapping]] = ..., target: _Optional[_Union[Geometry, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., content_sha256: _Optional[str] = ..., servable: _Optional[bool] = ..., gate_reason: _Optional[str] = ..., evidence: _Optional[_Union[MapEvidence, _Mapping]] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class ListMappingsResponse(_message.Message):
     __slots__ = ("mappings",)
