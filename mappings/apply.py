@@ -164,14 +164,15 @@ class StreamingApplier:
 
 
 @torch.no_grad()
-def apply(ms: MapSet, source_kv: list[LayerKV], positions: int = 0) -> list[LayerKV]:
-    """Map a whole source cache whose first token sits at absolute position ``positions``."""
+def apply(ms: MapSet, source_kv: list[LayerKV], positions: int = 0, context: int = 0) -> list[LayerKV]:
+    """Map a whole source cache whose first mapped token sits at absolute position ``positions``. ``context``: for a
+    windowed map starting past position 0, the cache's first tokens are the ``context`` before it (read, not mapped)."""
     if len(source_kv) != ms.source.geometry.layers:
         raise InvalidInput(f"source cache has {len(source_kv)} layers; the map expects {ms.source.geometry.layers}")
-    applier = StreamingApplier(ms, positions or 0)
+    applier = StreamingApplier(ms, positions or 0, context=context)
     out: dict[int, LayerKV] = {}
     for layer, (k, v) in enumerate(source_kv):
         for kind, tensor in (("k", k), ("v", v)):
-            for t, a, b, tk, tv in applier.push(layer, kind, tensor):
+            for t, a, b, tk, tv in applier.push(layer, kind, tensor, -context):
                 out[t] = (tk, tv)  # whole layers here: each target layer is emitted once
     return [out[t] for t in range(ms.target.geometry.layers)]

@@ -112,14 +112,19 @@ class PrefixService:
         dtype = target_dtype(spec, ms)
         tgt = self.cache.lookup(tgt_ns, tokens, tg.layers, tg.kv_heads, tg.head_dim, dtype=dtype)
         self._count(tgt, blocks)
-        src = self.cache.lookup(src_ns, tokens, sg.layers, sg.kv_heads, sg.head_dim, start_block=tgt.end_block,
+        # a windowed map also reads the source tokens just before the first it maps: fetch their blocks too
+        context = min(ms.context, tgt.end_block * bs)
+        context_blocks = -(-context // bs)
+        src = self.cache.lookup(src_ns, tokens, sg.layers, sg.kv_heads, sg.head_dim, start_block=tgt.end_block - context_blocks,
                                 dtype=spec.source_dtype, hashes=src_hashes[:blocks])
-        covered = tgt.end_block + len(src.blocks)
+        covered = tgt.end_block + max(0, len(src.blocks) - context_blocks)
         if covered == 0:
             raise NotFound("no stored blocks for this prefix_key (expired, evicted, or never published)")
         cached = tgt  # all stored: sent from the blobs' bytes
-        if src.blocks:
-            mapped = compute.submit(_map_blocks, ms, src.layers(), tgt.end_block * bs, dtype).result()
+        if covered > tgt.end_block:
+            drop = context_blocks * bs - context
+            layers = [(k[:, :, drop:], v[:, :, drop:]) for k, v in src.layers()]
+            mapped = compute.submit(_map_blocks, ms, layers, tgt.end_block * bs, dtype, context).result()
             try:
                 self.metrics.prefix_writes.inc(self.cache.store_blocks(tgt_ns, tgt.hashes, mapped, tgt.end_block, covered,
                                                                        token_offset=tgt.end_block * bs))
@@ -131,5 +136,5 @@ class PrefixService:
         return TranslateSession(spec2, ms, limits, cached=cached, expect_chunks=False), tgt.end_block
 
 
-def _map_blocks(ms: MapSet, layers, offset: int, dtype: torch.dtype):
-    return [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, offset)]
+def _map_blocks(ms: MapSet, layers, offset: int, dtype: torch.dtype, context: int = 0):
+    return [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, offset, context)]

@@ -159,3 +159,30 @@ def test_sidecar_maps_past_a_cached_prefix_with_its_context(sidecar_factory, map
         with pytest.raises(grpc.RpcError) as e:
             c.translate([(k[:, :, :8], v[:, :, :8]) for k, v in kv], "S__T", "2.0.0", start_position=40, **kw)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "before each token" in e.value.details()
+
+
+def test_key_only_past_stored_target_blocks_reads_their_source_as_context(sidecar_factory, maps_dir, family, per_token,
+                                                                          redis_url):
+    """Key-only: the first request maps blocks 0-1 and stores them; the longer one finds them and maps blocks 2-3,
+    reading the source tokens of block 1 as the window's context."""
+    from kvferry.common.prefix_cache import publish_source
+    from kvferry.common.stores import RedisStore
+
+    s = family["S"].identity
+    kw = dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer, tenant="acme")
+    g = s.geometry
+    kv = make_kv(layers=g.layers, tokens=64, heads=g.kv_heads, head_dim=g.head_dim, seed=7)
+    ids = list(range(300, 364))
+    want = apply(windowed(per_token, 3, 1), kv)
+    short = publish_source(kv, ids[:32], s, store=RedisStore(redis_url), secret=SECRET.encode(), tenant="acme", block_size=BS)
+    full = publish_source(kv, ids, s, store=RedisStore(redis_url), secret=SECRET.encode(), tenant="acme", block_size=BS)
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret=SECRET,
+                         prefix_block_size=BS)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        first = c.translate(None, "S__T", "2.0.0", token_ids=ids[:32], prefix_key=short, **kw)
+        assert first.info.num_tokens == 32
+        longer = c.translate(None, "S__T", "2.0.0", token_ids=ids, prefix_key=full, **kw)
+    assert longer.info.num_tokens == 64 and longer.stats.cached_blocks == 2
+    for (k, v), (wk, wv) in zip(longer.layers(), want):
+        torch.testing.assert_close(k.float(), wk, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v.float(), wv, rtol=1e-4, atol=1e-4)
