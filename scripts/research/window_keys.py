@@ -27,7 +27,7 @@ from tables import write_results  # scripts/research/tables.py (beside this scri
 
 from kvferry import paths
 from kvferry.mappings.apply import apply
-from kvferry.mappings.artifact import load
+from kvferry.mappings.artifact import LayerMap, MapSet, load, save
 from kvferry.mappings.capture import capture_kv, kv_slice, load_model, read_corpus, token_stream, token_windows
 from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
 from kvferry.mappings.features import from_features, to_features
@@ -78,6 +78,22 @@ def fit(xs: list[torch.Tensor], ys: list[torch.Tensor], held: int, widths: int) 
     return w.float(), bias.float(), [r2 for r2, _ in best]
 
 
+def windowed_mapset(base: MapSet, fitted: tuple[torch.Tensor, torch.Tensor], r2: list[float], s_layers: list[int],
+                    t_layers: list[int], window: int, version: str, settings: dict) -> MapSet:
+    """``base`` with the keys of ``t_layers`` read from ``window`` tokens of ``s_layers``' K and V: a windowed map
+    artifact (the column order of source_features is LayerMap's: offset, then layer, then K before V)."""
+    w, b = fitted
+    width = base.target.geometry.kv_width
+    maps = dict(base.maps)
+    for i, t in enumerate(t_layers):
+        cols = slice(i * width, (i + 1) * width)
+        maps[(t, "k")] = LayerMap(t, "k", tuple(s_layers), w[:, cols].contiguous().to(base.dtype),
+                                  b[cols].contiguous().to(base.dtype), 0.0, r2[i], ("k", "v"), window)
+    fit = dict(base.fit) | {"windowed_keys": {"target_layers": t_layers, "source_layers": s_layers, "window": window,
+                                              "tokens": settings["tokens"], "script": "scripts/research/window_keys.py"}}
+    return MapSet(base.source, base.target, maps, version, fit, dict(base.calibration))
+
+
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -92,6 +108,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--mlp-hidden", type=int, default=0, help="0: no MLP arm")
     ap.add_argument("--mlp-epochs", type=int, default=8)
+    ap.add_argument("--save-window", type=int, default=0,
+                    help="write the shipped map with this window's key maps as a windowed map artifact (0: none)")
+    ap.add_argument("--save-version", default="0.3.0")
+    ap.add_argument("--save-to", type=Path, default=Path("runs/maps"))
     ap.add_argument("--out", type=Path, default=Path("runs/results/window_keys"))
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -133,6 +153,10 @@ def main() -> None:
             print(f"window {w}+mlp: held-out R2 per layer " + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2))
                   + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     del feats, ys
+    if a.save_window:
+        dest = save(windowed_mapset(ms, maps[a.save_window], r2s[a.save_window], s_layers, t_layers, a.save_window,
+                                    a.save_version, vars(a)), a.save_to)
+        print(f"wrote {dest}", flush=True)
 
     stream = token_stream(target.tokenizer, read_corpus([paths.data_file("heldout.jsonl")]))
     exs = make_examples(stream, CopySettings(gaps=tuple(int(g) for g in a.gaps.split(",")), prompts=a.prompts, seed=a.seed))
@@ -174,7 +198,7 @@ def main() -> None:
         print(ex.gap, {k: round(v, 3) for k, v in row.items()}, flush=True)
     gaps = sorted({g for g, _ in sums})
     arms = list(dict.fromkeys(k for _, k in sums))
-    result = {"settings": vars(a) | {"map": str(a.map), "out": str(a.out)}, "seconds": time.perf_counter() - t_start,
+    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, "seconds": time.perf_counter() - t_start,
               "heldout_r2": {str(w): dict(zip(map(str, t_layers), r2)) for w, r2 in r2s.items()},
               "gaps": {str(g): {k: sums[(g, k)] / a.prompts for k in arms} for g in gaps}}
     write_results(a.out, result, gaps, arms)
