@@ -152,6 +152,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     for kind in ("k", "v"):
         r2 = [ms.maps[(t, kind)].heldout_r2 for t in range(tl)]
         print(f"held-out R² of {kind.upper()} by target layer: " + ", ".join(f"{x:.2f}" for x in r2))
+    windowed = sorted(f"{t}{kind.upper()}" for (t, kind), m in ms.maps.items() if m.window > 1)
+    if windowed:
+        print(f"windowed maps (read the {ms.context} source tokens before each token; translate from position 0): "
+              + ", ".join(windowed))
     serves, problems = Gates().verdict(ms.evidence)
     print("serving gates (defaults): " + ("pass" if serves else "fail: " + "; ".join(problems)))
     return 0
