@@ -24,6 +24,7 @@ from prometheus_client import Counter
 from kvferry.mappings.capture import cache_layers
 from kvferry.mappings.drift import Drift, QueryTap, tail_drift
 
+from .attention import use_folded_gqa
 from .client import TranslateClient, TranslateResult, serving_mapping
 from .importers import to_dynamic_cache
 from .monitor import QualityMonitor, Thresholds, shadow_scores
@@ -73,11 +74,16 @@ def _decode(model, first_logits: torch.Tensor, cache, max_new_tokens: int, eos: 
 
 
 class Cascade:
-    """``rollout``: a MapRollout for fixed controls, or a PolicyStore (a reloadable policy file) shared by engines."""
+    """``rollout``: a MapRollout for fixed controls, or a PolicyStore (a reloadable policy file) shared by engines.
+    ``fold_gqa``: switch an ``sdpa`` target to kvferry_sdpa (attention.py: the same outputs, without copying the
+    imported cache once per query head in the refresh and decode steps)."""
 
     def __init__(self, target_model, client: TranslateClient | None, map_name: str,
-                 rollout: MapRollout | PolicyStore = MapRollout(), source_identity=None, seed: int | None = None):
+                 rollout: MapRollout | PolicyStore = MapRollout(), source_identity=None, seed: int | None = None,
+                 fold_gqa: bool = True):
         self.target = target_model
+        if fold_gqa:
+            use_folded_gqa(target_model)
         self.client = client
         self.map_name = map_name
         self.store = rollout if isinstance(rollout, PolicyStore) else PolicyStore.static(map_name, rollout)

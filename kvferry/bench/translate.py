@@ -25,6 +25,7 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.quiet import quiet_transformers
     from .harness import ServerProcess, long_ids, median_seconds
     from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
+    from kvferry.client.attention import IMPLEMENTATION, use_folded_gqa
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import MapSet
@@ -34,6 +35,8 @@ def run(a: argparse.Namespace) -> int:
     quiet_transformers()
     torch.set_num_threads(a.threads or torch.get_num_threads())
     source, target = load_model(a.source), load_model(a.target)
+    if a.attention == IMPLEMENTATION:  # both arms: it changes only attention over a cache (the full prefill has none)
+        use_folded_gqa(target.model)
     name = f"{source.identity.name}__{target.identity.name}"
     r = a.refresh
     rows = []
@@ -91,7 +94,8 @@ def run(a: argparse.Namespace) -> int:
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     table = [
-        f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; medians of {a.reps}; r={r}; wire {a.wire_dtype}",
+        f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; medians of {a.reps}; r={r}; wire {a.wire_dtype}; "
+        f"target attention {target.model.config._attn_implementation}",
         "",
         "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms | translate RPC ms | (d) echo ms | "
         "RPC serial bound (c)+(d) ms | bound/RPC | translate MiB/s | echo MiB/s | translate/echo |",
@@ -104,7 +108,7 @@ def run(a: argparse.Namespace) -> int:
                      f"{w['translate_MiB_s']:.0f} | {w['echo_MiB_s']:.0f} | {w['throughput_vs_echo']:.2f} |")
     print("\n".join(table))
     if a.json:
-        Path(a.json).write_text(json.dumps({"map": name, "version": ms.version, "rows": rows}, indent=1) + "\n")
+        Path(a.json).write_text(json.dumps({"map": name, "version": ms.version, "attention": target.model.config._attn_implementation, "rows": rows}, indent=1) + "\n")
     return 0
 
 
@@ -121,5 +125,8 @@ def add_parser(sub) -> None:
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype of the KV on the wire (the source cache is converted inside the timed path)")
+    b.add_argument("--attention", choices=["kvferry_sdpa", "sdpa"], default="kvferry_sdpa",
+                   help="the target's attention: kvferry_sdpa (what the Cascade uses: grouped-query attention over the "
+                        "imported cache without per-head copies) or transformers' sdpa, for a side-by-side run")
     b.add_argument("--json", default=None)
     b.set_defaults(func=run)
