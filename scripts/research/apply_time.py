@@ -20,6 +20,11 @@ from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
 
 
+def random_cache(g, n: int) -> list:
+    """A source cache of ``n`` tokens in geometry ``g`` (one per set: maps of one run may read different sources)."""
+    return [tuple(torch.randn(1, g.kv_heads, n, g.head_dim) for _ in range(2)) for _ in range(g.layers)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("maps", nargs="+", type=Path)
@@ -32,15 +37,14 @@ def main() -> None:
     sets = [load(p) for p in a.maps]
     rows = []
     for n in a.tokens:
-        g = sets[0].source.geometry
-        kv = [tuple(torch.randn(1, g.kv_heads, n, g.head_dim) for _ in range(2)) for _ in range(g.layers)]
+        kvs = [random_cache(ms.source.geometry, n) for ms in sets]
         times: dict[int, list[float]] = {i: [] for i in range(len(sets))}
         for i, ms in enumerate(sets):
-            apply(ms, kv)  # warm-up
+            apply(ms, kvs[i])  # warm-up
         for _ in range(a.reps):
             for i, ms in enumerate(sets):
                 t0 = time.perf_counter()
-                apply(ms, kv)
+                apply(ms, kvs[i])
                 times[i].append((time.perf_counter() - t0) * 1e3)
         for i, ms in enumerate(sets):
             weights = sum(m.weight.numel() for m in ms.maps.values())
