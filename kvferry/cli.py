@@ -54,6 +54,35 @@ def _copy_settings(a: argparse.Namespace):
     return CopySettings(gaps=gaps, prompts=a.copy_prompts, refresh=a.refresh)
 
 
+def cmd_distill(a: argparse.Namespace) -> int:
+    import random
+
+    from kvferry.mappings.artifact import load, save
+    from kvferry.mappings.capture import load_model, read_corpus, token_windows
+    from kvferry.mappings.distill import DistillSettings, capture_tails, distill
+
+    quiet_transformers()
+    given = {k: getattr(a, k) for k in ("from_layer", "tail", "tails", "repeat_span", "epochs", "lr", "seed")}
+    settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})  # unset: DistillSettings' defaults
+    ms = load(a.map)
+    src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
+    windows = token_windows(tgt.tokenizer, read_corpus(a.corpus), a.seq_len, a.max_tokens)
+    if a.heldout:
+        train_w, held_w = windows, token_windows(tgt.tokenizer, read_corpus(a.heldout), a.seq_len)[: a.held_windows]
+    else:
+        cut = max(1, len(windows) // 10)
+        train_w, held_w = windows[:-cut], windows[-cut:]
+    rng = random.Random(settings.seed)
+    train, held = capture_tails(ms, src, tgt, train_w, settings, rng), capture_tails(ms, src, tgt, held_w, settings, rng)
+    print(f"{len(train)} training and {len(held)} held-out tails from {len(train_w)} + {len(held_w)} windows of {a.seq_len} tokens")
+    maps, log = distill(ms, src, tgt, train, held, settings, progress=None if a.quiet else print)
+    record = settings.as_dict() | {"seq_len": a.seq_len, "train_windows": len(train_w), "held_windows": len(held_w), "log": log}
+    dest = save(maps.mapset(a.version, record), a.out, overwrite=a.overwrite)
+    print(f"wrote {dest} (kept epoch {log[-1]['kept_epoch']}); it has no evidence yet: "
+          f"run kvferry eval {dest} --write before it can serve")
+    return 0
+
+
 def cmd_eval(a: argparse.Namespace) -> int:
     from kvferry.mappings.artifact import load, write_evidence
     from kvferry.mappings.capture import load_model, read_corpus
@@ -212,6 +241,30 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--overwrite", action="store_true")
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=cmd_fit)
+
+    dl = sub.add_parser("distill", help="refine a map artifact through the frozen target (KL of the tail after the mapped prefix)")
+    dl.add_argument("map", type=Path, help="the starting artifact <root>/<source>__<target>/<version>")
+    dl.add_argument("--source", type=Path, default=paths.model_dir("S"))
+    dl.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    dl.add_argument("--corpus", nargs="+", default=[str(paths.data_file("calib.jsonl"))], help="training text: files, folders or JSONL")
+    dl.add_argument("--heldout", nargs="*", default=None,
+                    help="held-out text for choosing the epoch (default: the corpus's last tenth of windows)")
+    dl.add_argument("--held-windows", type=int, default=12, help="windows of --heldout used")
+    dl.add_argument("--out", type=Path, default=Path("runs/maps"), help="registry root to write <source>__<target>/<version>")
+    dl.add_argument("--version", required=True)
+    dl.add_argument("--seq-len", type=int, default=1024)
+    dl.add_argument("--max-tokens", type=int, default=None)
+    # --from-layer .. --seed: DistillSettings' fields (their defaults and meaning are documented there)
+    dl.add_argument("--from-layer", type=int, default=None)
+    dl.add_argument("--tail", type=int, default=None)
+    dl.add_argument("--tails", type=int, default=None)
+    dl.add_argument("--repeat-span", type=int, default=None)
+    dl.add_argument("--epochs", type=int, default=None)
+    dl.add_argument("--lr", type=float, default=None)
+    dl.add_argument("--seed", type=int, default=None)
+    dl.add_argument("--overwrite", action="store_true")
+    dl.add_argument("--quiet", action="store_true")
+    dl.set_defaults(func=cmd_distill)
 
     e = sub.add_parser("eval", help="measure a map's evidence on held-out text (JSON + table)")
     e.add_argument("map", type=Path, help="artifact directory <root>/<source>__<target>/<version>")

@@ -35,19 +35,11 @@ from window_keys import fit, heldout_examples, score_key_arms, source_features, 
 from kvferry import paths
 from kvferry.mappings.artifact import load, save
 from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_windows
+from kvferry.mappings.distill import with_repeat
 from kvferry.mappings.drift import QueryTap
 from kvferry.mappings.rope import rotate
 
 MASKED = -1e9  # a finite "minus infinity": exp() is 0 and masked terms of the KL are 0 * finite, not NaN
-
-
-def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> tuple[torch.Tensor, int]:
-    """``ids`` whose last ``span`` tokens are replaced by a copy of an earlier stretch; returns (ids, first repeat row)."""
-    n = len(ids)
-    start = rng.randrange(0, n - 2 * span - 64)
-    out = ids.clone()
-    out[n - span:] = ids[start : start + span]
-    return out, n - span
 
 
 def attention_kl(q: torch.Tensor, k_hat: torch.Tensor, k_true: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -171,7 +163,7 @@ def main() -> None:
         for i, ids in enumerate(token_windows(target.tokenizer, read_corpus([paths.data_file("calib.jsonl")]), a.seq, a.tokens)):
             repeat_from = None
             if a.repeat_span and i % 2 == 1:
-                ids, repeat_from = with_repeat(ids, a.repeat_span, rng)
+                ids, repeat_from = with_repeat(ids, a.repeat_span, rng), len(ids) - a.repeat_span
             tap = QueryTap(target.model, trope)
             skv, tkv = capture_kv(source.model, ids[None]), capture_kv(target.model, ids[None])
             qs = tap.queries(range(len(ids)))

@@ -1,0 +1,216 @@
+"""Distil a map set through the frozen target, on the objective the evidence and the gate score.
+
+The closed form fits each map to the target's K or V by squared error, and squared error is not what the target
+needs (a better R² repeatedly meant worse long-range copying on the real pair). What the gate's ``mapped_refresh``
+arm measures is this: the target computes the last tokens of a prompt on top of the mapped cache. Distillation
+trains the maps of target layers >= ``from_layer`` (K and V, windowed or per-token, whatever the set holds) so that
+the target's next-token distributions over such a tail match its own full prefill's: KL(full ‖ mapped) on the
+tail's logits, back-propagated through the frozen target into the maps' weights. The target is not changed and
+does not run at translation time: the result is an ordinary map set, judged by ``kvferry eval`` like any other.
+
+Every other training window ends with a repeat of an earlier stretch of itself, so the tail's induction heads must
+find the first occurrence inside the mapped prefix (copying is what a map must carry over long distances).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .apply import apply
+from .artifact import LayerMap, MapSet
+from .capture import LayerKV, capture_kv, to_dynamic_cache
+from .errors import InvalidInput
+from .features import from_features, to_features
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """How a map set is distilled through its target."""
+
+    from_layer: int = 0
+    """Train the maps of this target layer and above; the layers below keep the set's weights."""
+    tail: int = 48
+    """Tokens the target computes on top of the mapped prefix; the loss is over their next-token distributions."""
+    tails: int = 1
+    """Tails per training window, ending at equal steps through it (2: mid-window and at its end)."""
+    repeat_span: int = 160
+    """Every other window's last ``repeat_span`` tokens repeat an earlier stretch of it (0: no repeats)."""
+    epochs: int = 3
+    """Passes over the training tails; the epoch with the lowest held-out KL is kept (epoch 0: the starting map)."""
+    lr: float = 5e-5
+    """Adam's peak learning rate (one-cycle schedule, 10% warm-up)."""
+    seed: int = 0
+    """Seeds the repeats and the order of the tails."""
+
+    def __post_init__(self) -> None:
+        if self.from_layer < 0:
+            raise InvalidInput(f"from_layer must be >= 0, got {self.from_layer}")
+        if self.tail < 1 or self.tails < 1:
+            raise InvalidInput(f"tail and tails must be >= 1, got {self.tail} and {self.tails}")
+        if self.repeat_span < 0 or self.epochs < 0 or not self.lr > 0:
+            raise InvalidInput("repeat_span and epochs must be >= 0 and lr > 0; "
+                               f"got {self.repeat_span}, {self.epochs}, {self.lr}")
+
+    def check_window(self, seq_len: int) -> None:
+        """A window must hold ``tails`` tails each after some mapped prefix, and room for the repeat."""
+        if seq_len // self.tails <= self.tail or (self.repeat_span and seq_len < 2 * self.repeat_span + 64):
+            raise InvalidInput(f"training windows of {seq_len} tokens are too short for {self.tails} tail(s) of {self.tail} "
+                               f"and a repeat of {self.repeat_span}; use longer windows or a shorter tail or repeat")
+
+    def as_dict(self) -> dict:
+        return {"from_layer": self.from_layer, "tail": self.tail, "tails": self.tails, "repeat_span": self.repeat_span,
+                "epochs": self.epochs, "lr": self.lr, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class TailSample:
+    """One training tail: the source cache up to its end, the fixed (untrained) mapped layers of its prefix, the tail's
+    token ids, and the target's full-prefill log-probabilities over them (kept in bfloat16)."""
+
+    source_kv: list[LayerKV]
+    fixed: list[LayerKV]
+    ids: torch.Tensor
+    logp: torch.Tensor
+
+
+def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tensor:
+    """``ids`` whose last ``span`` tokens are replaced by a copy of an earlier stretch (more than 64 tokens back)."""
+    n = len(ids)
+    start = rng.randrange(0, n - 2 * span - 64)
+    out = ids.clone()
+    out[n - span:] = ids[start : start + span]
+    return out
+
+
+def map_inputs(source_kv: list[LayerKV], m: LayerMap, rope) -> torch.Tensor:
+    """[T, inputs]: the features ``m`` reads, in LayerMap's column order (offsets, then source layers, then inputs)."""
+    t = source_kv[0][0].shape[2]
+    per = torch.cat([to_features(source_kv[s][0], rope, range(t))[0] if c == "k" else to_features(source_kv[s][1], None, range(t))[0]
+                     for s in m.source_layers for c in m.inputs], -1)
+    return torch.cat([per] + [torch.cat([per.new_zeros(o, per.shape[1]), per[:-o]], 0) for o in range(1, m.window)], -1)
+
+
+class TrainableMaps:
+    """float32 copies of the maps of target layers >= ``from_layer``, and the cache they give."""
+
+    def __init__(self, ms: MapSet, from_layer: int):
+        self.ms, self.from_layer = ms, from_layer
+        self.keys = sorted(k for k in ms.maps if k[0] >= from_layer)
+        self.weight = {k: ms.maps[k].weight.float().clone().requires_grad_() for k in self.keys}
+        self.bias = {k: ms.maps[k].bias.float().clone().requires_grad_() for k in self.keys}
+
+    def params(self) -> list[torch.Tensor]:
+        return [self.weight[k] for k in self.keys] + [self.bias[k] for k in self.keys]
+
+    def state(self) -> dict:
+        return {k: (self.weight[k].detach().clone(), self.bias[k].detach().clone()) for k in self.keys}
+
+    def load_state(self, state: dict) -> None:
+        with torch.no_grad():
+            for k, (w, b) in state.items():
+                self.weight[k].copy_(w)
+                self.bias[k].copy_(b)
+
+    def cache(self, source_kv: list[LayerKV], fixed: list[LayerKV], stop: int) -> list[LayerKV]:
+        """The mapped cache of tokens [0, stop) (keys rotated as cached): layers below ``from_layer`` from ``fixed``."""
+        g, rope = self.ms.target.geometry, self.ms.source.geometry.rope
+        out = [(k[:, :, :stop], v[:, :, :stop]) for k, v in fixed[: self.from_layer]]
+        feats: dict[tuple, torch.Tensor] = {}
+        for layer in range(self.from_layer, g.layers):
+            kv = []
+            for kind in ("k", "v"):
+                m = self.ms.maps[(layer, kind)]
+                sig = (m.source_layers, m.inputs, m.window)
+                if sig not in feats:
+                    feats[sig] = map_inputs(source_kv, m, rope)[:stop]
+                y = feats[sig] @ self.weight[(layer, kind)] + self.bias[(layer, kind)]
+                kv.append(from_features(y[None], g.kv_heads, g.rope if kind == "k" else None, range(stop)))
+            out.append((kv[0], kv[1]))
+        return out
+
+    def mapset(self, version: str, fit_record: dict) -> MapSet:
+        """The distilled set, its weights in the starting set's dtype; ``fit_record`` joins its fit provenance."""
+        maps = dict(self.ms.maps)
+        for k in self.keys:
+            m = self.ms.maps[k]
+            maps[k] = LayerMap(m.target_layer, m.kind, m.source_layers, self.weight[k].detach().to(self.ms.dtype).contiguous(),
+                               self.bias[k].detach().to(self.ms.dtype).contiguous(), m.lam, m.heldout_r2, m.inputs, m.window)
+        fit = dict(self.ms.fit) | {"distilled": fit_record | {"base_version": self.ms.version}}
+        return MapSet(self.ms.source, self.ms.target, maps, version, fit, dict(self.ms.calibration))
+
+
+@torch.no_grad()
+def capture_tails(ms: MapSet, source, target, windows: list[torch.Tensor], s: DistillSettings,
+                  rng: random.Random) -> list[TailSample]:
+    """Tails of ``windows`` (every other one given a repeat): one source and one target prefill per window."""
+    out = []
+    for i, ids in enumerate(windows):
+        s.check_window(len(ids))
+        if s.repeat_span and i % 2 == 1:
+            ids = with_repeat(ids, s.repeat_span, rng)
+        skv = capture_kv(source.model, ids[None])
+        logits = target.model(input_ids=ids[None]).logits[0]
+        fixed = apply(ms, skv, 0)[: s.from_layer]
+        for j in range(s.tails):
+            end = len(ids) // s.tails * (j + 1)
+            out.append(TailSample([(k[:, :, :end].bfloat16(), v[:, :, :end].bfloat16()) for k, v in skv],
+                                  [(k[:, :, : end - s.tail].bfloat16(), v[:, :, : end - s.tail].bfloat16()) for k, v in fixed],
+                                  ids[end - s.tail : end].clone(), logits[end - s.tail : end].float().log_softmax(-1).bfloat16()))
+    return out
+
+
+def tail_kl(target_model, maps: TrainableMaps, sample: TailSample) -> torch.Tensor:
+    """Mean KL(full ‖ mapped) over the tail's next-token distributions."""
+    skv = [(k.float(), v.float()) for k, v in sample.source_kv]
+    fixed = [(k.float(), v.float()) for k, v in sample.fixed]
+    stop = skv[0][0].shape[2] - len(sample.ids)
+    cache = to_dynamic_cache(maps.cache(skv, fixed, stop), target_model.config)
+    logq = target_model(input_ids=sample.ids[None], past_key_values=cache).logits[0].float().log_softmax(-1)
+    want = sample.logp.float()
+    return (want.exp() * (want - logq)).sum(-1).mean()
+
+
+def distill(ms: MapSet, source, target, train: list[TailSample], held: list[TailSample], s: DistillSettings,
+            progress: Callable[[str], None] | None = None) -> tuple[TrainableMaps, list[dict]]:
+    """Adam on the maps' weights from the set's own; returns the maps at the epoch with the lowest held-out KL and
+    the per-epoch log (train and held-out KL)."""
+    if not train or not held:
+        raise InvalidInput("distillation needs training and held-out tails; give it more text")
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    maps = TrainableMaps(ms, s.from_layer)
+    if not maps.keys:
+        raise InvalidInput(f"the set has no maps of target layer {s.from_layer} or above to train")
+    opt = torch.optim.Adam(maps.params(), lr=s.lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=s.lr, total_steps=max(1, s.epochs * len(train)), pct_start=0.1)
+    gen = torch.Generator().manual_seed(s.seed)
+
+    def held_kl() -> float:
+        with torch.no_grad():
+            return sum(float(tail_kl(target.model, maps, x)) for x in held) / len(held)
+
+    log = [{"epoch": 0, "held_kl": held_kl()}]
+    best = (log[0]["held_kl"], maps.state(), 0)
+    say = progress or (lambda _: None)
+    say(f"epoch 0 (starting map): held-out tail KL {log[0]['held_kl']:.4f}")
+    for epoch in range(1, s.epochs + 1):
+        total = 0.0
+        for j in torch.randperm(len(train), generator=gen).tolist():
+            loss = tail_kl(target.model, maps, train[j])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += float(loss.detach())
+        kl = held_kl()
+        log.append({"epoch": epoch, "train_kl": total / len(train), "held_kl": kl})
+        say(f"epoch {epoch}: train tail KL {total / len(train):.4f}, held-out {kl:.4f}")
+        if kl < best[0]:
+            best = (kl, maps.state(), epoch)
+    maps.load_state(best[1])
+    log.append({"kept_epoch": best[2]})
+    return maps, log

@@ -1,0 +1,106 @@
+"""Distillation through the frozen target (mappings/distill.py, kvferry distill), on the real cross-model map S -> T."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvferry.mappings.apply import apply
+from kvferry.mappings.artifact import LayerMap, MapSet, load
+from kvferry.mappings.capture import capture_kv, read_corpus, token_windows
+from kvferry.mappings.distill import DistillSettings, TrainableMaps, capture_tails, distill, with_repeat
+from kvferry.mappings.errors import InvalidInput
+
+from conftest import DATA, MODELS, ROOT, make_kv
+
+
+@pytest.fixture(scope="module")
+def s_t():
+    return load(ROOT / "maps" / "S__T" / "1.0.0")
+
+
+def _mixed(ms: MapSet, from_layer: int) -> MapSet:
+    """``ms`` with the maps of layers >= from_layer replaced by random windowed (2-token) maps of K and V inputs."""
+    g = torch.Generator().manual_seed(3)
+    maps = dict(ms.maps)
+    for (t, kind), m in ms.maps.items():
+        if t >= from_layer:
+            rows = m.weight.shape[0]
+            w = torch.randn(2 * rows, m.weight.shape[1], generator=g) / rows ** 0.5
+            maps[(t, kind)] = LayerMap(t, kind, m.source_layers, w, torch.randn(m.weight.shape[1], generator=g), 0.0,
+                                       m.heldout_r2, m.inputs, 2)
+    return MapSet(ms.source, ms.target, maps, "9.0.0", dict(ms.fit), dict(ms.calibration))
+
+
+def test_the_trainable_cache_is_what_apply_gives(s_t):
+    """The trained maps read their inputs in LayerMap's column order: per-token and windowed maps, checked against
+    apply() (a wrong order or offset would differ everywhere)."""
+    ms = _mixed(s_t, 3)
+    g = ms.source.geometry
+    kv = make_kv(layers=g.layers, tokens=40, heads=g.kv_heads, head_dim=g.head_dim, seed=1)
+    want = apply(ms, kv, 0)
+    got = TrainableMaps(ms, 2).cache(kv, want, 40)
+    assert len(got) == len(want)
+    for (gk, gv), (wk, wv) in zip(got, want):
+        torch.testing.assert_close(gk, wk, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gv, wv, rtol=1e-4, atol=1e-4)
+    shorter = TrainableMaps(ms, 2).cache(kv, want, 25)  # a prefix: what the tail is computed on
+    torch.testing.assert_close(shorter[4][0], want[4][0][:, :, :25], rtol=1e-4, atol=1e-4)
+
+
+def _degraded(ms: MapSet, from_layer: int) -> MapSet:
+    """``ms`` with the weights of layers >= from_layer shrunk to 0.6: a map the target's tail KL can repair."""
+    maps = {k: LayerMap(m.target_layer, m.kind, m.source_layers, m.weight * 0.6, m.bias, m.lam, m.heldout_r2, m.inputs,
+                        m.window) if k[0] >= from_layer else m for k, m in ms.maps.items()}
+    return MapSet(ms.source, ms.target, maps, "1.0.0", dict(ms.fit), dict(ms.calibration))
+
+
+def test_distillation_lowers_the_heldout_tail_kl_and_trains_only_its_layers(s_t, family):
+    """On windows it never trained on, the target's tail after the distilled map is closer to its own prefill
+    (the shipped S -> T map is already close, KL 0.014; a degraded copy of it, 0.086, leaves room to show it)."""
+    source, target = family["S"], family["T"]
+    start = _degraded(s_t, 3)
+    windows = token_windows(target.tokenizer, read_corpus([DATA / "calib.jsonl"]), 256, 256 * 14)
+    s = DistillSettings(from_layer=3, tail=16, repeat_span=48, epochs=2, lr=3e-4, seed=0)
+    rng = random.Random(0)
+    train, held = capture_tails(start, source, target, windows[:11], s, rng), capture_tails(start, source, target, windows[11:], s, rng)
+    assert len(train) == 11 and len(held) == 3 and train[0].ids.shape == (16,) and train[0].fixed[0][0].shape[2] == 240
+    maps, log = distill(start, source, target, train, held, s)
+    assert [e["epoch"] for e in log[:-1]] == [0, 1, 2] and log[-1]["kept_epoch"] > 0
+    kept = log[log[-1]["kept_epoch"]]["held_kl"]
+    assert kept < 0.8 * log[0]["held_kl"], log
+    out = maps.mapset("1.0.1", s.as_dict())
+    for key, m in start.maps.items():
+        same = torch.equal(out.maps[key].weight, m.weight)
+        assert same == (key[0] < 3), key  # layers below from_layer untouched, every trained one moved
+    assert out.fit["distilled"]["base_version"] == "1.0.0" and out.maps[(3, "k")].weight.dtype == s_t.dtype
+
+
+def test_settings_and_windows_are_checked():
+    with pytest.raises(InvalidInput, match="tail"):
+        DistillSettings(tail=0)
+    with pytest.raises(InvalidInput, match="lr"):
+        DistillSettings(lr=0.0)
+    with pytest.raises(InvalidInput, match="too short"):
+        DistillSettings(tail=48, tails=2).check_window(90)
+    ids = torch.arange(400)
+    rep = with_repeat(ids, 100, random.Random(1))
+    start = int(rep[300])
+    assert torch.equal(rep[:300], ids[:300]) and torch.equal(rep[300:], ids[start : start + 100]) and start + 100 + 64 <= 300
+
+
+def test_kvferry_distill_writes_an_artifact_without_evidence(tmp_path, s_t):
+    run = subprocess.run([sys.executable, "-m", "kvferry", "distill", str(ROOT / "maps" / "S__T" / "1.0.0"),
+                          "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--out", str(tmp_path),
+                          "--version", "1.0.1", "--seq-len", "256", "--max-tokens", str(256 * 6), "--from-layer", "4",
+                          "--tail", "16", "--repeat-span", "48", "--epochs", "1", "--quiet"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "no evidence yet" in run.stdout
+    out = load(tmp_path / "S__T" / "1.0.1")
+    record = json.loads((tmp_path / "S__T" / "1.0.1" / "manifest.json").read_text())["fit"]["distilled"]
+    assert record["from_layer"] == 4 and record["train_windows"] == 5 and record["held_windows"] == 1
+    assert not out.evidence and torch.equal(out.maps[(0, "k")].weight, s_t.maps[(0, "k")].weight)
