@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 from tables import write_results  # scripts/research/tables.py (beside this script)
-from window_keys import fit, heldout_examples, score_key_arms, source_features, target_keys, windowed_mapset
+from window_keys import fit, heldout_examples, load_pair, score_key_arms, source_features, target_keys, windowed_mapset
 
 from kvferry import paths
-from kvferry.mappings.artifact import load, save
-from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_windows
+from kvferry.mappings.artifact import save
+from kvferry.mappings.capture import capture_kv, read_corpus, token_windows
 from kvferry.mappings.distill import with_repeat
 from kvferry.mappings.drift import QueryTap
 from kvferry.mappings.rope import rotate
@@ -147,9 +147,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(2)
     t_start = time.perf_counter()
-    ms = load(a.map)
-    target = load_model(paths.model_dir("pretrained") / ms.target.name)
-    source = load_model(paths.model_dir("pretrained") / ms.source.name)
+    ms, source, target = load_pair(a.map)
     s_layers = [int(x) for x in a.source_layers.split(",")]
     lo, hi = (int(x) for x in a.target_layers.split("-"))
     t_layers = list(range(lo, hi + 1))

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 from tables import write_results  # scripts/research/tables.py (beside this script)
-from window_keys import heldout_examples
+from window_keys import heldout_examples, load_pair
 
 from kvferry import paths
 from kvferry.mappings.apply import apply
-from kvferry.mappings.artifact import load, save
-from kvferry.mappings.capture import capture_kv, kv_slice, load_model, read_corpus, token_windows
+from kvferry.mappings.artifact import save
+from kvferry.mappings.capture import capture_kv, kv_slice, read_corpus, token_windows
 from kvferry.mappings.copy_probe import continuation_accuracy
 from kvferry.mappings.distill import DistillSettings, capture_tails, distill
 
@@ -64,9 +64,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(2)
     t_start = time.perf_counter()
-    ms = load(a.map)
-    target = load_model(paths.model_dir("pretrained") / ms.target.name)
-    source = load_model(paths.model_dir("pretrained") / ms.source.name)
+    ms, source, target = load_pair(a.map)
     s = DistillSettings(from_layer=a.from_layer, tail=a.tail, tails=a.tails, repeat_span=a.repeat_span, epochs=a.epochs,
                         lr=a.lr, seed=a.seed)
     calib = token_windows(target.tokenizer, read_corpus([paths.data_file("calib.jsonl")]), a.seq)

@@ -127,6 +127,12 @@ def windowed_mapset(base: MapSet, fitted: tuple[torch.Tensor, torch.Tensor], r2:
     return MapSet(base.source, base.target, maps, version, fit, dict(base.calibration))
 
 
+def load_pair(path: Path):
+    """The map artifact at ``path`` and the pretrained source and target it names (models/pretrained/)."""
+    ms = load(path)
+    return ms, load_model(paths.model_dir("pretrained") / ms.source.name), load_model(paths.model_dir("pretrained") / ms.target.name)
+
+
 def heldout_examples(target, gaps: str, prompts: int, seed: int) -> list:
     """Fresh copy-probe prompts from the held-out split (``gaps`` as "500,1000")."""
     stream = token_stream(target.tokenizer, read_corpus([paths.data_file("heldout.jsonl")]))
@@ -197,9 +203,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(2)
     t_start = time.perf_counter()
-    ms = load(a.map)
-    target = load_model(paths.model_dir("pretrained") / ms.target.name)
-    source = load_model(paths.model_dir("pretrained") / ms.source.name)
+    ms, source, target = load_pair(a.map)
     s_layers = [int(x) for x in a.source_layers.split(",")]
     lo, hi = (int(x) for x in a.target_layers.split("-"))
     t_layers = list(range(lo, hi + 1))
