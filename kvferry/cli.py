@@ -180,7 +180,11 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           f"{str(ms.dtype).removeprefix('torch.')}, fitted on {ms.calibration.get('tokens', '?')} tokens")
     for kind in ("k", "v"):
         r2 = [ms.maps[(t, kind)].heldout_r2 for t in range(tl)]
-        print(f"held-out R² of {kind.upper()} by target layer: " + ", ".join(f"{x:.2f}" for x in r2))
+        print(f"held-out R² of {kind.upper()} by target layer: " + ", ".join("n/a" if x != x else f"{x:.2f}" for x in r2))
+    if "distilled" in ms.fit:
+        d = ms.fit["distilled"]
+        print(f"distilled through the target from version {d.get('base_version', '?')} (layers >= {d.get('from_layer', '?')}, "
+              f"{d.get('epochs', '?')} epochs): their fit R² is n/a; `kvferry eval` measures them")
     windowed = sorted(f"{t}{kind.upper()}" for (t, kind), m in ms.maps.items() if m.window > 1)
     if windowed:
         print(f"windowed maps (read the {ms.context} source tokens before each token; translate from position 0): "

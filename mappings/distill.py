@@ -133,12 +133,13 @@ class TrainableMaps:
         return out
 
     def mapset(self, version: str, fit_record: dict) -> MapSet:
-        """The distilled set, its weights in the starting set's dtype; ``fit_record`` joins its fit provenance."""
+        """The distilled set, its weights in the starting set's dtype; ``fit_record`` joins its fit provenance. A trained
+        map's held-out R² is unknown (NaN): the closed form's no longer describes it (``kvferry eval`` measures it)."""
         maps = dict(self.ms.maps)
         for k in self.keys:
             m = self.ms.maps[k]
             maps[k] = LayerMap(m.target_layer, m.kind, m.source_layers, self.weight[k].detach().to(self.ms.dtype).contiguous(),
-                               self.bias[k].detach().to(self.ms.dtype).contiguous(), m.lam, m.heldout_r2, m.inputs, m.window)
+                               self.bias[k].detach().to(self.ms.dtype).contiguous(), m.lam, float("nan"), m.inputs, m.window)
         fit = dict(self.ms.fit) | {"distilled": fit_record | {"base_version": self.ms.version}}
         return MapSet(self.ms.source, self.ms.target, maps, version, fit, dict(self.ms.calibration))
 

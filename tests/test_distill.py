@@ -76,6 +76,7 @@ def test_distillation_lowers_the_heldout_tail_kl_and_trains_only_its_layers(s_t,
     for key, m in start.maps.items():
         same = torch.equal(out.maps[key].weight, m.weight)
         assert same == (key[0] < 3), key  # layers below from_layer untouched, every trained one moved
+        assert (out.maps[key].heldout_r2 != out.maps[key].heldout_r2) == (key[0] >= 3)  # a trained map's fit R² is unknown
     assert out.fit["distilled"]["base_version"] == "1.0.0" and out.maps[(3, "k")].weight.dtype == s_t.dtype
 
 
