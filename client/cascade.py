@@ -76,11 +76,12 @@ def _decode(model, first_logits: torch.Tensor, cache, max_new_tokens: int, eos: 
 class Cascade:
     """``rollout``: a MapRollout for fixed controls, or a PolicyStore (a reloadable policy file) shared by engines.
     ``fold_gqa``: switch an ``sdpa`` target to kvferry_sdpa (attention.py: the same outputs, without copying the
-    imported cache once per query head in the refresh and decode steps)."""
+    imported cache once per query head in the refresh and decode steps). Off by default: side by side on SmolLM2-135M
+    it was not faster (docs/real_pair.md, session 9)."""
 
     def __init__(self, target_model, client: TranslateClient | None, map_name: str,
                  rollout: MapRollout | PolicyStore = MapRollout(), source_identity=None, seed: int | None = None,
-                 fold_gqa: bool = True):
+                 fold_gqa: bool = False):
         self.target = target_model
         if fold_gqa:
             use_folded_gqa(target_model)

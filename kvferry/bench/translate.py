@@ -125,8 +125,8 @@ def add_parser(sub) -> None:
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype of the KV on the wire (the source cache is converted inside the timed path)")
-    b.add_argument("--attention", choices=["kvferry_sdpa", "sdpa"], default="kvferry_sdpa",
-                   help="the target's attention: kvferry_sdpa (what the Cascade uses: grouped-query attention over the "
-                        "imported cache without per-head copies) or transformers' sdpa, for a side-by-side run")
+    b.add_argument("--attention", choices=["sdpa", "kvferry_sdpa"], default="sdpa",
+                   help="the target's attention: transformers' sdpa (what the Cascade uses by default) or kvferry_sdpa "
+                        "(grouped-query attention over the imported cache without per-head copies; Cascade(fold_gqa=True))")
     b.add_argument("--json", default=None)
     b.set_defaults(func=run)
