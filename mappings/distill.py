@@ -86,11 +86,10 @@ def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tenso
     return out
 
 
-def map_inputs(source_kv: list[LayerKV], m: LayerMap, rope) -> torch.Tensor:
-    """[T, inputs]: the features ``m`` reads, in LayerMap's column order (offsets, then source layers, then inputs)."""
-    t = source_kv[0][0].shape[2]
-    per = torch.cat([to_features(source_kv[s][0], rope, range(t))[0] if c == "k" else to_features(source_kv[s][1], None, range(t))[0]
-                     for s in m.source_layers for c in m.inputs], -1)
+def map_inputs(feature: Callable[[int, str], torch.Tensor], m: LayerMap) -> torch.Tensor:
+    """[T, inputs]: the features ``m`` reads, in LayerMap's column order (offsets, then source layers, then inputs);
+    ``feature(layer, kind)`` gives one source layer's position-free K or V, [T, width]."""
+    per = torch.cat([feature(s, c) for s in m.source_layers for c in m.inputs], -1)
     return torch.cat([per] + [torch.cat([per.new_zeros(o, per.shape[1]), per[:-o]], 0) for o in range(1, m.window)], -1)
 
 
@@ -119,15 +118,23 @@ class TrainableMaps:
         """The mapped cache of tokens [0, stop) (keys rotated as cached): layers below ``from_layer`` from ``fixed``."""
         g, rope = self.ms.target.geometry, self.ms.source.geometry.rope
         out = [(k[:, :, :stop], v[:, :, :stop]) for k, v in fixed[: self.from_layer]]
-        feats: dict[tuple, torch.Tensor] = {}
+        per_source: dict[tuple[int, str], torch.Tensor] = {}  # each source layer's K or V un-rotated once per call
+
+        def feature(layer: int, kind: str) -> torch.Tensor:
+            if (layer, kind) not in per_source:
+                x = source_kv[layer][0 if kind == "k" else 1][:, :, :stop]
+                per_source[(layer, kind)] = to_features(x, rope if kind == "k" else None, range(stop))[0]
+            return per_source[(layer, kind)]
+
+        inputs: dict[tuple, torch.Tensor] = {}  # maps reading the same features share them
         for layer in range(self.from_layer, g.layers):
             kv = []
             for kind in ("k", "v"):
                 m = self.ms.maps[(layer, kind)]
                 sig = (m.source_layers, m.inputs, m.window)
-                if sig not in feats:
-                    feats[sig] = map_inputs(source_kv, m, rope)[:stop]
-                y = feats[sig] @ self.weight[(layer, kind)] + self.bias[(layer, kind)]
+                if sig not in inputs:
+                    inputs[sig] = map_inputs(feature, m)
+                y = inputs[sig] @ self.weight[(layer, kind)] + self.bias[(layer, kind)]
                 kv.append(from_features(y[None], g.kv_heads, g.rope if kind == "k" else None, range(stop)))
             out.append((kv[0], kv[1]))
         return out

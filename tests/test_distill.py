@@ -10,7 +10,7 @@ import torch
 
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import LayerMap, MapSet, load
-from kvferry.mappings.capture import capture_kv, read_corpus, token_windows
+from kvferry.mappings.capture import read_corpus, token_windows
 from kvferry.mappings.distill import DistillSettings, TrainableMaps, capture_tails, distill, with_repeat
 from kvferry.mappings.errors import InvalidInput
 
