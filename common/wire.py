@@ -7,6 +7,7 @@ received bytes without copying (torch.frombuffer) until a dtype or device change
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -68,13 +69,20 @@ def encode_tensor(t: torch.Tensor) -> pb.Tensor:
 def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, expect_dtype: torch.dtype | None = None,
                   what: str = "tensor") -> torch.Tensor:
     """Bytes -> tensor, checking dtype, shape and byte count before touching the data."""
-    dtype = dtype_from_pb(msg.dtype)
-    shape = tuple(int(s) for s in msg.shape)
+    # each read of a bytes field copies it: read it once, here
+    return checked_tensor(msg.dtype, tuple(msg.shape), msg.data, expect_shape, expect_dtype, what)
+
+
+def checked_tensor(code: int, shape: tuple[int, ...], data, expect_shape: tuple[int, ...] | None = None,
+                   expect_dtype: torch.dtype | None = None, what: str = "tensor") -> torch.Tensor:
+    """A tensor viewing ``data`` (no copy), after checking the dtype code, the shape and the byte count."""
+    dtype = dtype_from_pb(code)
+    shape = tuple(int(s) for s in shape)
     if expect_dtype is not None and dtype != expect_dtype:
         raise InvalidInput(f"{what}: dtype {dtype_name(dtype)} but the header declared {dtype_name(expect_dtype)}")
     if expect_shape is not None and shape != tuple(expect_shape):
         raise InvalidInput(f"{what}: shape {list(shape)}, expected {list(expect_shape)}")
-    return view_bytes(msg.data, dtype, shape, what)  # each read of a bytes field copies it: read it once, here
+    return view_bytes(data, dtype, shape, what)
 
 
 # ---- messages <-> protobuf -------------------------------------------------------------------
@@ -138,11 +146,7 @@ def chunk_to_pb(c: Chunk) -> pb.TranslateRequest:
 
 
 def chunk_from_pb(m: pb.SourceChunk, expect_shape=None, expect_dtype=None) -> Chunk:
-    if m.kind not in KIND_FROM_PB:
-        raise InvalidInput(f"chunk for layer {m.layer}: kind must be KV_KIND_KEY or KV_KIND_VALUE")
-    kind = KIND_FROM_PB[m.kind]
-    what = f"chunk layer {m.layer} {kind.upper()} tokens [{m.token_start}, {m.token_end})"
-    return Chunk(m.layer, kind, m.token_start, m.token_end, decode_tensor(m.tensor, expect_shape, expect_dtype, what))
+    return chunk_from_frame(frame_from_pb(m), expect_shape, expect_dtype)
 
 
 def block_to_pb(b: Block) -> pb.TranslateResponse:
@@ -245,42 +249,114 @@ def _fields(buf, start: int, end: int):
             raise ValueError("unexpected wire type")
 
 
+_U32 = 1 << 32
+
+
+def _canonical(buf, lo: int, hi: int, ints: tuple[int, ...], messages: tuple[int, ...], enums: tuple[int, ...] = ()) -> dict:
+    """The fields of one message in the canonical form the encoders above write: each field at most once, varints
+    for ``ints`` (uint32: below 2**32) and ``enums`` (int32: below 2**31), so no value that protobuf would truncate
+    or sign-extend is read differently; (offset, end) for ``messages``. Raises ValueError on anything else: the
+    caller then parses with protobuf, whose semantics are the contract's."""
+    out: dict = {}
+    for f, v in _fields(buf, lo, hi):
+        if f in out or isinstance(v, tuple) != (f in messages) or not (f in messages or f in ints or f in enums):
+            raise ValueError("non-canonical message")
+        if not isinstance(v, tuple) and v >= (_U32 if f in ints else _U32 >> 1):
+            raise ValueError("varint past its type")
+        out[f] = v
+    return out
+
+
+def _tensor_at(buf, span: tuple[int, int] | None) -> tuple[int, tuple[int, ...], memoryview]:
+    """A kvferry.v1.Tensor at ``span`` of ``buf``: (dtype code, shape, a view of its data); an absent tensor is the
+    empty message, as protobuf reads it."""
+    t = _canonical(buf, *span, ints=(), messages=(2, 3), enums=(1,)) if span else {}
+    shape, (j, end) = [], t.get(2, (0, 0))
+    while j < end:
+        s_, j = _read_varint(buf, j)
+        if s_ >= _U32:
+            raise ValueError("shape past uint32")
+        shape.append(s_)
+    lo, hi = t.get(3, (0, 0))
+    return t.get(1, 0), tuple(shape), buf[lo:hi]
+
+
+def _only_field(buf, field: int) -> tuple[int, int]:
+    (f, span), = list(_fields(buf, 0, len(buf)))
+    if f != field or not isinstance(span, tuple):
+        raise ValueError("another message")
+    return span
+
+
 def _fast_block(data: bytes) -> Block:
     """Parse a TranslateResponse{block} in the canonical form encode_block_response writes; the tensors
     view the received bytes (no copy). Raises ValueError on anything else (the caller then uses protobuf)."""
     buf = memoryview(data)
-    (field, (lo, hi)), = list(_fields(buf, 0, len(buf)))
-    if field != 2:
-        raise ValueError("not a block")
-    seen, vals, tensors = set(), {1: 0, 2: 0, 3: 0, 4: 0}, {}
-    for f, v in _fields(buf, lo, hi):
-        if f in seen or f not in (1, 2, 3, 4, 5, 6) or isinstance(v, tuple) != (f >= 5):
-            raise ValueError("non-canonical block")
-        seen.add(f)
-        if f < 5:
-            vals[f] = v
-            continue
-        t = {1: 0, 2: (0, 0), 3: (0, 0)}
-        for tf, tv in _fields(buf, *v):
-            if tf not in t or isinstance(tv, tuple) != (tf != 1):
-                raise ValueError("non-canonical tensor")
-            t[tf] = tv
-        shape, j = [], t[2][0]
-        while j < t[2][1]:
-            s_, j = _read_varint(buf, j)
-            shape.append(s_)
-        tensors[f] = (t[1], tuple(shape), buf[t[3][0] : t[3][1]])
-    what = f"block layer {vals[1]} [{vals[2]}, {vals[3]})"
+    m = _canonical(buf, *_only_field(buf, 2), ints=(1, 2, 3, 4), messages=(5, 6))
+    layer, start, end, index = (m.get(f, 0) for f in (1, 2, 3, 4))
+    what = f"block layer {layer} [{start}, {end})"
     kv = []
     for f, name in ((5, "key"), (6, "value")):
-        code, shape, raw = tensors.get(f, (0, (), b""))
+        code, shape, raw = _tensor_at(buf, m.get(f))
         if code not in _FROM_PB:
             raise ValueError("unknown dtype")
         try:
             kv.append(view_bytes(raw, _FROM_PB[code], shape, f"{what} {name}"))
         except InvalidInput as e:
             raise ValueError(str(e)) from None
-    return Block(vals[1], vals[2], vals[3], vals[4], kv[0], kv[1])
+    return Block(layer, start, end, index, kv[0], kv[1])
+
+
+@dataclass(frozen=True)
+class ChunkFrame:
+    """A received SourceChunk before its tensor is made: the fields as sent (kind and dtype as their wire codes) and
+    the tensor's data as bytes, a view of the received message when it came in canonical form (no copy)."""
+
+    layer: int
+    kind: int
+    start: int
+    end: int
+    dtype: int
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+
+
+def _fast_chunk(data: bytes) -> ChunkFrame:
+    """Parse a TranslateRequest{chunk} in the canonical form encode_chunk_request writes, in place. Raises
+    ValueError on anything else (the caller then uses protobuf)."""
+    buf = memoryview(data)
+    m = _canonical(buf, *_only_field(buf, 2), ints=(1, 3, 4), messages=(5,), enums=(2,))
+    return ChunkFrame(m.get(1, 0), m.get(2, 0), m.get(3, 0), m.get(4, 0), *_tensor_at(buf, m.get(5)))
+
+
+def frame_from_pb(m: pb.SourceChunk) -> ChunkFrame:
+    """The frame of a chunk protobuf parsed (its data read once: each read of a bytes field copies it)."""
+    return ChunkFrame(m.layer, m.kind, m.token_start, m.token_end, m.tensor.dtype, tuple(m.tensor.shape), m.tensor.data)
+
+
+def chunk_kind(f: ChunkFrame) -> str:
+    """The chunk's kind, "k" or "v"."""
+    if f.kind not in KIND_FROM_PB:
+        raise InvalidInput(f"chunk for layer {f.layer}: kind must be KV_KIND_KEY or KV_KIND_VALUE")
+    return KIND_FROM_PB[f.kind]
+
+
+def chunk_from_frame(f: ChunkFrame, expect_shape=None, expect_dtype=None) -> Chunk:
+    """The chunk, its tensor viewing the frame's bytes, after checking kind, dtype, shape and byte count."""
+    kind = chunk_kind(f)
+    what = f"chunk layer {f.layer} {kind.upper()} tokens [{f.start}, {f.end})"
+    return Chunk(f.layer, kind, f.start, f.end, checked_tensor(f.dtype, f.shape, f.data, expect_shape, expect_dtype, what))
+
+
+def decode_request(data: bytes):
+    """The Translate request deserializer's parse: a ChunkFrame for chunk messages in canonical form (parsed in
+    place: the tensor bytes are not copied), else the TranslateRequest protobuf parses."""
+    if data[:1] == b"\x12":
+        try:
+            return _fast_chunk(data)
+        except ValueError:
+            pass
+    return pb.TranslateRequest.FromString(data)
 
 
 def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:

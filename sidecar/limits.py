@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvferry.mappings.errors import InvalidInput
 from kvferry.common.errors import TooLarge
+from kvferry.common.wire import ChunkFrame
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ HEADER_TAG = b"\x0a"  # TranslateRequest field 1 (header), length-delimited: the
 
 
 def request_decoder(limits: Limits, parse):
-    """Translate's request deserializer: ``parse`` (TranslateRequest.FromString), except that a header over
+    """Translate's request deserializer: ``parse`` (wire.decode_request: chunks as ChunkFrames, read in place, other
+    messages as TranslateRequests), except that a header over
     ``limits.max_header_bytes`` becomes an OversizedHeader: unparsed when it leads with the header's tag (every
     serializer's output), and dropped right after parsing when a crafted message hides it behind other fields."""
     cap = limits.max_header_bytes
@@ -79,7 +81,7 @@ def request_decoder(limits: Limits, parse):
         if len(data) > cap and data[:1] == HEADER_TAG:
             return OversizedHeader(len(data), cap)
         msg = parse(data)
-        if len(data) > cap and msg.WhichOneof("msg") == "header":
+        if len(data) > cap and not isinstance(msg, ChunkFrame) and msg.WhichOneof("msg") == "header":
             return OversizedHeader(len(data), cap)
         return msg
 

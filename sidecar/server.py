@@ -37,7 +37,7 @@ def translate_handlers(servicer) -> grpc.GenericRpcHandler:
     """TranslateService's handlers, as the generated stub registers them, except that Translate's response
     serializer passes pre-encoded blocks through (see wire.encode_block_response), and its request deserializer
     refuses oversized headers unparsed (limits.request_decoder)."""
-    decode = request_decoder(servicer.limits, pb.TranslateRequest.FromString)
+    decode = request_decoder(servicer.limits, wire.decode_request)
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Translate": grpc.stream_stream_rpc_method_handler(servicer.Translate, request_deserializer=decode,
                                                            response_serializer=wire.serialize),

@@ -159,7 +159,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
 
     async def _translate_stream(self, requests):
         first = await anext(requests, None)
-        if first is None or first.WhichOneof("msg") != "header":
+        if first is None or isinstance(first, wire.ChunkFrame) or first.WhichOneof("msg") != "header":
             raise InvalidInput("a Translate stream must open with a header message")
         spec = dataclasses.replace(wire.spec_from_pb(first.header), tenant=tenant_for(first.header.tenant))
         opened = await self.flow.open(spec)
@@ -170,14 +170,14 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         for block in session.initial_blocks():
             yield wire.encode_block_response(block)
         async for req in requests:
-            if req.WhichOneof("msg") != "chunk":
+            if isinstance(req, wire.ChunkFrame):  # what the request decoder makes of a chunk in canonical form
+                c = req
+            elif req.WhichOneof("msg") == "chunk":
+                c = wire.frame_from_pb(req.chunk)
+            else:
                 raise InvalidInput("after the header, a Translate stream carries only chunks")
-            c = req.chunk
-            kind = wire.KIND_FROM_PB.get(c.kind)
-            if kind is None:
-                raise InvalidInput(f"chunk for layer {c.layer}: kind must be KV_KIND_KEY or KV_KIND_VALUE")
-            session.check_chunk_header(c.layer, kind, c.token_start, c.token_end)  # before the bytes are decoded
-            chunk = wire.chunk_from_pb(c, session.expected_shape(c.token_end - c.token_start), spec.source_dtype)
+            session.check_chunk_header(c.layer, wire.chunk_kind(c), c.start, c.end)  # before the bytes are viewed as a tensor
+            chunk = wire.chunk_from_frame(c, session.expected_shape(c.end - c.start), spec.source_dtype)
             for encoded in await self.flow.add(opened, chunk, wire.encode_block_response):
                 yield encoded
         try:

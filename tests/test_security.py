@@ -247,6 +247,7 @@ def test_a_caller_that_stops_reading_loses_its_slot_at_the_deadline(sidecar_fact
 def test_oversized_headers_are_refused_unparsed(sidecar_factory, maps_dir):
     """One 32 MB header of 8M token_ids with num_tokens=1 cost ~600 MB of server memory before it was refused:
     a header larger than any request within --max-tokens needs is now refused before it is parsed."""
+    from kvferry.common import wire
     from kvferry.sidecar.limits import Limits, OversizedHeader, request_decoder
     from kvferry.v1 import translate_pb2 as pb
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
@@ -263,9 +264,9 @@ def test_oversized_headers_are_refused_unparsed(sidecar_factory, maps_dir):
     assert isinstance(out, OversizedHeader) and out.size == len(big) > limits.max_header_bytes
     # a crafted message that hides the header behind another field is parsed, then dropped
     chunk_first = pb.TranslateRequest(chunk=pb.SourceChunk(layer=1)).SerializeToString()
-    assert isinstance(request_decoder(limits, pb.TranslateRequest.FromString)(chunk_first + big), OversizedHeader)
+    assert isinstance(request_decoder(limits, wire.decode_request)(chunk_first + big), OversizedHeader)
     ok = pb.TranslateRequest(header=pb.TranslateHeader(num_tokens=1000, token_ids=[49151] * 1000)).SerializeToString()
-    assert request_decoder(limits, pb.TranslateRequest.FromString)(ok).header.num_tokens == 1000  # the widest legal one
+    assert request_decoder(limits, wire.decode_request)(ok).header.num_tokens == 1000  # the widest legal one
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_tokens=1000)
     with grpc.insecure_channel(sc.address) as ch:

@@ -145,6 +145,32 @@ def _raw(sidecar, requests):
     return e.value.code(), e.value.details()
 
 
+def test_chunks_in_any_protobuf_form_translate_alike(sidecar):
+    """Chunks the sidecar cannot read in place (here each followed by an unknown field, which protobuf skips) go
+    through protobuf and give the same translation as the canonical ones it reads in place."""
+    from kvferry.client.client import TRANSLATE_METHOD
+    from kvferry.common import wire
+    from kvferry.common.messages import Block
+
+    kv = make_kv(layers=4, tokens=40, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self", "1.0.0"), kv, chunk_tokens=16, encoded=True))
+    odd = [reqs[0]] + [r + b"\x78\x05" for r in reqs[1:]]
+
+    def translated(stream):
+        with grpc.insecure_channel(sidecar.address) as ch:
+            call = ch.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.decode_response)
+            blocks = [m for m in call(iter(stream), timeout=20) if isinstance(m, Block)]
+        return {(b.layer, b.start): (b.key.clone(), b.value.clone()) for b in blocks}
+
+    assert all(not isinstance(wire.decode_request(r), wire.ChunkFrame) for r in odd[1:])
+    plain, other = translated(reqs), translated(odd)
+    assert plain.keys() == other.keys() and len(plain) == 4 * 3
+    for key, (k, v) in plain.items():
+        assert torch.equal(k, other[key][0]) and torch.equal(v, other[key][1])
+        layer, start = key
+        torch.testing.assert_close(k, kv[layer][0][0, :, start : start + k.shape[1]])  # the identity map: the source's
+
+
 def test_stream_errors(sidecar):
     from kvferry.common import wire
     from kvferry.common.messages import Chunk

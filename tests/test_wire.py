@@ -50,6 +50,57 @@ def test_chunk_request_fast_path_is_the_protobuf_encoding(layer, kind, start, n,
     assert torch.equal(back.tensor, c.tensor)
 
 
+def _as_frame(msg):
+    return msg if isinstance(msg, wire.ChunkFrame) else wire.frame_from_pb(msg.chunk)
+
+
+def _frame_tuple(f: wire.ChunkFrame):
+    return (f.layer, f.kind, f.start, f.end, f.dtype, f.shape, bytes(f.data))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 64), st.sampled_from("kv"), st.integers(0, 5000), st.integers(0, 40), st.sampled_from(DTYPES), st.booleans())
+def test_chunk_requests_are_read_in_place(layer, kind, start, n, dtype, strided):
+    """The sidecar's request parse: a canonical chunk becomes a frame whose data is a view of the received bytes
+    (no copy), holding exactly what protobuf reads from the same bytes."""
+    import ctypes
+
+    c = Chunk(layer, kind, start, start + n, make_tensor((2, n, 32), dtype, 3, strided))
+    data = wire.encode_chunk_request(c)
+    got = wire.decode_request(data)
+    assert isinstance(got, wire.ChunkFrame)
+    assert _frame_tuple(got) == _frame_tuple(_as_frame(pb.TranslateRequest.FromString(data)))
+    t = wire.chunk_from_frame(got, (2, n, 32), dtype).tensor
+    assert torch.equal(t, c.tensor)
+    if n:
+        base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+        assert base <= t.data_ptr() < base + len(data)  # the tensor views the message
+
+
+def _chunk_msg(**fields) -> pb.TranslateRequest:
+    return pb.TranslateRequest(chunk=pb.SourceChunk(**fields))
+
+
+TENSOR = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 2, 2], data=bytes(range(16)))
+ODD_CHUNKS = [
+    _chunk_msg(layer=2, kind=pb.KV_KIND_VALUE, token_start=4, token_end=6, tensor=TENSOR).SerializeToString()
+    + _chunk_msg(layer=3).SerializeToString(),  # merged twice: protobuf's merge semantics
+    _chunk_msg(layer=1, token_end=2, tensor=TENSOR).SerializeToString() + b"\x78\x05",  # an unknown field, outer message
+    b"\x12\x0c\x08\x01\x20\x02\x2a\x06\x08\x01\x10\x01\x10\x02",  # an unpacked repeated shape
+    b"\x12\x08\x08\x80\x80\x80\x80\x10\x20\x01",  # a layer past uint32 (protobuf truncates it)
+    b"\x12\x04\x20\x01\x08\x05",  # fields out of order
+    b"\x12\x06\x10\xff\xff\xff\xff\x0f",  # a negative enum value
+    b"\x12\x09\x2a\x07\x12\x05\x80\x80\x80\x80\x10",  # a shape entry past uint32
+    b"\x12\x00",  # an empty chunk
+]
+
+
+@pytest.mark.parametrize("data", ODD_CHUNKS)
+def test_chunks_in_any_other_form_are_read_by_protobuf(data):
+    got = wire.decode_request(data)
+    assert _frame_tuple(_as_frame(got)) == _frame_tuple(_as_frame(pb.TranslateRequest.FromString(data)))
+
+
 def test_other_responses_and_non_canonical_blocks_go_through_protobuf():
     header = wire.info_to_pb(wire.TargetInfo("m", "1.0.0", "llama", 2, 2, 16, "f" * 64, "contiguous", 0, torch.float32, 8, 0))
     assert isinstance(wire.decode_response(header.SerializeToString()), pb.TranslateResponse)

@@ -10,6 +10,8 @@ calibration split is then the held-out set).
 
     cd scripts/research && ../../.venv/bin/python distill_map.py --map ../../runs/maps/<pair>/<version> \\
         --train train --tokens 163840 --tails 2 --epochs 3 --save-version 0.2.3 --out ../../runs/results/distill_map
+
+``--skip-windows N`` continues on text an earlier run did not see (the train split's windows after its first N).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
     ap.add_argument("--train", choices=["calib", "train"], default="calib")
     ap.add_argument("--tokens", type=int, default=100000, help="training tokens (at most)")
     ap.add_argument("--held-windows", type=int, default=12, help="held-out windows when --train train")
+    ap.add_argument("--skip-windows", type=int, default=0,
+                    help="leave out the train split's first windows (text an earlier run trained on)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--from-layer", type=int, default=10, help="train the maps of this target layer and above")
     ap.add_argument("--tail", type=int, default=48)
@@ -73,7 +77,9 @@ def main() -> None:
         held = max(1, len(windows) // 10)
         train_w, held_w = windows[:-held], windows[-held:]
     else:
-        train_w, held_w = token_windows(target.tokenizer, train_split_texts(), a.seq, a.tokens), calib[: a.held_windows]
+        skip = a.skip_windows * a.seq
+        train_w = token_windows(target.tokenizer, train_split_texts(), a.seq, a.tokens + skip)[a.skip_windows:]
+        held_w = calib[: a.held_windows]
     rng = random.Random(a.seed)
     train, heldout = capture_tails(ms, source, target, train_w, s, rng), capture_tails(ms, source, target, held_w, s, rng)
     print(f"captured {len(train_w)} + {len(held_w)} held-out windows of {a.seq} tokens, {a.tails} tail(s) each, "
