@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -30,11 +31,14 @@ def median_seconds(fn, reps: int) -> float:
 class ServerProcess:
     """The sidecar (and an echo service) in a separate process, as in production: no shared GIL."""
 
-    def __init__(self, maps_dir, threads: int = 0, **extra):
-        cmd = [sys.executable, "-m", "kvferry.bench.server", "--maps-dir", str(maps_dir), "--threads", str(threads)]
+    def __init__(self, maps_dir, threads: int = 0, env: dict[str, str] | None = None, code: str = "", **extra):
+        """``env``: variables added to the server process's environment; ``code``: Python run in place of
+        ``-m kvferry.bench.server`` (it must end by calling that module's main(): side-by-side variants)."""
+        cmd = [sys.executable, *(["-c", code] if code else ["-m", "kvferry.bench.server"]),
+               "--maps-dir", str(maps_dir), "--threads", str(threads)]
         for k, v in extra.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         line = self.proc.stdout.readline()
         m = re.search(r"listening on ([\d.]+:\d+)", line)
         if not m:

@@ -1,0 +1,91 @@
+"""Issue 16 levers, side by side: the same Translate RPCs against sidecar processes that differ in one thing,
+called in turn (round robin) so the machine's drift hits every variant alike.
+
+Variants:
+  protobuf_parse  source chunks parsed by protobuf (TranslateRequest.FromString, then a read of the data field);
+                  the code before wire.decode_request read canonical chunks in place
+  in_place        the shipped sidecar
+  in_place+malloc the shipped sidecar with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_,
+                  MALLOC_TRIM_THRESHOLD_ raised): large buffers are then reused, not unmapped and faulted in again
+
+    .venv/bin/python scripts/research/translate_ab.py --source models/pretrained/smollm2-135m-l25 \\
+        --target models/pretrained/smollm2-135m --sizes 2048 8192 --reps 9 --json runs/results/translate_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvferry import paths
+from kvferry.bench.harness import ServerProcess, long_ids
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.sidecar.registry import MapRegistry
+
+PROTOBUF_PARSE = ("import kvferry.common.wire as w, kvferry.v1.translate_pb2 as pb\n"
+                  "w.decode_request = pb.TranslateRequest.FromString\n"
+                  "import kvferry.bench.server as s\ns.main()\n")
+KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+VARIANTS = {"protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", type=Path, required=True)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk-tokens", type=int, default=2048, help="as kvferry bench translate sends them")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    source, target = load_model(a.source), load_model(a.target)
+    name = f"{source.identity.name}__{target.identity.name}"
+    registry = MapRegistry(a.maps_dir, force=True)
+    registry.scan()
+    ms = registry.resolve(name, "")
+    kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+    servers = {v: ServerProcess(a.maps_dir, a.threads, **VARIANTS[v]) for v in a.variants}
+    rows = []
+    try:
+        clients = {v: TranslateClient(ClientOptions(target=s.address, chunk_tokens=a.chunk_tokens, timeout=300)) for v, s in servers.items()}
+        for n in a.sizes:
+            with torch.no_grad():
+                src = capture_kv(source.model, long_ids(target.tokenizer, n)[:, : n - 16])
+            times: dict[str, list[float]] = {v: [] for v in a.variants}
+            for v in a.variants:  # warm-up
+                clients[v].translate(src, ms.name, ms.version, **kw)
+            for _ in range(a.reps):
+                for v in a.variants:
+                    t = time.perf_counter()
+                    clients[v].translate(src, ms.name, ms.version, **kw)
+                    times[v].append((time.perf_counter() - t) * 1e3)
+            for v in a.variants:
+                rows.append({"n": n, "variant": v, "median_ms": statistics.median(times[v]), "min_ms": min(times[v]),
+                             "times_ms": times[v]})
+                print(json.dumps({k: round(x, 1) if isinstance(x, float) else x for k, x in rows[-1].items() if k != "times_ms"}), flush=True)
+        for c in clients.values():
+            c.close()
+    finally:
+        for s in servers.values():
+            s.close()
+    print(f"\nmap {name} {ms.version}; Translate RPC ms, {a.reps} rounds, variants called in turn; chunks of {a.chunk_tokens} tokens\n")
+    print("| n | variant | median ms | min ms |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']} | {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} |")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"map": name, "version": ms.version, "reps": a.reps, "chunk_tokens": a.chunk_tokens, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
