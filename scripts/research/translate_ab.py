@@ -7,6 +7,8 @@ Variants:
   in_place        the shipped sidecar
   in_place+malloc the shipped sidecar with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_,
                   MALLOC_TRIM_THRESHOLD_ raised): large buffers are then reused, not unmapped and faulted in again
+  in_place+passive the shipped sidecar with OMP_WAIT_POLICY=PASSIVE: torch's OpenMP workers sleep between
+                  operations instead of spinning on cores the transfer needs
 
     .venv/bin/python scripts/research/translate_ab.py --source models/pretrained/smollm2-135m-l25 \\
         --target models/pretrained/smollm2-135m --sizes 2048 8192 --reps 9 --json runs/results/translate_ab.json
@@ -32,7 +34,8 @@ PROTOBUF_PARSE = ("import kvferry.common.wire as w, kvferry.v1.translate_pb2 as 
                   "w.decode_request = pb.TranslateRequest.FromString\n"
                   "import kvferry.bench.server as s\ns.main()\n")
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-VARIANTS = {"protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY)}
+VARIANTS = {"protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY),
+            "in_place+passive": dict(env={"OMP_WAIT_POLICY": "PASSIVE"})}
 
 
 def main() -> None:
@@ -62,16 +65,18 @@ def main() -> None:
             with torch.no_grad():
                 src = capture_kv(source.model, long_ids(target.tokenizer, n)[:, : n - 16])
             times: dict[str, list[float]] = {v: [] for v in a.variants}
+            compute: dict[str, list[float]] = {v: [] for v in a.variants}
             for v in a.variants:  # warm-up
                 clients[v].translate(src, ms.name, ms.version, **kw)
             for _ in range(a.reps):
                 for v in a.variants:
                     t = time.perf_counter()
-                    clients[v].translate(src, ms.name, ms.version, **kw)
+                    res = clients[v].translate(src, ms.name, ms.version, **kw)
                     times[v].append((time.perf_counter() - t) * 1e3)
+                    compute[v].append(res.stats.compute_seconds * 1e3)
             for v in a.variants:
                 rows.append({"n": n, "variant": v, "median_ms": statistics.median(times[v]), "min_ms": min(times[v]),
-                             "times_ms": times[v]})
+                             "sidecar_compute_median_ms": statistics.median(compute[v]), "times_ms": times[v]})
                 print(json.dumps({k: round(x, 1) if isinstance(x, float) else x for k, x in rows[-1].items() if k != "times_ms"}), flush=True)
         for c in clients.values():
             c.close()
@@ -79,9 +84,9 @@ def main() -> None:
         for s in servers.values():
             s.close()
     print(f"\nmap {name} {ms.version}; Translate RPC ms, {a.reps} rounds, variants called in turn; chunks of {a.chunk_tokens} tokens\n")
-    print("| n | variant | median ms | min ms |\n|---|---|---|---|")
+    print("| n | variant | RPC median ms | RPC min ms | sidecar compute median ms |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['n']} | {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} |")
+        print(f"| {r['n']} | {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['sidecar_compute_median_ms']:.1f} |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"map": name, "version": ms.version, "reps": a.reps, "chunk_tokens": a.chunk_tokens, "rows": rows}, indent=1) + "\n")
