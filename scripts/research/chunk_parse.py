@@ -9,23 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
+from kvferry.bench.harness import median_seconds
 from kvferry.common import wire
 from kvferry.common.messages import Chunk
 from kvferry.v1 import translate_pb2 as pb
-
-
-def median_ms(f, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[reps // 2] * 1e3
 
 
 def main() -> None:
@@ -50,7 +41,7 @@ def main() -> None:
                 return wire.chunk_from_frame(wire.decode_request(data), shape, dtype)
 
             assert torch.equal(protobuf().tensor, in_place().tensor)
-            pb_ms, ip_ms = median_ms(protobuf, a.reps), median_ms(in_place, a.reps)
+            pb_ms, ip_ms = median_seconds(protobuf, a.reps) * 1e3, median_seconds(in_place, a.reps) * 1e3
             rows.append({"dtype": wire.dtype_name(dtype), "tokens": n, "bytes": len(data), "protobuf_ms": pb_ms,
                          "in_place_ms": ip_ms, "protobuf_GiB_s": len(data) / pb_ms / 1e-3 / 2**30})
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
