@@ -9,6 +9,8 @@ Variants:
                   MALLOC_TRIM_THRESHOLD_ raised): large buffers are then reused, not unmapped and faulted in again
   in_place+passive the shipped sidecar with OMP_WAIT_POLICY=PASSIVE: torch's OpenMP workers sleep between
                   operations instead of spinning on cores the transfer needs
+  buffered        the shipped sidecar, except that a request is received whole before any of it is mapped (no
+                  overlap of the upload with the map: what the serial bound assumes)
 
     .venv/bin/python scripts/research/translate_ab.py --source models/pretrained/smollm2-135m-l25 \\
         --target models/pretrained/smollm2-135m --sizes 2048 8192 --reps 9 --json runs/results/translate_ab.json
@@ -33,9 +35,20 @@ from kvferry.sidecar.registry import MapRegistry
 PROTOBUF_PARSE = ("import kvferry.common.wire as w, kvferry.v1.translate_pb2 as pb\n"
                   "w.decode_request = pb.TranslateRequest.FromString\n"
                   "import kvferry.bench.server as s\ns.main()\n")
+BUFFERED = ("import kvferry.sidecar.servicer as sv\n"
+            "stream = sv.TranslateServicer._translate_stream\n"
+            "async def buffered(self, requests):\n"
+            "    items = [r async for r in requests]\n"
+            "    async def again():\n"
+            "        for r in items:\n"
+            "            yield r\n"
+            "    async for out in stream(self, again()):\n"
+            "        yield out\n"
+            "sv.TranslateServicer._translate_stream = buffered\n"
+            "import kvferry.bench.server as s\ns.main()\n")
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 VARIANTS = {"protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY),
-            "in_place+passive": dict(env={"OMP_WAIT_POLICY": "PASSIVE"})}
+            "in_place+passive": dict(env={"OMP_WAIT_POLICY": "PASSIVE"}), "buffered": dict(code=BUFFERED)}
 
 
 def main() -> None:
