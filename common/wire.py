@@ -238,6 +238,8 @@ def _fields(buf, start: int, end: int):
         field, kind = tag >> 3, tag & 7
         if kind == 0:
             value, i = _read_varint(buf, i)
+            if i > end:
+                raise ValueError("varint runs past the message")
             yield field, value
         elif kind == 2:
             n, i = _read_varint(buf, i)
@@ -277,6 +279,8 @@ def _tensor_at(buf, span: tuple[int, int] | None) -> tuple[int, tuple[int, ...],
         if s_ >= _U32:
             raise ValueError("shape past uint32")
         shape.append(s_)
+    if j != end:
+        raise ValueError("packed shape runs past its field")
     lo, hi = t.get(3, (0, 0))
     return t.get(1, 0), tuple(shape), buf[lo:hi]
 

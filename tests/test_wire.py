@@ -95,6 +95,22 @@ ODD_CHUNKS = [
 ]
 
 
+MALFORMED = [
+    b"\x12\x08\x2a\x06\x12\x02\x03\x88\x1a\x00",  # a packed shape whose last varint runs into the data field
+    b"\x12\x06\x2a\x02\x08\x80\x08\x01",  # the tensor's dtype varint runs past the tensor into the chunk
+]
+
+
+@pytest.mark.parametrize("data", MALFORMED)
+def test_malformed_chunks_are_refused_as_protobuf_refuses_them(data):
+    from google.protobuf.message import DecodeError
+
+    with pytest.raises(DecodeError):
+        pb.TranslateRequest.FromString(data)
+    with pytest.raises(DecodeError):
+        wire.decode_request(data)
+
+
 @pytest.mark.parametrize("data", ODD_CHUNKS)
 def test_chunks_in_any_other_form_are_read_by_protobuf(data):
     got = wire.decode_request(data)
