@@ -353,14 +353,15 @@ def chunk_from_frame(f: ChunkFrame, expect_shape=None, expect_dtype=None) -> Chu
 
 
 def decode_request(data: bytes):
-    """The Translate request deserializer's parse: a ChunkFrame for chunk messages in canonical form (parsed in
-    place: the tensor bytes are not copied), else the TranslateRequest protobuf parses."""
+    """The Translate request deserializer's parse: a ChunkFrame for every chunk message (one in canonical form is
+    parsed in place, its tensor bytes not copied; any other goes through protobuf), else the TranslateRequest."""
     if data[:1] == b"\x12":
         try:
             return _fast_chunk(data)
         except ValueError:
             pass
-    return pb.TranslateRequest.FromString(data)
+    msg = pb.TranslateRequest.FromString(data)
+    return frame_from_pb(msg.chunk) if msg.WhichOneof("msg") == "chunk" else msg
 
 
 def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:

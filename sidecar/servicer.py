@@ -170,14 +170,10 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         for block in session.initial_blocks():
             yield wire.encode_block_response(block)
         async for req in requests:
-            if isinstance(req, wire.ChunkFrame):  # what the request decoder makes of a chunk in canonical form
-                c = req
-            elif req.WhichOneof("msg") == "chunk":
-                c = wire.frame_from_pb(req.chunk)
-            else:
+            if not isinstance(req, wire.ChunkFrame):  # the request decoder makes every chunk a frame
                 raise InvalidInput("after the header, a Translate stream carries only chunks")
-            session.check_chunk_header(c.layer, wire.chunk_kind(c), c.start, c.end)  # before the bytes are viewed as a tensor
-            chunk = wire.chunk_from_frame(c, session.expected_shape(c.end - c.start), spec.source_dtype)
+            session.check_chunk_header(req.layer, wire.chunk_kind(req), req.start, req.end)  # before the bytes are viewed
+            chunk = wire.chunk_from_frame(req, session.expected_shape(req.end - req.start), spec.source_dtype)
             for encoded in await self.flow.add(opened, chunk, wire.encode_block_response):
                 yield encoded
         try:

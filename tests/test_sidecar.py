@@ -162,7 +162,8 @@ def test_chunks_in_any_protobuf_form_translate_alike(sidecar):
             blocks = [m for m in call(iter(stream), timeout=20) if isinstance(m, Block)]
         return {(b.layer, b.start): (b.key.clone(), b.value.clone()) for b in blocks}
 
-    assert all(not isinstance(wire.decode_request(r), wire.ChunkFrame) for r in odd[1:])
+    assert all(isinstance(wire.decode_request(r).data, memoryview) for r in reqs[1:])  # read in place
+    assert all(isinstance(wire.decode_request(r).data, bytes) for r in odd[1:])  # read by protobuf (a copy)
     plain, other = translated(reqs), translated(odd)
     assert plain.keys() == other.keys() and len(plain) == 4 * 3
     for key, (k, v) in plain.items():

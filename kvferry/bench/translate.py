@@ -8,7 +8,8 @@ Measured side by side in one run, per prompt length n, medians over ``--reps``:
   (c) the map applied in-process (no transport);
   (d) a raw gRPC echo of the same request bytes (the transport's limit) on the same kind of server;
   (e) the sidecar's own compute time for one of the translations (its trailer's compute_seconds): the same map
-      as (c), timed inside the sidecar while the bytes stream in and out; (e) > (c) is contention for the cores.
+      as (c), timed inside the sidecar while the bytes stream in and out; (e) > (c) means the map runs slower
+      there than alone (docs/benchmarks.md, session 10: not only from sharing the cores with the transfer).
 The sidecar and the echo service run in their own process (``kvferry.bench.server``), as in production.
 """
 
