@@ -114,9 +114,10 @@ class PrefixCache:
                 break
         return Lookup(hashes, start_block, found, corrupt, dtype)
 
-    def store_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
-                     token_offset: int = 0) -> int:
-        """Write blocks [start_block, end_block) cut from ``layers`` (which start at token ``token_offset``)."""
+    def encode_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
+                      token_offset: int = 0) -> list[tuple[str, bytes]]:
+        """The (key, blob) items of blocks [start_block, end_block) cut from ``layers`` (which start at token
+        ``token_offset``): the tensor work of a write, without its I/O (see ``put``)."""
         bs = self.block_size
         items = []
         for i, block in enumerate(split_blocks(layers, start_block * bs - token_offset, end_block * bs - token_offset, bs)):
@@ -124,7 +125,16 @@ class PrefixCache:
             blob = encode_block(block, h, bs)
             if len(blob) <= self.max_blob_bytes:
                 items.append((ns.key(h), blob))
+        return items
+
+    def put(self, items: list[tuple[str, bytes]]) -> int:
+        """Store encoded blocks (never overwriting); returns how many were new."""
         return self.store.put_many(items, self.ttl)
+
+    def store_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
+                     token_offset: int = 0) -> int:
+        """Write blocks [start_block, end_block) cut from ``layers`` (which start at token ``token_offset``)."""
+        return self.put(self.encode_blocks(ns, hashes, layers, start_block, end_block, token_offset))
 
     def publish(self, ns: Namespace, token_ids, layers: list[LayerKV]) -> str:
         """Publish a cache's full blocks; returns the prefix key (hex of the last full block's hash), "" if none."""

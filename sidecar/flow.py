@@ -13,6 +13,7 @@ from kvferry.common.errors import Unsupported
 from kvferry.common.messages import Block, Chunk, Stats, TranslateSpec
 from kvferry.mappings.artifact import MapSet
 
+from .compute import on_compute
 from .limits import Limits
 from .pipeline import TranslateSession
 
@@ -30,7 +31,7 @@ class Opened:
 
 
 class TranslateFlow:
-    """The sidecar's translation logic. ``compute`` is the one thread all map compute runs on."""
+    """The sidecar's translation logic. ``compute`` is the one thread all tensor work runs on (compute.py)."""
 
     def __init__(self, registry, limits: Limits, metrics, prefix, compute: Executor):
         self.registry, self.limits, self.metrics, self.prefix, self.compute = registry, limits, metrics, prefix, compute
@@ -47,19 +48,23 @@ class TranslateFlow:
         plan = await asyncio.to_thread(self.prefix.plan, spec, ms) if self.prefix is not None and spec.token_ids else None
         cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed
-        session = TranslateSession(spec, ms, self.limits, cached, keep_output=write_back)
+        session = await on_compute(self.compute, _session, spec, ms, self.limits, cached, write_back)
         return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0)
+
+    async def initial(self, opened: Opened, encode) -> list:
+        """The blocks that need no source data (a cached prefix), encoded, from the compute thread."""
+        return await on_compute(self.compute, _initial, opened.session, encode)
 
     async def add(self, opened: Opened, chunk: Chunk, encode) -> list:
         """Map what ``chunk`` completes on the compute thread, and ``encode`` each block there too."""
-        return await asyncio.get_running_loop().run_in_executor(self.compute, _add, opened.session, chunk, encode)
+        return await on_compute(self.compute, _add, opened.session, chunk, encode)
 
     def finish(self, opened: Opened) -> Stats:
         """End of the request stream: the stats, the metrics, and (off the critical path) the write-back."""
         stats = opened.session.finish()
         stats.cached_blocks = opened.cached_blocks
         if opened.plan is not None and opened.session.outputs:
-            task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, opened.plan, opened.session.output_layers()))
+            task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, opened.plan, opened.session, self.compute))
             self._background.add(task)  # keep a reference until it finishes
             task.add_done_callback(self._write_back_done)
         label = f"{opened.ms.name}@{opened.ms.version}"
@@ -76,6 +81,16 @@ class TranslateFlow:
         if not task.cancelled() and task.exception() is not None:
             self.metrics.prefix_store_errors.inc()
             log.error("prefix write-back failed: %s: %s", type(task.exception()).__name__, str(task.exception())[:200])
+
+
+# On the compute thread (they touch tensor data: a cached prefix is cast, joined or paged).
+
+def _session(spec: TranslateSpec, ms: MapSet, limits: Limits, cached, keep_output: bool) -> TranslateSession:
+    return TranslateSession(spec, ms, limits, cached, keep_output=keep_output)
+
+
+def _initial(session: TranslateSession, encode) -> list:
+    return [encode(b) for b in session.initial_blocks()]
 
 
 def _add(session: TranslateSession, chunk: Chunk, encode) -> list:

@@ -73,15 +73,18 @@ class PrefixService:
         self._count(look, len(look.hashes))
         return Plan(tgt_ns, look)
 
-    def write_back(self, plan: Plan, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Store the newly mapped full blocks (off the critical path); returns blocks written.
-
-        ``layers``: the request's whole target KV per layer, [1, kv_heads, tokens, head_dim]."""
+    def write_back(self, plan: Plan, session: TranslateSession, compute: Executor) -> int:
+        """Store the newly mapped full blocks of a finished streamed request (off the critical path); returns blocks
+        written. Runs on an I/O thread: joining and encoding the session's kept target KV runs on ``compute``."""
         look = plan.lookup
-        if len(look.hashes) <= look.end_block or not layers:
+        if len(look.hashes) <= look.end_block or not session.outputs:
             return 0
+        items = compute.submit(_encode_outputs, self.cache, plan, session).result()
+        return self._put(items)
+
+    def _put(self, items: list[tuple[str, bytes]]) -> int:
         try:
-            n = self.cache.store_blocks(plan.ns, look.hashes, layers, look.end_block, len(look.hashes))
+            n = self.cache.put(items)
         except StoreUnavailable as e:
             self._store_error(e)
             return 0
@@ -122,19 +125,28 @@ class PrefixService:
             raise NotFound("no stored blocks for this prefix_key (expired, evicted, or never published)")
         cached = tgt  # all stored: sent from the blobs' bytes
         if covered > tgt.end_block:
-            drop = context_blocks * bs - context
-            layers = [(k[:, :, drop:], v[:, :, drop:]) for k, v in src.layers()]
-            mapped = compute.submit(_map_blocks, ms, layers, tgt.end_block * bs, dtype, context).result()
-            try:
-                self.metrics.prefix_writes.inc(self.cache.store_blocks(tgt_ns, tgt.hashes, mapped, tgt.end_block, covered,
-                                                                       token_offset=tgt.end_block * bs))
-            except StoreUnavailable as e:
-                self._store_error(e)
-            layers = tgt.layers()
-            cached = mapped if not layers else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(layers, mapped)]
+            cached, items = compute.submit(_map_stored, self.cache, ms, src, tgt, tgt_ns, context_blocks * bs - context,
+                                           covered, dtype, context).result()
+            self._put(items)
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
-        return TranslateSession(spec2, ms, limits, cached=cached, expect_chunks=False), tgt.end_block
+        return compute.submit(TranslateSession, spec2, ms, limits, cached, False).result(), tgt.end_block
 
 
-def _map_blocks(ms: MapSet, layers, offset: int, dtype: torch.dtype, context: int = 0):
-    return [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, offset, context)]
+# The functions below touch tensor data, so they run on the compute thread (compute.py).
+
+def _map_stored(cache: PrefixCache, ms: MapSet, src: Lookup, tgt: Lookup, tgt_ns: Namespace, drop: int, covered: int,
+                dtype: torch.dtype, context: int):
+    """Map the stored source blocks past the stored target ones: (the target KV of every covered token, the mapped
+    blocks encoded for the store)."""
+    bs = cache.block_size
+    layers = [(k[:, :, drop:], v[:, :, drop:]) for k, v in src.layers()]
+    mapped = [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, tgt.end_block * bs, context)]
+    items = cache.encode_blocks(tgt_ns, tgt.hashes, mapped, tgt.end_block, covered, token_offset=tgt.end_block * bs)
+    stored = tgt.layers()
+    joined = mapped if not stored else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(stored, mapped)]
+    return joined, items
+
+
+def _encode_outputs(cache: PrefixCache, plan: Plan, session: TranslateSession) -> list[tuple[str, bytes]]:
+    look = plan.lookup
+    return cache.encode_blocks(plan.ns, look.hashes, session.output_layers(), look.end_block, len(look.hashes))

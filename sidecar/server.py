@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from kvferry.common import wire
 from kvferry.v1 import translate_pb2 as pb
 
+from .compute import on_compute
 from .config import SidecarConfig
 from .interceptor import ErrorInterceptor
 from .limits import request_decoder
@@ -130,7 +131,7 @@ class Sidecar:
         return self.port
 
     async def reload(self) -> list[str]:
-        events = await asyncio.to_thread(self.registry.scan)
+        events = await self._scan()
         for ev in events:
             self.metrics.map_events.labels(ev.split(" ", 1)[0]).inc()
         self.metrics.record_maps(self.registry.entries(), self.config.gate_arm)
@@ -140,14 +141,17 @@ class Sidecar:
             await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
         return events
 
+    async def _scan(self) -> list[str]:
+        """Loading maps builds tensors, so the scan runs on the compute thread like all of the sidecar's torch work."""
+        return await on_compute(self.servicer.compute, self.registry.scan)
+
     async def _warm_new(self) -> None:
         """Warm each newly servable map on the compute thread (the thread that will run it) before readiness."""
-        loop = asyncio.get_running_loop()
         for e in self.registry.entries():
             key = (e.maps.name, e.maps.version)
             if e.servable and key not in self.warmed:
                 try:
-                    await loop.run_in_executor(self.servicer.compute, warm, e.maps)
+                    await on_compute(self.servicer.compute, warm, e.maps)
                 except Exception:  # noqa: BLE001 - a map that cannot warm up will fail its requests with a status
                     log.exception("warming map %s %s failed", *key)
                 self.warmed.add(key)

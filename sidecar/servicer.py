@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import dataclasses
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 from kvferry.common import wire
 from kvferry.mappings.errors import InvalidInput
@@ -16,6 +15,7 @@ from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from .auth import tenant_for
+from .compute import compute_executor
 from .flow import TranslateFlow
 from .limits import OversizedHeader
 
@@ -119,9 +119,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         self.active = 0
         self.draining = False
         self.sessions: weakref.WeakSet = weakref.WeakSet()  # live request state (tests check none outlives its call)
-        # One compute thread: torch's intra-op (OpenMP) pool belongs to the thread that enters it, so spreading
-        # map work over the default executor's threads would start one spinning pool per thread and oversubscribe.
-        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-compute")
+        self.compute = compute_executor()  # all tensor work runs on this one thread (compute.py says why)
         self.flow = TranslateFlow(registry, limits, metrics, prefix, self.compute)
 
     async def ListMappings(self, request, context):
@@ -167,8 +165,8 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         self.sessions.add(session)
         g = opened.ms.target.geometry
         yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
-        for block in session.initial_blocks():
-            yield wire.encode_block_response(block)
+        for encoded in await self.flow.initial(opened, wire.encode_block_response):
+            yield encoded
         async for req in requests:
             if not isinstance(req, wire.ChunkFrame):  # the request decoder makes every chunk a frame
                 raise InvalidInput("after the header, a Translate stream carries only chunks")

@@ -225,6 +225,43 @@ def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, f
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, family, redis_url, monkeypatch):
+    """Loading maps, building sessions, casting, joining and paging stored blocks, mapping and encoding for the store:
+    every sidecar call that touches tensor data runs on its one compute thread. A second thread that enters a torch
+    parallel region once slows every later map on the compute thread to about one core (sidecar/compute.py)."""
+    import kvferry.sidecar.prefix_flow as flow
+    from kvferry.common.prefix_cache import Lookup
+    from kvferry.sidecar.pipeline import TranslateSession
+    from kvferry.sidecar.registry import MapRegistry
+
+    seen: list[tuple[str, str]] = []
+    watched = [(MapRegistry, "scan"), (TranslateSession, "__init__"), (TranslateSession, "initial_blocks"),
+               (TranslateSession, "add"), (TranslateSession, "output_layers"), (PrefixCache, "encode_blocks"),
+               (Lookup, "layers"), (flow, "apply")]
+    for owner, name in watched:
+        def watch(*a, _real=getattr(owner, name), _name=name, **kw):
+            if threading.current_thread() is not threading.main_thread():  # the test's own calls are the client's
+                seen.append((_name, threading.current_thread().name))
+            return _real(*a, **kw)
+        monkeypatch.setattr(owner, name, watch)
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)
+    kv = make_kv(layers=4, tokens=48, heads=2, head_dim=32, seed=9)
+    ids = list(range(300, 348))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # a miss, written back
+        _wait_for_writes(sc, 3)
+        assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 3  # sent as stored
+        assert c.translate(kv, "S__S-self", token_ids=ids, layout="paged", block_size=8, **_kw(family)).stats.cached_blocks == 3
+        cast = c.translate(kv, "S__S-self", token_ids=ids, target_dtype=torch.bfloat16, **_kw(family))
+        assert cast.stats.cached_blocks == 3 and cast.layers()[0][0].dtype == torch.bfloat16
+        more = list(range(400, 448))
+        key = publish_source(kv, more, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
+        assert c.translate(None, "S__S-self", token_ids=more, prefix_key=key, **_kw(family)).info.num_tokens == 48
+    assert {name for name, _ in seen} == {name for _, name in watched}  # every path above ran
+    off = sorted({(name, thread) for name, thread in seen if not thread.startswith("kvferry-compute")})
+    assert not off, f"tensor work off the compute thread: {off}"
+
+
 def test_corrupt_blob_is_a_miss(sidecar_factory, maps_dir, family, redis_url, redis_server):
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)
     kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=5)

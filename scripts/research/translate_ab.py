@@ -11,6 +11,11 @@ Variants:
                   operations instead of spinning on cores the transfer needs
   buffered        the shipped sidecar, except that a request is received whole before any of it is mapped (no
                   overlap of the upload with the map: what the serial bound assumes)
+  threads_1       the shipped sidecar mapping with one torch thread
+  switch_0.5ms    the shipped sidecar with Python's GIL switch interval at 0.5 ms (default 5 ms): does the compute
+                  thread wait for the GIL behind the event loop's thread after each torch op?
+  scan_on_io_thread the sidecar before session 11: maps loaded on an asyncio.to_thread worker, whose torch copies
+                  gave that thread an OpenMP pool of its own (the compute thread's regions then ran at one core's speed)
 
     .venv/bin/python scripts/research/translate_ab.py --source models/pretrained/smollm2-135m-l25 \\
         --target models/pretrained/smollm2-135m --sizes 2048 8192 --reps 9 --json runs/results/translate_ab.json
@@ -46,9 +51,17 @@ BUFFERED = ("import kvferry.sidecar.servicer as sv\n"
             "        yield out\n"
             "sv.TranslateServicer._translate_stream = buffered\n"
             "import kvferry.bench.server as s\ns.main()\n")
+SCAN_ON_IO_THREAD = ("import asyncio, kvferry.sidecar.server as srv\n"
+                     "srv.Sidecar._scan = lambda self: asyncio.to_thread(self.registry.scan)\n"
+                     "import kvferry.bench.server as s\ns.main()\n")
+SWITCH = "import sys\nsys.setswitchinterval(0.0005)\nimport kvferry.bench.server as s\ns.main()\n"
+SCAN_ON_IO_THREAD = ("import asyncio, kvferry.sidecar.server as srv\n"
+                     "srv.Sidecar._scan = lambda self: asyncio.to_thread(self.registry.scan)\n"
+                     "import kvferry.bench.server as s\ns.main()\n")
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 VARIANTS = {"protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY),
-            "in_place+passive": dict(env={"OMP_WAIT_POLICY": "PASSIVE"}), "buffered": dict(code=BUFFERED)}
+            "in_place+passive": dict(env={"OMP_WAIT_POLICY": "PASSIVE"}), "buffered": dict(code=BUFFERED),
+            "threads_1": dict(threads=1), "switch_0.5ms": dict(code=SWITCH), "scan_on_io_thread": dict(code=SCAN_ON_IO_THREAD)}
 
 
 def main() -> None:
@@ -70,7 +83,8 @@ def main() -> None:
     registry.scan()
     ms = registry.resolve(name, "")
     kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
-    servers = {v: ServerProcess(a.maps_dir, a.threads, **VARIANTS[v]) for v in a.variants}
+    servers = {v: ServerProcess(a.maps_dir, VARIANTS[v].get("threads", a.threads),
+                                **{k: x for k, x in VARIANTS[v].items() if k != "threads"}) for v in a.variants}
     rows = []
     try:
         clients = {v: TranslateClient(ClientOptions(target=s.address, chunk_tokens=a.chunk_tokens, timeout=300)) for v, s in servers.items()}
