@@ -4,8 +4,8 @@ Why one thread for all of it, not only for the map: torch's intra-op pool (OpenM
 enters a parallel region. Once any second thread has entered one (a copy of a large tensor is enough: loading a
 map, casting or joining stored blocks), the compute thread's pool waits on futexes between regions, and every map
 ran at about one core's speed: 13.9 ms against 7.7 ms for the tiny family at n = 2048 on 2 cores
-(docs/benchmarks.md, session 11). Views of received bytes, slicing, and stored bytes sent as they are may run
-anywhere: they start no parallel region.
+(docs/benchmarks.md, session 11). Views of received bytes, slicing, numpy's copy of a tensor's data into a message,
+and stored bytes sent as they are may run anywhere: they start no torch parallel region.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ class Opened:
     ms: MapSet
     plan: object | None  # prefix_flow.Plan: where newly mapped blocks would be written back
     cached_blocks: int
+    initial: list  # the blocks that need no source data (a cached prefix: Block or BlockBytes), to send first
 
 
 class TranslateFlow:
@@ -38,22 +39,19 @@ class TranslateFlow:
         self._background: set[asyncio.Task] = set()
 
     async def open(self, spec: TranslateSpec) -> Opened:
+        """Resolve the map, consult the prefix store, start the session and cut the cached prefix's blocks."""
         ms = self.registry.resolve(spec.map_name, spec.map_version)
         self.limits.check(spec.num_tokens, 0)  # before the prefix store hashes, reads, maps or writes anything
         if spec.prefix_key:
             if self.prefix is None:
                 raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
             session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
-            return Opened(session, ms, None, cached_blocks)
+            return Opened(session, ms, None, cached_blocks, await on_compute(self.compute, session.initial_blocks))
         plan = await asyncio.to_thread(self.prefix.plan, spec, ms) if self.prefix is not None and spec.token_ids else None
         cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed
-        session = await on_compute(self.compute, _session, spec, ms, self.limits, cached, write_back)
-        return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0)
-
-    async def initial(self, opened: Opened, encode) -> list:
-        """The blocks that need no source data (a cached prefix), encoded, from the compute thread."""
-        return await on_compute(self.compute, _initial, opened.session, encode)
+        session, initial = await on_compute(self.compute, _session, spec, ms, self.limits, cached, write_back)
+        return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0, initial)
 
     async def add(self, opened: Opened, chunk: Chunk, encode) -> list:
         """Map what ``chunk`` completes on the compute thread, and ``encode`` each block there too."""
@@ -85,12 +83,9 @@ class TranslateFlow:
 
 # On the compute thread (they touch tensor data: a cached prefix is cast, joined or paged).
 
-def _session(spec: TranslateSpec, ms: MapSet, limits: Limits, cached, keep_output: bool) -> TranslateSession:
-    return TranslateSession(spec, ms, limits, cached, keep_output=keep_output)
-
-
-def _initial(session: TranslateSession, encode) -> list:
-    return [encode(b) for b in session.initial_blocks()]
+def _session(spec: TranslateSpec, ms: MapSet, limits: Limits, cached, keep_output: bool):
+    session = TranslateSession(spec, ms, limits, cached, keep_output=keep_output)
+    return session, session.initial_blocks()
 
 
 def _add(session: TranslateSession, chunk: Chunk, encode) -> list:

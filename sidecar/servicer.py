@@ -165,8 +165,8 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         self.sessions.add(session)
         g = opened.ms.target.geometry
         yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
-        for encoded in await self.flow.initial(opened, wire.encode_block_response):
-            yield encoded
+        for block in opened.initial:  # encoded as sent (numpy copies the data out: no torch parallel region)
+            yield wire.encode_block_response(block)
         async for req in requests:
             if not isinstance(req, wire.ChunkFrame):  # the request decoder makes every chunk a frame
                 raise InvalidInput("after the header, a Translate stream carries only chunks")
