@@ -45,8 +45,8 @@ class TranslateFlow:
         if spec.prefix_key:
             if self.prefix is None:
                 raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
-            session, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
-            return Opened(session, ms, None, cached_blocks, await on_compute(self.compute, session.initial_blocks))
+            session, initial, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
+            return Opened(session, ms, None, cached_blocks, initial)
         plan = await asyncio.to_thread(self.prefix.plan, spec, ms) if self.prefix is not None and spec.token_ids else None
         cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed

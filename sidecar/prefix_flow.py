@@ -91,11 +91,11 @@ class PrefixService:
         self.metrics.prefix_writes.inc(n)
         return n
 
-    def from_store(self, spec, ms: MapSet, limits, compute: Executor) -> tuple[TranslateSession, int]:
+    def from_store(self, spec, ms: MapSet, limits, compute: Executor) -> tuple[TranslateSession, list, int]:
         """A key-only request: stored target blocks, then stored source blocks mapped now and written back. Runs on an
         I/O thread; the mapping itself runs on ``compute`` (the sidecar's one compute thread).
 
-        Returns a session whose initial_blocks() is the whole answer, and how many blocks were cached.
+        Returns a session, its initial blocks (the whole answer), and how many blocks were cached.
         Raises Unavailable when the store is down, NotFound when nothing is stored for the key.
         """
         if not spec.token_ids:
@@ -129,7 +129,7 @@ class PrefixService:
                                            covered, dtype, context).result()
             self._put(items)
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
-        return compute.submit(TranslateSession, spec2, ms, limits, cached, False).result(), tgt.end_block
+        return (*compute.submit(_cached_session, spec2, ms, limits, cached).result(), tgt.end_block)
 
 
 # The functions below touch tensor data, so they run on the compute thread (compute.py).
@@ -145,6 +145,11 @@ def _map_stored(cache: PrefixCache, ms: MapSet, src: Lookup, tgt: Lookup, tgt_ns
     stored = tgt.layers()
     joined = mapped if not stored else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(stored, mapped)]
     return joined, items
+
+
+def _cached_session(spec, ms: MapSet, limits, cached) -> tuple[TranslateSession, list]:
+    session = TranslateSession(spec, ms, limits, cached=cached, expect_chunks=False)
+    return session, session.initial_blocks()
 
 
 def _encode_outputs(cache: PrefixCache, plan: Plan, session: TranslateSession) -> list[tuple[str, bytes]]:
