@@ -62,7 +62,7 @@ def cmd_distill(a: argparse.Namespace) -> int:
     from kvferry.mappings.distill import DistillSettings, capture_tails, distill
 
     quiet_transformers()
-    given = {k: getattr(a, k) for k in ("from_layer", "tail", "tails", "repeat_span", "epochs", "lr", "seed")}
+    given = {k: getattr(a, k) for k in ("from_layer", "tail", "tails", "repeat_span", "epochs", "lr", "seed", "temperature")}
     settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})  # unset: DistillSettings' defaults
     ms = load(a.map)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--version", required=True)
     dl.add_argument("--seq-len", type=int, default=1024)
     dl.add_argument("--max-tokens", type=int, default=None)
-    # --from-layer .. --seed: DistillSettings' fields (their defaults and meaning are documented there)
+    # --from-layer .. --temperature: DistillSettings' fields (their defaults and meaning are documented there)
     dl.add_argument("--from-layer", type=int, default=None)
     dl.add_argument("--tail", type=int, default=None)
     dl.add_argument("--tails", type=int, default=None)
@@ -266,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--epochs", type=int, default=None)
     dl.add_argument("--lr", type=float, default=None)
     dl.add_argument("--seed", type=int, default=None)
+    dl.add_argument("--temperature", type=float, default=None)
     dl.add_argument("--overwrite", action="store_true")
     dl.add_argument("--quiet", action="store_true")
     dl.set_defaults(func=cmd_distill)

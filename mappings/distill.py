@@ -45,12 +45,18 @@ class DistillSettings:
     """Adam's peak learning rate (one-cycle schedule, 10% warm-up)."""
     seed: int = 0
     """Seeds the repeats and the order of the tails."""
+    temperature: float = 1.0
+    """The training loss is the KL at this temperature (both distributions softened, times T², as in knowledge
+    distillation): above 1 it weighs how the less likely tokens rank, which the gate's top-10 overlap reads. The
+    held-out KL that picks the epoch is always at temperature 1, the evidence's."""
 
     def __post_init__(self) -> None:
         if self.from_layer < 0:
             raise InvalidInput(f"from_layer must be >= 0, got {self.from_layer}")
         if self.tail < 1 or self.tails < 1:
             raise InvalidInput(f"tail and tails must be >= 1, got {self.tail} and {self.tails}")
+        if not self.temperature > 0:
+            raise InvalidInput(f"temperature must be > 0, got {self.temperature}")
         if self.repeat_span < 0 or self.epochs < 0 or not self.lr > 0:
             raise InvalidInput("repeat_span and epochs must be >= 0 and lr > 0; "
                                f"got {self.repeat_span}, {self.epochs}, {self.lr}")
@@ -63,7 +69,7 @@ class DistillSettings:
 
     def as_dict(self) -> dict:
         return {"from_layer": self.from_layer, "tail": self.tail, "tails": self.tails, "repeat_span": self.repeat_span,
-                "epochs": self.epochs, "lr": self.lr, "seed": self.seed}
+                "epochs": self.epochs, "lr": self.lr, "seed": self.seed, "temperature": self.temperature}
 
 
 @dataclass(frozen=True)
@@ -171,15 +177,17 @@ def capture_tails(ms: MapSet, source, target, windows: list[torch.Tensor], s: Di
     return out
 
 
-def tail_kl(target_model, maps: TrainableMaps, sample: TailSample) -> torch.Tensor:
-    """Mean KL(full ‖ mapped) over the tail's next-token distributions."""
+def tail_kl(target_model, maps: TrainableMaps, sample: TailSample, temperature: float = 1.0) -> torch.Tensor:
+    """Mean KL(full ‖ mapped) over the tail's next-token distributions, at ``temperature`` (times its square, so
+    gradients keep their scale)."""
     skv = [(k.float(), v.float()) for k, v in sample.source_kv]
     fixed = [(k.float(), v.float()) for k, v in sample.fixed]
     stop = skv[0][0].shape[2] - len(sample.ids)
     cache = to_dynamic_cache(maps.cache(skv, fixed, stop), target_model.config)
-    logq = target_model(input_ids=sample.ids[None], past_key_values=cache).logits[0].float().log_softmax(-1)
-    want = sample.logp.float()
-    return (want.exp() * (want - logq)).sum(-1).mean()
+    logits = target_model(input_ids=sample.ids[None], past_key_values=cache).logits[0].float()
+    logq = (logits / temperature).log_softmax(-1)
+    want = (sample.logp.float() / temperature).log_softmax(-1)  # log-probabilities are logits up to a constant
+    return (want.exp() * (want - logq)).sum(-1).mean() * temperature ** 2
 
 
 def distill(ms: MapSet, source, target, train: list[TailSample], held: list[TailSample], s: DistillSettings,
@@ -208,7 +216,7 @@ def distill(ms: MapSet, source, target, train: list[TailSample], held: list[Tail
     for epoch in range(1, s.epochs + 1):
         total = 0.0
         for j in torch.randperm(len(train), generator=gen).tolist():
-            loss = tail_kl(target.model, maps, train[j])
+            loss = tail_kl(target.model, maps, train[j], s.temperature)
             opt.zero_grad()
             loss.backward()
             opt.step()

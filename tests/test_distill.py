@@ -11,7 +11,7 @@ import torch
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import LayerMap, MapSet, load
 from kvferry.mappings.capture import read_corpus, token_windows
-from kvferry.mappings.distill import DistillSettings, TrainableMaps, capture_tails, distill, with_repeat
+from kvferry.mappings.distill import DistillSettings, TrainableMaps, capture_tails, distill, tail_kl, with_repeat
 from kvferry.mappings.errors import InvalidInput
 
 from conftest import DATA, MODELS, ROOT, make_kv
@@ -78,6 +78,31 @@ def test_distillation_lowers_the_heldout_tail_kl_and_trains_only_its_layers(s_t,
         assert same == (key[0] < 3), key  # layers below from_layer untouched, every trained one moved
         assert (out.maps[key].heldout_r2 != out.maps[key].heldout_r2) == (key[0] >= 3)  # a trained map's fit R² is unknown
     assert out.fit["distilled"]["base_version"] == "1.0.0" and out.maps[(3, "k")].weight.dtype == s_t.dtype
+
+
+def test_a_temperature_softens_both_distributions(s_t, family):
+    """tail_kl at temperature T is T² × KL(softmax(full / T) ‖ softmax(mapped / T)), computed here by hand from the
+    target's logits over the mapped cache; T = 1 is the plain KL the held-out epochs are chosen by."""
+    from kvferry.mappings.capture import to_dynamic_cache
+
+    source, target = family["S"], family["T"]
+    windows = token_windows(target.tokenizer, read_corpus([DATA / "calib.jsonl"]), 256, 256)
+    sample = capture_tails(s_t, source, target, windows[:1], DistillSettings(from_layer=3, tail=16, repeat_span=0),
+                           random.Random(0))[0]
+    maps = TrainableMaps(s_t, 3)
+    with torch.no_grad():
+        skv = [(k.float(), v.float()) for k, v in sample.source_kv]
+        fixed = [(k.float(), v.float()) for k, v in sample.fixed]
+        cache = to_dynamic_cache(maps.cache(skv, fixed, skv[0][0].shape[2] - 16), target.model.config)
+        logits = target.model(input_ids=sample.ids[None], past_key_values=cache).logits[0].float()
+        full = sample.logp.float()
+        for t in (1.0, 2.0, 4.0):
+            p, q = (full / t).log_softmax(-1), (logits / t).log_softmax(-1)
+            want = float((p.exp() * (p - q)).sum(-1).mean()) * t * t
+            assert float(tail_kl(target.model, maps, sample, t)) == pytest.approx(want, rel=1e-4), t
+    assert float(tail_kl(target.model, maps, sample, 2.0)) != pytest.approx(float(tail_kl(target.model, maps, sample)), rel=1e-3)
+    with pytest.raises(InvalidInput, match="temperature"):
+        DistillSettings(temperature=0.0)
 
 
 def test_settings_and_windows_are_checked():

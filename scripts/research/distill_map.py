@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--repeat-span", type=int, default=160)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--temperature", type=float, default=1.0, help="the training loss's KL temperature")
     ap.add_argument("--gaps", default="500,1000")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--seed", type=int, default=11)
@@ -70,7 +71,7 @@ def main() -> None:
     t_start = time.perf_counter()
     ms, source, target = load_pair(a.map)
     s = DistillSettings(from_layer=a.from_layer, tail=a.tail, tails=a.tails, repeat_span=a.repeat_span, epochs=a.epochs,
-                        lr=a.lr, seed=a.seed)
+                        lr=a.lr, seed=a.seed, temperature=a.temperature)
     calib = token_windows(target.tokenizer, read_corpus([paths.data_file("calib.jsonl")]), a.seq)
     if a.train == "calib":
         windows = calib[: a.tokens // a.seq]
