@@ -39,6 +39,27 @@ def test_async_client(sidecar_factory, maps_dir):
         torch.testing.assert_close(res.blocks[0].value[:, 1], kv[0][1][0, 1, :8])
 
 
+def test_source_chunks_default_to_about_two_mebibytes(sidecar_factory, maps_dir):
+    """chunk_tokens 0 (the default) sends as many tokens per chunk as fill CHUNK_BYTES of one layer's K or V, within
+    the channel's message limit; an explicit chunk_tokens is kept. The automatic chunks translate like any other."""
+    from kvferry.client.client import CHUNK_BYTES, chunk_tokens_for, encode_requests, make_spec
+
+    assert ClientOptions().tokens_per_chunk(3 * 64 * 4) == CHUNK_BYTES // 768 == 2730  # SmolLM2-135M, fp32
+    assert ClientOptions(chunk_tokens=100).tokens_per_chunk(768) == 100
+    assert ClientOptions(max_message_bytes=64 << 10).tokens_per_chunk(768) < (64 << 10) // 768
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        ClientOptions(chunk_tokens=-1).tokens_per_chunk(768)
+    kv = make_kv(layers=4, tokens=5000, heads=2, head_dim=32)  # 256 bytes a token: 8192 tokens fill 2 MiB
+    auto = chunk_tokens_for(ClientOptions(), kv)
+    assert auto == 8192 and len(list(encode_requests(make_spec(kv, "S__S-self"), kv, auto))) == 1 + 4 * 2
+    assert len(list(encode_requests(make_spec(kv, "S__S-self"), kv, 512))) == 1 + 4 * 2 * 10  # the old default
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        for (k, v), (tk, tv) in zip(kv, c.translate(kv, "S__S-self").layers()):
+            torch.testing.assert_close(tk, k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(tv, v, rtol=1e-5, atol=1e-5)
+
+
 def test_unavailable_is_retried_until_the_server_appears(maps_dir):
     import socket
 

@@ -27,7 +27,7 @@ from kvferry import paths
 def run(a: argparse.Namespace) -> int:
     from kvferry.quiet import quiet_transformers
     from .harness import ServerProcess, long_ids, median_seconds
-    from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
+    from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
     from kvferry.client.attention import IMPLEMENTATION, use_folded_gqa
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.mappings.apply import apply
@@ -75,7 +75,8 @@ def run(a: argparse.Namespace) -> int:
                     return apply(ms, src, 0)
 
                 wire_src = src if wire == torch.float32 else [(k.to(wire), v.to(wire)) for k, v in src]
-                payloads = [m.SerializeToString() for m in encode_requests(make_spec(wire_src, ms.name, ms.version, **kw), wire_src, a.chunk_tokens)]
+                payloads = [m.SerializeToString() for m in encode_requests(make_spec(wire_src, ms.name, ms.version, **kw), wire_src,
+                                                                          chunk_tokens_for(client.options, wire_src))]
                 full(), translate_path(), in_process(), echo.roundtrip(payloads)  # warm-up
                 t_full = median_seconds(full, a.reps)
                 t_path = median_seconds(translate_path, a.reps)
@@ -124,7 +125,8 @@ def add_parser(sub) -> None:
     b.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])
     b.add_argument("--refresh", type=int, default=16)
     b.add_argument("--reps", type=int, default=5)
-    b.add_argument("--chunk-tokens", type=int, default=2048)
+    b.add_argument("--chunk-tokens", type=int, default=0,
+                   help="tokens per source chunk (0: the client's default, about 2 MiB of one layer's K or V)")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype of the KV on the wire (the source cache is converted inside the timed path)")
