@@ -18,31 +18,20 @@ from pathlib import Path
 
 import torch
 
-from kvferry import paths
+from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
 from kvferry.bench.harness import ServerProcess, long_ids, median_seconds
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.mappings.apply import apply
-from kvferry.mappings.capture import capture_kv, load_model
-from kvferry.sidecar.registry import MapRegistry
+from kvferry.mappings.capture import capture_kv
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--source", type=Path, required=True)
-    ap.add_argument("--target", type=Path, required=True)
-    ap.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
+    pair_arguments(ap, reps=7)
     ap.add_argument("--chunks", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    source, target = load_model(a.source), load_model(a.target)
-    registry = MapRegistry(a.maps_dir, force=True)
-    registry.scan()
-    ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", "")
-    kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+    source, target, ms, kw = load_pair(a)
     rows = []
     with ServerProcess(a.maps_dir, a.threads) as server:
         clients = {c: TranslateClient(ClientOptions(target=server.address, chunk_tokens=c, timeout=300)) for c in a.chunks}

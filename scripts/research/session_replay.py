@@ -22,15 +22,14 @@ from pathlib import Path
 
 import torch
 
-from kvferry import paths
+from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
 from kvferry.bench.harness import long_ids
 from kvferry.client.client import encode_requests, make_spec
 from kvferry.common import wire
 from kvferry.mappings.apply import apply
-from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.mappings.capture import capture_kv
 from kvferry.sidecar.limits import Limits
 from kvferry.sidecar.pipeline import TranslateSession
-from kvferry.sidecar.registry import MapRegistry
 
 
 def replay(payloads: list[bytes], ms, limits: Limits) -> tuple[float, float]:
@@ -56,23 +55,13 @@ def timed_apply(ms, src) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--source", type=Path, required=True)
-    ap.add_argument("--target", type=Path, required=True)
-    ap.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=2)
+    pair_arguments(ap, reps=9)
     ap.add_argument("--chunk-tokens", type=int, default=2048)
     ap.add_argument("--worker", action="store_true", help="everything (apply too) on one long-lived worker thread, as the sidecar maps")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    source, target = load_model(a.source), load_model(a.target)
-    registry = MapRegistry(a.maps_dir, force=True)
-    registry.scan()
-    ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", "")
+    source, target, ms, kw = load_pair(a)
     limits = Limits()
-    kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
     rows = []
     pool = ThreadPoolExecutor(max_workers=1) if a.worker else None
     for n in a.sizes:

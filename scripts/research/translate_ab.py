@@ -31,11 +31,10 @@ from pathlib import Path
 
 import torch
 
-from kvferry import paths
+from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
 from kvferry.bench.harness import ServerProcess, long_ids
 from kvferry.client.client import ClientOptions, TranslateClient
-from kvferry.mappings.capture import capture_kv, load_model
-from kvferry.sidecar.registry import MapRegistry
+from kvferry.mappings.capture import capture_kv
 
 PROTOBUF_PARSE = ("import kvferry.common.wire as w, kvferry.v1.translate_pb2 as pb\n"
                   "w.decode_request = pb.TranslateRequest.FromString\n"
@@ -66,23 +65,13 @@ VARIANTS = {"protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_pla
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--source", type=Path, required=True)
-    ap.add_argument("--target", type=Path, required=True)
-    ap.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--reps", type=int, default=9)
+    pair_arguments(ap, reps=9)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk-tokens", type=int, default=2048, help="as kvferry bench translate sends them")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    source, target = load_model(a.source), load_model(a.target)
-    name = f"{source.identity.name}__{target.identity.name}"
-    registry = MapRegistry(a.maps_dir, force=True)
-    registry.scan()
-    ms = registry.resolve(name, "")
-    kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+    source, target, ms, kw = load_pair(a)
+    name = ms.name
     servers = {v: ServerProcess(a.maps_dir, VARIANTS[v].get("threads", a.threads),
                                 **{k: x for k, x in VARIANTS[v].items() if k != "threads"}) for v in a.variants}
     rows = []
