@@ -15,7 +15,7 @@ from kvferry.mappings.artifact import MapSet
 
 from .compute import on_compute
 from .limits import Limits
-from .pipeline import TranslateSession
+from .pipeline import TranslateSession, start_session
 
 log = logging.getLogger("kvferry.sidecar")
 
@@ -50,7 +50,7 @@ class TranslateFlow:
         plan = await asyncio.to_thread(self.prefix.plan, spec, ms) if self.prefix is not None and spec.token_ids else None
         cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed
-        session, initial = await on_compute(self.compute, _session, spec, ms, self.limits, cached, write_back)
+        session, initial = await on_compute(self.compute, start_session, spec, ms, self.limits, cached, True, write_back)
         return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0, initial)
 
     async def add(self, opened: Opened, chunk: Chunk, encode) -> list:
@@ -79,13 +79,6 @@ class TranslateFlow:
         if not task.cancelled() and task.exception() is not None:
             self.metrics.prefix_store_errors.inc()
             log.error("prefix write-back failed: %s: %s", type(task.exception()).__name__, str(task.exception())[:200])
-
-
-# On the compute thread (they touch tensor data: a cached prefix is cast, joined or paged).
-
-def _session(spec: TranslateSpec, ms: MapSet, limits: Limits, cached, keep_output: bool):
-    session = TranslateSession(spec, ms, limits, cached, keep_output=keep_output)
-    return session, session.initial_blocks()
 
 
 def _add(session: TranslateSession, chunk: Chunk, encode) -> list:

@@ -255,3 +255,10 @@ class TranslateSession:
                                f"did not receive all {self.spec.num_tokens} tokens")
         self.stats.wall_seconds = time.perf_counter() - self._t0
         return self.stats
+
+
+def start_session(*args, **kw) -> tuple[TranslateSession, list[Block | BlockBytes]]:
+    """A TranslateSession (its arguments) and its initial blocks: the cached prefix, cast, joined or paged, which is
+    tensor work, so callers run this on the sidecar's compute thread (compute.py)."""
+    session = TranslateSession(*args, **kw)
+    return session, session.initial_blocks()

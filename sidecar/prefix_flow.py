@@ -22,7 +22,7 @@ from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import InvalidInput
 from kvferry.common.errors import NotFound
 
-from .pipeline import TranslateSession, target_dtype
+from .pipeline import TranslateSession, start_session, target_dtype
 
 log = logging.getLogger("kvferry.prefix")
 
@@ -129,7 +129,7 @@ class PrefixService:
                                            covered, dtype, context).result()
             self._put(items)
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
-        return (*compute.submit(_cached_session, spec2, ms, limits, cached).result(), tgt.end_block)
+        return (*compute.submit(start_session, spec2, ms, limits, cached, False).result(), tgt.end_block)
 
 
 # The functions below touch tensor data, so they run on the compute thread (compute.py).
@@ -145,11 +145,6 @@ def _map_stored(cache: PrefixCache, ms: MapSet, src: Lookup, tgt: Lookup, tgt_ns
     stored = tgt.layers()
     joined = mapped if not stored else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(stored, mapped)]
     return joined, items
-
-
-def _cached_session(spec, ms: MapSet, limits, cached) -> tuple[TranslateSession, list]:
-    session = TranslateSession(spec, ms, limits, cached=cached, expect_chunks=False)
-    return session, session.initial_blocks()
 
 
 def _encode_outputs(cache: PrefixCache, plan: Plan, session: TranslateSession) -> list[tuple[str, bytes]]:

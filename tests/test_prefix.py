@@ -231,6 +231,7 @@ def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, f
     parallel region once slows every later map on the compute thread to about one core (sidecar/compute.py)."""
     import kvferry.sidecar.prefix_flow as flow
     from kvferry.common.prefix_cache import Lookup
+    from kvferry.sidecar.compute import THREAD_NAME
     from kvferry.sidecar.pipeline import TranslateSession
     from kvferry.sidecar.registry import MapRegistry
 
@@ -258,7 +259,7 @@ def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, f
         key = publish_source(kv, more, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
         assert c.translate(None, "S__S-self", token_ids=more, prefix_key=key, **_kw(family)).info.num_tokens == 48
     assert {name for name, _ in seen} == {name for _, name in watched}  # every path above ran
-    off = sorted({(name, thread) for name, thread in seen if not thread.startswith("kvferry-compute")})
+    off = sorted({(name, thread) for name, thread in seen if not thread.startswith(THREAD_NAME)})
     assert not off, f"tensor work off the compute thread: {off}"
 
 
