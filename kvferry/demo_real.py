@@ -20,7 +20,7 @@ import torch
 from kvferry import paths, pretrained
 
 TARGET = "smollm2-135m"
-SOURCES = (10, 25)  # depth cuts with shipped maps: the first N layers of the target
+SOURCES = (10, 18, 25)  # depth cuts with shipped maps: the first N layers of the target
 REFRESH = 16
 CONTINUE = 24
 

@@ -29,6 +29,7 @@ from conftest import DATA, ROOT
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
 
 LOSES, KEEPS = 10, 25  # depth cuts whose shipped maps lose / keep long-range copying (see their evidence)
+SHORT_TOP10 = 18  # its map keeps long-range copying (the long-range gate passes it) but the top-10 gate refuses it
 
 
 def _map(cut: int):
@@ -40,7 +41,7 @@ def _map(cut: int):
 @pytest.fixture(scope="module")
 def real():
     target = load_model(pretrained.fetch("smollm2-135m"))
-    sources = {cut: load_model(pretrained.cut("smollm2-135m", cut)) for cut in (LOSES, KEEPS)}
+    sources = {cut: load_model(pretrained.cut("smollm2-135m", cut)) for cut in (LOSES, SHORT_TOP10, KEEPS)}
     return target, sources
 
 
@@ -87,6 +88,8 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
     problems = Gates().failures(ms.evidence)
     assert any("long-range copy" in p for p in problems), problems
     assert Gates().copy_failures(_map(KEEPS).evidence) == []
+    short = Gates().failures(_map(SHORT_TOP10).evidence)  # every reason is the next-token top-10 criterion
+    assert short and all("top10" in p for p in short) and Gates().copy_failures(_map(SHORT_TOP10).evidence) == [], short
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"))
     s, exs = examples
     ex = next(e for e in exs if e.gap == s.gaps[0])
@@ -95,6 +98,7 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
         listed = {m.name: m for m in c.list_mappings("smollm2")}
         assert not listed[ms.name].servable and "long-range copy" in listed[ms.name].gate_reason
         assert listed[_map(KEEPS).name].servable
+        assert not listed[_map(SHORT_TOP10).name].servable and "top10" in listed[_map(SHORT_TOP10).name].gate_reason
         cascade = Cascade(target.model, c, ms.name, MapRollout(refresh=s.refresh, min_tokens=64), sources[LOSES].identity)
         res = cascade.generate(ids, capture_kv(sources[LOSES].model, ids), 8)
         gold = cascade.full_prefill(ids, 8)
@@ -102,7 +106,7 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
     assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible") and res.tokens == gold.tokens
 
 
-@pytest.mark.parametrize("cut", [LOSES, KEEPS])
+@pytest.mark.parametrize("cut", [LOSES, SHORT_TOP10, KEEPS])
 def test_copy_probe_through_the_sidecar_matches_the_evidence(real, examples, sidecar_factory, cut):
     """One gap's row, recomputed with every prefix translated by a real sidecar (contiguous and paged), agrees
     with the evidence the gate read; the sidecar's cache equals in-process apply. The gap: for the map that loses
@@ -130,6 +134,6 @@ def test_copy_probe_through_the_sidecar_matches_the_evidence(real, examples, sid
     got = sum(accs) / len(accs)
     assert abs(got - row["mapped_refresh"]) <= 0.05, (got, row)
     keeps = got >= Gates().min_copy_retention * row["full"]
-    assert keeps == (cut == KEEPS), (cut, got, row)
-    if cut == KEEPS:
+    assert keeps == (cut != LOSES), (cut, got, row)
+    if cut != LOSES:
         assert got > row["truncate"] + 0.2  # the distant passage is really used, not guessed from the cue
