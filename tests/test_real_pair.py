@@ -110,8 +110,8 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
 def test_copy_probe_through_the_sidecar_matches_the_evidence(real, examples, sidecar_factory, cut):
     """One gap's row, recomputed with every prefix translated by a real sidecar (contiguous and paged), agrees
     with the evidence the gate read; the sidecar's cache equals in-process apply. The gap: for the map that loses
-    copying, the one where its evidence keeps least (what the gate refuses it on); for the map that keeps it, the
-    first (the shortest prompts)."""
+    copying, the one where its evidence keeps least (what the gate refuses it on); for the maps that keep it (the
+    18-layer one, refused on top-10 alone, and the 25-layer one, served), the first (the shortest prompts)."""
     target, sources = real
     ms, source = _map(cut), sources[cut]
     s, exs = examples

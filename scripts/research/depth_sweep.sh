@@ -3,7 +3,7 @@
 # Per-token ridge maps (k = 4, --min-gain 1e-3, bf16) from the first N layers of SmolLM2-135M, every N fitted on the
 # same 20,480 calibration tokens into runs/maps (never maps/), then the copy probe on fresh held-out prompts
 # (seed 11, the research tables' prompts) with the shipped l25 map beside them.
-#   bash scripts/research/depth_sweep.sh "10 12 15 18 20"      # ~25 min of fits, ~10 min of probes on 2 cores
+#   bash scripts/research/depth_sweep.sh "10 12 15 18 20"      # 3.3-6.1 min a fit, then ~6 min of probes, on 2 cores
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DEPTHS=${1:-"10 12 15 18 20"}
