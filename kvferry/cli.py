@@ -19,6 +19,15 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _layer_range(text: str) -> tuple[int, int]:
+    """"18-24" (or one layer, "18") -> (18, 24)."""
+    try:
+        first, _, last = text.partition("-")
+        return int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST-LAST target layers such as 18-24, got {text!r}") from None
+
+
 def cmd_fit(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -31,14 +40,16 @@ def cmd_fit(a: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
     settings = FitSettings(k=a.k, seq_len=a.seq_len, max_tokens=a.max_tokens, subsample=a.subsample, seed=a.seed,
                            inputs=a.inputs, per_head=a.per_head, dtype=a.dtype, selection=a.selection,
-                           min_gain=a.min_gain)
+                           min_gain=a.min_gain, window=a.window, window_layers=a.window_layers,
+                           window_kinds=a.window_kinds, window_sources=a.window_sources)
     src, tgt = load_model(a.source, a.source_name), load_model(a.target, a.target_name)
     ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet, stats_path=a.stats)
     if ms is not None:
         dest = save(ms, a.out, overwrite=a.overwrite)
         print(f"wrote {dest}")
         for (t, kind), m in sorted(ms.maps.items()):
-            print(f"  layer {t} {kind.upper()}: sources {list(m.source_layers)}  lambda {m.lam:g}  held-out R² {m.heldout_r2:.4f}")
+            span = f" x {m.window} tokens" if m.window > 1 else ""
+            print(f"  layer {t} {kind.upper()}: sources {list(m.source_layers)}{span}  lambda {m.lam:g}  held-out R² {m.heldout_r2:.4f}")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -236,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--per-head", action="store_true", help="block-diagonal maps (target head j reads one source head)")
     f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights' stored and applied dtype (bfloat16: faster apply; evaluate it before serving)")
+    # --window .. --window-sources: FitSettings' fields (their defaults and meaning are documented there)
+    f.add_argument("--window", type=int, default=1, help="tokens a windowed map reads per output token (1: per-token maps)")
+    f.add_argument("--window-layers", type=_layer_range, default=None, metavar="FIRST-LAST",
+                   help="target layers whose maps are windowed, e.g. 18-24 (default: all, when --window > 1)")
+    f.add_argument("--window-kinds", choices=["k", "kv"], default="k", help="window the keys only (default) or K and V")
+    f.add_argument("--window-sources", type=int, default=6, help="windowed maps read the source's last this-many layers")
     f.add_argument("--seq-len", type=int, default=512)
     f.add_argument("--max-tokens", type=int, default=None)
     f.add_argument("--subsample", type=float, default=1.0, help="fraction of positions kept")

@@ -24,7 +24,7 @@ from .apply import apply
 from .artifact import LayerMap, MapSet
 from .capture import LayerKV, capture_kv, to_dynamic_cache
 from .errors import InvalidInput
-from .features import from_features, to_features
+from .features import from_features, to_features, window_inputs
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,6 @@ def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tenso
     return out
 
 
-def map_inputs(feature: Callable[[int, str], torch.Tensor], m: LayerMap) -> torch.Tensor:
-    """[T, inputs]: the features ``m`` reads, in LayerMap's column order (offsets, then source layers, then inputs);
-    ``feature(layer, kind)`` gives one source layer's position-free K or V, [T, width]."""
-    per = torch.cat([feature(s, c) for s in m.source_layers for c in m.inputs], -1)
-    return torch.cat([per] + [torch.cat([per.new_zeros(o, per.shape[1]), per[:-o]], 0) for o in range(1, m.window)], -1)
-
-
 class TrainableMaps:
     """float32 copies of the maps of target layers >= ``from_layer``, and the cache they give."""
 
@@ -139,7 +132,7 @@ class TrainableMaps:
                 m = self.ms.maps[(layer, kind)]
                 sig = (m.source_layers, m.inputs, m.window)
                 if sig not in inputs:
-                    inputs[sig] = map_inputs(feature, m)
+                    inputs[sig] = window_inputs(feature, *sig)
                 y = inputs[sig] @ self.weight[(layer, kind)] + self.bias[(layer, kind)]
                 kv.append(from_features(y[None], g.kv_heads, g.rope if kind == "k" else None, range(stop)))
             out.append((kv[0], kv[1]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .rope import RopeSpec, rotate, unrotate
@@ -24,3 +26,11 @@ def from_features(x: torch.Tensor, heads: int, spec: RopeSpec | None, positions:
     b, t, w = x.shape
     kv = x.reshape(b, t, heads, w // heads).transpose(1, 2)
     return rotate(kv, spec, positions) if spec is not None else kv
+
+
+def window_inputs(feature: Callable[[int, str], torch.Tensor], sources, inputs, window: int) -> torch.Tensor:
+    """[T, window * len(sources) * len(inputs) * width]: what a map reads, in LayerMap's column order (offset 0, 1, ...
+    back, then source layers, then inputs), zeros before the first token; ``feature(layer, kind)`` gives one source
+    layer's position-free K or V, [T, width]."""
+    per = torch.cat([feature(s, c) for s in sources for c in inputs], -1)
+    return torch.cat([per] + [torch.cat([per.new_zeros(o, per.shape[1]), per[:-o]], 0) for o in range(1, window)], -1)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .artifact import KINDS, LayerMap, MapSet
+from .artifact import KINDS, MAX_WINDOW, LayerMap, MapSet
 from .capture import LoadedModel, capture_kv, corpus_digest, read_corpus, token_windows
 from .errors import InvalidInput
-from .features import to_features
-from .geometry import ModelIdentity, check_pair
+from .features import to_features, window_inputs
+from .geometry import Geometry, ModelIdentity, check_pair
 from .gram import GramStats, all_reduce
 from .ridge import DEFAULT_LAMBDAS, SELECTIONS, RidgeSolver, rounding_variance, select_and_fit
 
@@ -59,6 +59,17 @@ class FitSettings:
     dtype: str = "float32"
     """Stored and applied dtype of the weights: "float32", or "bfloat16" (a third of the apply time on CPUs with
     native bf16; evaluate the bf16 map itself, since its evidence is what serving is gated on)."""
+    window: int = 1
+    """Tokens a windowed map reads per output token (t, t-1, ..., t-window+1); 1: every map is per-token. Where a
+    shallow source loses long-range copying, keys read from a short window keep more of it (docs/real_pair.md)."""
+    window_layers: tuple[int, int] | None = None
+    """First and last target layer whose maps are windowed (None with window > 1: every target layer)."""
+    window_kinds: str = "k"
+    """Which of those layers' maps are windowed: "k" (the keys, where copying is lost) or "kv"."""
+    window_sources: int = 6
+    """A windowed map reads the K and V of the source's last this-many layers (all, if it has fewer): one set for
+    every windowed map, so one eigendecomposition solves them all. Greedy selection is not run for them: a window
+    multiplies each candidate's width, and choosing among those would take hours."""
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -79,6 +90,19 @@ class FitSettings:
             raise InvalidInput(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidInput(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not isinstance(self.window, int) or not 1 <= self.window <= MAX_WINDOW:
+            raise InvalidInput(f"window must be an integer in 1..{MAX_WINDOW}, got {self.window!r}")
+        if self.window_layers is not None:
+            self.window_layers = tuple(self.window_layers)
+            if len(self.window_layers) != 2 or not 0 <= self.window_layers[0] <= self.window_layers[1]:
+                raise InvalidInput(f"window_layers must be (first, last) target layers with 0 <= first <= last, "
+                                   f"got {self.window_layers!r}")
+        if self.window_kinds not in ("k", "kv"):
+            raise InvalidInput(f"window_kinds must be 'k' or 'kv', got {self.window_kinds!r}")
+        if self.window_sources < 1:
+            raise InvalidInput(f"window_sources must be >= 1, got {self.window_sources!r}")
+        if self.window > 1 and self.per_head:
+            raise InvalidInput("per_head maps cannot be windowed: drop per_head or set window to 1")
 
     def inputs_for(self, kind: str) -> tuple[str, ...]:
         return (kind,) if self.inputs == "same" else KINDS
@@ -89,7 +113,40 @@ class FitSettings:
                 "inputs": self.inputs, "per_head": self.per_head,
                 **({"dtype": self.dtype} if self.dtype != "float32" else {}),
                 **({"selection": self.selection} if self.selection != "greedy" else {}),
-                **({"min_gain": self.min_gain} if self.min_gain else {})}
+                **({"min_gain": self.min_gain} if self.min_gain else {}),
+                **(self._window_dict() if self.window > 1 else {})}
+
+    def _window_dict(self) -> dict:
+        return {"window": self.window, "window_layers": list(self.window_layers) if self.window_layers else None,
+                "window_kinds": self.window_kinds, "window_sources": self.window_sources}
+
+    def window_plan(self, source: Geometry, target: Geometry) -> "WindowPlan | None":
+        """The windowed maps of a fit between these geometries (None: all per-token)."""
+        if self.window == 1:
+            return None
+        first, last = self.window_layers or (0, target.layers - 1)
+        if last >= target.layers:
+            raise InvalidInput(f"window_layers ({first}, {last}) run past the target's {target.layers} layers "
+                               f"(0..{target.layers - 1}); pick layers the target has")
+        sources = tuple(range(max(0, source.layers - self.window_sources), source.layers))
+        targets = tuple((t, kind) for t in range(first, last + 1) for kind in KINDS if kind in self.window_kinds)
+        return WindowPlan(self.window, sources, targets)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """The maps a fit makes windowed, and the source features they all read."""
+
+    window: int
+    sources: tuple[int, ...]
+    targets: tuple[tuple[int, str], ...]  # (target layer, kind), in column order of the windowed sums' y side
+
+    def x(self, feats: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        """[T, inputs] of one sequence's all-layer features [T, 2*L*w] (layout of :func:`_all_features`)."""
+        return window_inputs(lambda l, c: feats[:, feature_cols(geometry, l, c)], self.sources, KINDS, self.window)
+
+    def y_cols(self, geometry: Geometry) -> torch.Tensor:
+        return torch.cat([feature_cols(geometry, t, kind) for t, kind in self.targets])
 
 
 def _all_features(kv, geometry, positions: torch.Tensor) -> torch.Tensor:
@@ -116,9 +173,11 @@ class GramSet:
     heldout: GramStats
     tokens: int = 0
     windows: int = 0
+    windowed: "GramSet | None" = None
+    """The windowed maps' sums: their inputs (:class:`WindowPlan`) against their target columns."""
 
     def all(self) -> list[GramStats]:
-        return [self.train, self.heldout]
+        return [self.train, self.heldout] + (self.windowed.all() if self.windowed else [])
 
 
 def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Tensor], settings: FitSettings,
@@ -126,6 +185,10 @@ def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Ten
     sg, tg = source.identity.geometry, target.identity.geometry
     dx, dy = 2 * sg.layers * sg.kv_width, 2 * tg.layers * tg.kv_width
     gs = GramSet(GramStats(dx, dy), GramStats(dx, dy))
+    plan = settings.window_plan(sg, tg)
+    if plan:
+        wdx, wdy = plan.window * len(plan.sources) * 2 * sg.kv_width, len(plan.targets) * tg.kv_width
+        gs.windowed, ycols = GramSet(GramStats(wdx, wdy), GramStats(wdx, wdy)), plan.y_cols(tg)
     mine = list(range(rank, len(windows), world))
     gen = torch.Generator().manual_seed(settings.seed)
     bar = None
@@ -141,8 +204,13 @@ def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Ten
         y = _all_features(capture_kv(target.model, ids), tg, pos)
         keep = torch.rand(ids.shape, generator=gen) < settings.subsample if settings.subsample < 1.0 else None
         for row, i in enumerate(idx):
+            held = i % settings.heldout_every == 0
             xr, yr = (x[row], y[row]) if keep is None else (x[row][keep[row]], y[row][keep[row]])
-            (gs.heldout if i % settings.heldout_every == 0 else gs.train).add(xr, yr)
+            (gs.heldout if held else gs.train).add(xr, yr)
+            if plan:  # the window is cut from the whole sequence, before subsampling drops rows
+                wx, wy = plan.x(x[row], sg), y[row][:, ycols]
+                wx, wy = (wx, wy) if keep is None else (wx[keep[row]], wy[keep[row]])
+                (gs.windowed.heldout if held else gs.windowed.train).add(wx, wy)
         gs.tokens += ids.numel()
         gs.windows += len(idx)
         if bar:
@@ -155,10 +223,12 @@ def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Ten
 def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settings: FitSettings,
                solver: RidgeSolver | None = None) -> dict:
     sg, tg = source.geometry, target.geometry
-    maps = {}
+    maps = _solve_windowed(gs.windowed, settings.window_plan(sg, tg), tg, settings) if gs.windowed else {}
     solver = solver or RidgeSolver(gs.train, gs.heldout)
     for t in range(tg.layers):
         for kind in KINDS:
+            if (t, kind) in maps:
+                continue
             inputs = settings.inputs_for(kind)
             blocks = {l: torch.cat([feature_cols(sg, l, c) for c in inputs]) for l in range(sg.layers)}
             chosen, fit = select_and_fit(gs.train, gs.heldout, feature_cols(tg, t, kind), blocks, settings.k, settings.lambdas,
@@ -169,6 +239,20 @@ def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settin
                 weight, bias, r2 = _per_head(solver, sg, tg, t, kind, chosen, inputs, settings)
             dt = getattr(torch, settings.dtype)
             maps[(t, kind)] = LayerMap(t, kind, tuple(chosen), weight.to(dt), bias.to(dt), fit.lam, r2, inputs)
+    return maps
+
+
+def _solve_windowed(gs: GramSet, plan: WindowPlan, tg: Geometry, settings: FitSettings) -> dict:
+    """Every windowed map, each with its own lambda by held-out R²; they share one input set, so one solver."""
+    solver, xi, dt = RidgeSolver(gs.train, gs.heldout), torch.arange(gs.train.dx), getattr(torch, settings.dtype)
+    maps = {}
+    for i, (t, kind) in enumerate(plan.targets):
+        yi = torch.arange(i * tg.kv_width, (i + 1) * tg.kv_width)
+        path = solver.heldout_r2_path(xi, yi, settings.lambdas, rounding_variance(settings.dtype))
+        best = int(torch.argmax(path))
+        w, b = solver.solve(xi, yi, settings.lambdas[best])
+        maps[(t, kind)] = LayerMap(t, kind, plan.sources, w.to(dt), b.to(dt), settings.lambdas[best], float(path[best]),
+                                   KINDS, plan.window)
     return maps
 
 
@@ -197,7 +281,8 @@ def stats_key(source: ModelIdentity, target: ModelIdentity, corpus_sha256: str, 
     """What captured Gram sums depend on: both models, the corpus, and the capture settings (not k, lambdas, dtype)."""
     from .geometry import digest
 
-    capture = {k: v for k, v in settings.as_dict().items() if k in ("seq_len", "max_tokens", "heldout_every", "subsample", "seed")}
+    capture = {k: v for k, v in settings.as_dict().items() if k in ("seq_len", "max_tokens", "heldout_every", "subsample", "seed",
+                                                                   "window", "window_layers", "window_kinds", "window_sources")}
     return digest({"source": source.as_dict(), "target": target.as_dict(), "corpus": corpus_sha256, "capture": capture})
 
 
@@ -205,10 +290,9 @@ def save_stats(gs: GramSet, path: str | Path, key: str) -> None:
     """Write captured sums (safetensors, float64) so that maps can be solved again without a forward pass."""
     from safetensors.torch import save_file
 
-    tensors = {f"{side}.{name}": t.contiguous() for side, st in (("train", gs.train), ("heldout", gs.heldout))
+    tensors = {f"{side}.{name}": t.contiguous() for side, st in _sides(gs)
                for name, t in zip(("sx", "sy", "sxx", "sxy", "syy"), st.tensors())}
-    meta = {"key": key, "train_n": str(gs.train.n), "heldout_n": str(gs.heldout.n), "tokens": str(gs.tokens),
-            "windows": str(gs.windows)}
+    meta = {"key": key, "tokens": str(gs.tokens), "windows": str(gs.windows)} | {f"{side}_n": str(st.n) for side, st in _sides(gs)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(str(path) + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -226,12 +310,24 @@ def load_stats(path: str | Path, key: str) -> GramSet | None:
         if meta.get("key") != key:
             return None
         t = {name: f.get_tensor(name) for name in f.keys()}
-    sides = []
-    for side in ("train", "heldout"):
-        sx, sy = t[f"{side}.sx"], t[f"{side}.sy"]
-        sides.append(GramStats(sx.numel(), sy.numel(), int(meta[f"{side}_n"]), sx, sy, t[f"{side}.sxx"], t[f"{side}.sxy"],
-                               t[f"{side}.syy"]))
-    return GramSet(sides[0], sides[1], int(meta["tokens"]), int(meta["windows"]))
+    def sides(prefix: str) -> list[GramStats]:
+        out = []
+        for side in (f"{prefix}train", f"{prefix}heldout"):
+            sx, sy = t[f"{side}.sx"], t[f"{side}.sy"]
+            out.append(GramStats(sx.numel(), sy.numel(), int(meta[f"{side}_n"]), sx, sy, t[f"{side}.sxx"],
+                                 t[f"{side}.sxy"], t[f"{side}.syy"]))
+        return out
+
+    windowed = GramSet(*sides("window.")) if "window.train.sx" in t else None
+    return GramSet(*sides(""), int(meta["tokens"]), int(meta["windows"]), windowed)
+
+
+def _sides(gs: GramSet) -> list[tuple[str, GramStats]]:
+    """Named sums of a GramSet as saved: train, heldout, then the windowed maps' (prefixed "window.")."""
+    named = [("train", gs.train), ("heldout", gs.heldout)]
+    if gs.windowed:
+        named += [("window.train", gs.windowed.train), ("window.heldout", gs.windowed.heldout)]
+    return named
 
 
 def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings | None = None,
@@ -245,6 +341,7 @@ def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
 
     settings = settings or FitSettings()
     check_pair(source.identity, target.identity)
+    settings.window_plan(source.identity.geometry, target.identity.geometry)  # a bad layer range fails before capture
     corpus_sha = corpus_digest(corpus)
     key = stats_key(source.identity, target.identity, corpus_sha, settings)
     gs = load_stats(stats_path, key) if stats_path else None

@@ -124,3 +124,102 @@ def test_shared_decompositions_give_todays_selection_on_the_shipped_pair(family)
     for key, m in shipped.maps.items():
         assert ms.maps[key].source_layers == m.source_layers, key
         torch.testing.assert_close(ms.maps[key].weight, m.weight, rtol=1e-4, atol=1e-5)
+
+
+WINDOWED = dict(k=2, seq_len=128, max_tokens=4096, window=3, window_layers=(2, 4), window_kinds="kv", window_sources=2)
+
+
+def _windowed_rows(s, t, settings):
+    """The windowed maps' inputs and targets, materialised from both models' caches: (train X, Y), (held-out X, Y)."""
+    from kvferry.mappings.capture import read_corpus, token_windows
+    from kvferry.mappings.features import to_features, window_inputs
+
+    sg, tg = s.identity.geometry, t.identity.geometry
+    out = {True: ([], []), False: ([], [])}
+    for i, ids in enumerate(token_windows(s.tokenizer, read_corpus(CALIB), settings.seq_len, settings.max_tokens)):
+        skv, tkv = capture_kv(s.model, ids[None]), capture_kv(t.model, ids[None])
+        pos = range(len(ids))
+
+        def feat(kv, spec, layer, kind):
+            return to_features(kv[layer][0 if kind == "k" else 1], spec if kind == "k" else None, pos)[0]
+
+        xs, ys = out[i % settings.heldout_every == 0]
+        xs.append(window_inputs(lambda l, c: feat(skv, sg.rope, l, c), (2, 3), ("k", "v"), 3))
+        ys.append(torch.cat([feat(tkv, tg.rope, l, c) for l in (2, 3, 4) for c in ("k", "v")], -1))
+    return [(torch.cat(xs).double(), torch.cat(ys).double()) for xs, ys in (out[False], out[True])]
+
+
+def test_windowed_fit_solves_the_ridge_of_its_materialised_windows(family, tmp_path):
+    """window=3 over target layers 2-4 (K and V): those six maps read three tokens of the source's last two layers,
+    and each equals the centred ridge solve on the windows built by hand from both caches (zeros before each
+    calibration window's first token); the other maps stay per-token and greedily chosen."""
+    s, t = family["S"], family["T"]
+    sg, tg = s.identity.geometry, t.identity.geometry
+    settings = FitSettings(**WINDOWED)
+    ms = fit_pair(s, t, CALIB, settings, progress=False)
+    (xtr, ytr), (xho, yho) = _windowed_rows(s, t, settings)
+    x, y = torch.cat([xtr, xho]), torch.cat([ytr, yho])
+    mx, my = x.mean(0), y.mean(0)
+    cxx = (x - mx).T @ (x - mx)
+    for i, key in enumerate((l, c) for l in (2, 3, 4) for c in ("k", "v")):
+        m = ms.maps[key]
+        assert (m.window, m.source_layers, m.inputs) == (3, (2, 3), ("k", "v"))
+        assert m.weight.shape == (3 * 2 * 2 * sg.kv_width, tg.kv_width)
+        cols = slice(i * tg.kv_width, (i + 1) * tg.kv_width)
+        ridge = m.lam * float(cxx.diagonal().mean())
+        w = torch.linalg.solve(cxx + ridge * torch.eye(len(cxx), dtype=cxx.dtype), (x - mx).T @ (y[:, cols] - my[cols]))
+        want, got = (xho - mx) @ w + my[cols], xho @ m.weight.double() + m.bias.double()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        resid = ((xho @ m.weight.double() + m.bias.double() - yho[:, cols]) ** 2).sum()
+        assert m.heldout_r2 > 0.5 and 1 - resid / ((yho[:, cols] - yho[:, cols].mean(0)) ** 2).sum() > 0.5
+    assert all(m.window == 1 for (l, _), m in ms.maps.items() if l not in (2, 3, 4))
+    assert ms.fit["window"] == 3 and ms.fit["window_layers"] == [2, 4]
+    back = load(save(ms, tmp_path))  # a windowed set is written as format 2 and applies
+    out = apply(back, capture_kv(s.model, torch.randint(2, 4096, (1, 40))))
+    assert len(out) == tg.layers and out[3][0].shape == (1, tg.kv_heads, 40, tg.head_dim)
+
+
+def test_windowed_sums_are_saved_and_reused(family, tmp_path, monkeypatch):
+    """--stats keeps the windowed sums beside the per-token ones: a refit reads both and solves the same maps;
+    another window is another capture."""
+    import kvferry.mappings.fit as fit
+
+    s, t = family["S"], family["T"]
+    stats = tmp_path / "sums.safetensors"
+    first = fit_pair(s, t, CALIB, FitSettings(**WINDOWED), progress=False, stats_path=stats)
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured again although matching sums were saved")
+
+    monkeypatch.setattr(fit, "accumulate", no_capture)
+    again = fit_pair(s, t, CALIB, FitSettings(**WINDOWED), progress=False, stats_path=stats)
+    for key, m in first.maps.items():
+        assert again.maps[key].window == m.window
+        torch.testing.assert_close(again.maps[key].weight, m.weight, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="captured again"):
+        fit_pair(s, t, CALIB, FitSettings(**(WINDOWED | {"window": 2})), progress=False, stats_path=stats)
+
+
+def test_window_settings_that_cannot_work_are_refused_before_capture(family):
+    s, t = family["S"], family["T"]
+    with pytest.raises(InvalidInput, match="run past the target's 6 layers"):
+        fit_pair(s, t, CALIB, FitSettings(**(WINDOWED | {"window_layers": (4, 6)})), progress=False)
+    for bad, match in [({"window": 0}, "window must be"), ({"window": 65}, "window must be"),
+                       ({"window_layers": (3, 2)}, "first <= last"), ({"window_kinds": "v"}, "window_kinds"),
+                       ({"window_sources": 0}, "window_sources"), ({"per_head": True}, "per_head maps cannot be windowed")]:
+        with pytest.raises(InvalidInput, match=match):
+            FitSettings(**(WINDOWED | bad))
+
+
+def test_fit_command_writes_a_windowed_set(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "kvferry", "--threads", "1", "fit", "--source", str(MODELS / "S"),
+                          "--target", str(MODELS / "T"), "--k", "1", "--seq-len", "128", "--max-tokens", "2048",
+                          "--window", "2", "--window-layers", "4-5", "--out", str(tmp_path), "--quiet"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "layer 5 K: sources [0, 1, 2, 3] x 2 tokens" in run.stdout
+    ms = load(tmp_path / "S__T" / "1.0.0")
+    assert {key: m.window for key, m in ms.maps.items() if m.window > 1} == {(4, "k"): 2, (5, "k"): 2}
+    bad = subprocess.run([sys.executable, "-m", "kvferry", "fit", "--window", "2", "--window-layers", "four"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "FIRST-LAST" in bad.stderr

@@ -17,15 +17,17 @@ calibration split is then the held-out set).
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import sysconfig
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tables import write_results  # scripts/research/tables.py (beside this script)
 from window_keys import heldout_examples, load_pair
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+from write_split import split_texts  # noqa: E402  scripts/data/write_split.py
 
 from kvferry import paths
 from kvferry.mappings.apply import apply
@@ -34,14 +36,6 @@ from kvferry.mappings.capture import capture_kv, kv_slice, read_corpus, token_wi
 from kvferry.mappings.copy_probe import continuation_accuracy
 from kvferry.mappings.distill import DistillSettings, capture_tails, distill
 
-
-def train_split_texts() -> list[str]:
-    """The corpus's train split: the files data/corpus.json lists, read from this Python's standard library."""
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    rels = json.loads(paths.data_file("corpus.json").read_text())["splits"]["train"]["paths"]
-    texts = [(lib / rel).read_text(encoding="utf-8", errors="replace") for rel in rels if (lib / rel).exists()]
-    random.Random(0).shuffle(texts)  # the list is alphabetical: a prefix of it would be a few packages
-    return texts
 
 
 def main() -> None:
@@ -79,7 +73,7 @@ def main() -> None:
         train_w, held_w = windows[:-held], windows[-held:]
     else:
         skip = a.skip_windows * a.seq
-        train_w = token_windows(target.tokenizer, train_split_texts(), a.seq, a.tokens + skip)[a.skip_windows:]
+        train_w = token_windows(target.tokenizer, split_texts("train"), a.seq, a.tokens + skip)[a.skip_windows:]
         held_w = calib[: a.held_windows]
     rng = random.Random(a.seed)
     train, heldout = capture_tails(ms, source, target, train_w, s, rng), capture_tails(ms, source, target, held_w, s, rng)
