@@ -1,0 +1,147 @@
+"""Where a key-only hit's time goes, call by call (issue 16): one timeline from both processes' monotonic clocks.
+
+The sidecar runs in its own process with its flow wrapped to note when each step starts and ends (the handler, the
+store read, the session, every write); the client notes when each response message arrives. Per size, the phases
+of the median call (by total), and the medians of each phase over ``--reps`` calls, beside the gRPC floor of the
+same message sizes:
+
+    .venv/bin/python scripts/research/hit_timeline.py --sizes 272 2048 8192 --reps 31
+
+Phases: call -> handler (gRPC call set-up, the header message's trip), handler -> open (the first request message
+read and parsed), open (the store's hashes, MGET, blob checks and the session: "lookup" is the MGET and checks),
+send (the first write to the trailer's), and client tail (the trailer's arrival to the call's return).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvferry import paths
+from kvferry.bench.harness import RedisServer, ServerProcess, long_ids
+from kvferry.client import client as client_module
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.common.prefix_cache import publish_source
+from kvferry.common.stores import RedisStore
+from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.sidecar.registry import MapRegistry
+
+SECRET, BS = b"bench-secret", 256
+
+# Run in the sidecar's process before the bench server's main(): notes (step, monotonic time) lines in LOG.
+SERVER_NOTES = '''
+import json, os, time
+from kvferry.common import prefix_cache
+from kvferry.sidecar import flow, prefix_flow, servicer
+LOG = open(os.environ["KVFERRY_TIMELINE"], "a")
+def note(name):
+    LOG.write(json.dumps([name, time.perf_counter()]) + "\\n"); LOG.flush()
+def around(owner, name, is_async=False):
+    orig = getattr(owner, name)
+    if is_async:
+        async def wrapped(*a, **k):
+            note(name + ">"); r = await orig(*a, **k); note(name + "<"); return r
+    else:
+        def wrapped(*a, **k):
+            note(name + ">"); r = orig(*a, **k); note(name + "<"); return r
+    setattr(owner, name, wrapped)
+around(servicer.TranslateServicer, "Translate", True)
+around(flow.TranslateFlow, "open", True)
+around(prefix_flow.PrefixService, "from_store")
+around(prefix_cache.PrefixCache, "lookup")
+around(servicer._Sender, "_write", True)
+from kvferry.bench import server
+server.main()
+'''
+
+
+def phases(events: list[tuple[str, float]]) -> dict[str, float]:
+    """Milliseconds per phase of one call's sorted (name, ms since the call) events."""
+    first = {}
+    last = {}
+    for name, t in events:
+        first.setdefault(name, t)
+        last[name] = t
+    return {"call->handler": first["Translate>"], "handler->open": first["open>"] - first["Translate>"],
+            "open": last["open<"] - first["open>"], "lookup": first["lookup<"] - first["lookup>"],
+            "send": last["_write<"] - first["_write>"], "client tail": last["return"] - last["_write<"],
+            "total": last["return"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[272, 2048, 8192])
+    ap.add_argument("--reps", type=int, default=31)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    registry = MapRegistry(paths.maps_dir(), force=True)
+    registry.scan()
+    ms = registry.resolve("S__T", "")
+    source, target = load_model(paths.model_dir("S")), load_model(paths.model_dir("T"))
+    arrivals: list[float] = []
+    take = client_module._Collector.take
+
+    def noting_take(self, msg):
+        take(self, msg)
+        arrivals.append(time.perf_counter())
+
+    client_module._Collector.take = noting_take
+    log = Path(tempfile.mkdtemp()) / "timeline.jsonl"
+    log.touch()
+    redis_server, results = RedisServer(), {}
+    try:
+        with ServerProcess(paths.maps_dir(), code=SERVER_NOTES, env={"KVFERRY_TIMELINE": str(log)}, redis_url=redis_server.url,
+                           prefix_secret=SECRET.decode(), prefix_block_size=BS) as sc, \
+                TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
+            raw = RedisStore(redis_server.url)
+            for n in a.sizes:
+                ids = long_ids(target.tokenizer, n)
+                prefix = ids[0, : (n - 16) // BS * BS].tolist()
+                with torch.no_grad():
+                    src = capture_kv(source.model, ids[:, : len(prefix)])
+                key = publish_source(src, prefix, ms.source, store=raw, secret=SECRET, tenant="bench", block_size=BS)
+                kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
+                first = client.translate(None, ms.name, ms.version, token_ids=prefix, prefix_key=key, **kw)  # the miss
+                sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
+                calls = []
+                for _ in range(a.reps):
+                    log.write_text("")
+                    arrivals.clear()
+                    t0 = time.perf_counter()
+                    client.translate(None, ms.name, ms.version, token_ids=prefix, prefix_key=key, **kw)
+                    t1 = time.perf_counter()
+                    time.sleep(0.01)  # the sidecar's last notes reach the file
+                    srv = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+                    events = sorted(srv + [("msg", t) for t in arrivals] + [("return", t1)], key=lambda e: e[1])
+                    calls.append([(name, (t - t0) * 1e3) for name, t in events])
+                per = [phases(c) for c in calls]
+                floor = sorted(_ms(lambda: sc.replay(sizes)) for _ in range(a.reps))
+                med = {k: statistics.median(p[k] for p in per) for k in per[0]}
+                calls.sort(key=lambda c: c[-1][1])
+                results[n] = {"phase_medians_ms": med, "floor_median_ms": floor[len(floor) // 2],
+                              "median_call": calls[len(calls) // 2], "messages": len(sizes) + 2}
+                print(f"n={n}: " + " | ".join(f"{k} {v:.2f}" for k, v in med.items())
+                      + f" ms; gRPC floor {floor[len(floor) // 2]:.2f} ms ({len(sizes)} blocks)", flush=True)
+                print("   median call: " + "  ".join(f"{name}@{t:.2f}" for name, t in calls[len(calls) // 2]), flush=True)
+    finally:
+        redis_server.stop()
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+def _ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+if __name__ == "__main__":
+    main()
