@@ -1,0 +1,99 @@
+"""Issue 16 levers on the hit path, side by side: key-only hits (every target block stored) against sidecar processes
+that differ in one thing, called in turn (round robin) so the machine's drift hits every variant alike. The shipped
+S__T map and a real redis-server; the gRPC floor of the same message sizes is timed in the same rounds.
+
+Variants:
+  shipped         the sidecar as committed
+  compute_hop     a stored hit's session built on the compute thread (the code before session 13: two more
+                  thread hand-offs per key-only hit, I/O thread -> compute thread -> I/O thread)
+
+    .venv/bin/python scripts/research/hit_ab.py --sizes 272 2048 8192 --reps 31 --json runs/results/hit_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvferry import paths
+from kvferry.bench.harness import RedisServer, ServerProcess, long_ids
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.common.prefix_cache import publish_source
+from kvferry.common.stores import RedisStore
+from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.sidecar.registry import MapRegistry
+
+SECRET, BS = b"bench-secret", 256
+VARIANTS = {
+    "shipped": "",
+    "compute_hop": ("import kvferry.sidecar.prefix_flow as pf\npf.sends_as_stored = lambda *a, **k: False\n"
+                    "import kvferry.bench.server as s\ns.main()\n"),
+}
+
+
+def _ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[272, 2048, 8192])
+    ap.add_argument("--reps", type=int, default=31)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    registry = MapRegistry(paths.maps_dir(), force=True)
+    registry.scan()
+    ms = registry.resolve("S__T", "")
+    source, target = load_model(paths.model_dir("S")), load_model(paths.model_dir("T"))
+    redis_server, results = RedisServer(), {}
+    servers = {}
+    try:
+        for v in a.variants:
+            servers[v] = ServerProcess(paths.maps_dir(), code=VARIANTS[v], redis_url=redis_server.url,
+                                       prefix_secret=SECRET.decode(), prefix_block_size=BS)
+        clients = {v: TranslateClient(ClientOptions(target=sc.address, timeout=300)) for v, sc in servers.items()}
+        store = RedisStore(redis_server.url)
+        for n in a.sizes:
+            ids = long_ids(target.tokenizer, n)
+            prefix = ids[0, : (n - 16) // BS * BS].tolist()
+            with torch.no_grad():
+                src = capture_kv(source.model, ids[:, : len(prefix)])
+            key = publish_source(src, prefix, ms.source, store=store, secret=SECRET, tenant="bench", block_size=BS)
+            kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
+            call = {v: (lambda c=c: c.translate(None, ms.name, ms.version, token_ids=prefix, prefix_key=key, **kw))
+                    for v, c in clients.items()}
+            first = call[a.variants[0]]()  # the miss: maps and stores; every variant then hits
+            sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
+            for v in a.variants:
+                assert call[v]().stats.cached_blocks == len(prefix) // BS, v
+            times: dict[str, list[float]] = {v: [] for v in [*a.variants, "floor"]}
+            for _ in range(a.reps):
+                for v in a.variants:
+                    times[v].append(_ms(call[v]))
+                times["floor"].append(_ms(lambda: servers[a.variants[0]].replay(sizes)))
+            med = {v: statistics.median(t) for v, t in times.items()}
+            results[n] = {"median_ms": med, "min_ms": {v: min(t) for v, t in times.items()}}
+            print(f"n={n}: " + " | ".join(f"{v} {m:.2f}" for v, m in med.items()) + " ms (medians of "
+                  f"{a.reps}, round robin)", flush=True)
+        for c in clients.values():
+            c.close()
+    finally:
+        for sc in servers.values():
+            sc.close()
+        redis_server.stop()
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
