@@ -82,6 +82,32 @@ def long_ids(tokenizer, n: int) -> torch.Tensor:
     return torch.tensor(ids[:n])[None]
 
 
+def tiny_pair():
+    """The shipped tiny family's latest S__T map and both models (LoadedModel): what the hit-path scripts read."""
+    from kvferry.mappings.capture import load_model
+    from kvferry.sidecar.registry import MapRegistry
+
+    registry = MapRegistry(paths.maps_dir(), force=True)
+    registry.scan()
+    return registry.resolve("S__T", ""), load_model(paths.model_dir("S")), load_model(paths.model_dir("T"))
+
+
+def published_prefix(source, target, ms, store, secret: bytes, n: int, block_size: int, tenant: str = "bench"):
+    """The full blocks of an ``n``-token held-out prompt (16 tokens left to recompute), with the source's KV of them
+    published to ``store``: (their token ids, the prefix key, the keyword arguments of a key-only translate)."""
+    from kvferry.common.prefix_cache import publish_source
+    from kvferry.mappings.capture import capture_kv
+
+    ids = long_ids(target.tokenizer, n)
+    prefix = ids[0, : (n - 16) // block_size * block_size].tolist()
+    with torch.no_grad():
+        kv = capture_kv(source.model, ids[:, : len(prefix)])
+    key = publish_source(kv, prefix, ms.source, store=store, secret=secret, tenant=tenant, block_size=block_size)
+    kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant=tenant,
+              token_ids=prefix, prefix_key=key)
+    return prefix, key, kw
+
+
 class RedisServer:
     """A real redis-server (Debian's package) on a free loopback port, in a temp dir; ``restart`` reuses the port."""
 

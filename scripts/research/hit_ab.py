@@ -21,12 +21,9 @@ from pathlib import Path
 import torch
 
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, long_ids
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, tiny_pair
 from kvferry.client.client import ClientOptions, TranslateClient
-from kvferry.common.prefix_cache import publish_source
 from kvferry.common.stores import RedisStore
-from kvferry.mappings.capture import capture_kv, load_model
-from kvferry.sidecar.registry import MapRegistry
 
 SECRET, BS = b"bench-secret", 256
 VARIANTS = {
@@ -50,10 +47,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     torch.set_num_threads(2)
-    registry = MapRegistry(paths.maps_dir(), force=True)
-    registry.scan()
-    ms = registry.resolve("S__T", "")
-    source, target = load_model(paths.model_dir("S")), load_model(paths.model_dir("T"))
+    ms, source, target = tiny_pair()
     redis_server, results = RedisServer(), {}
     servers = {}
     try:
@@ -63,14 +57,8 @@ def main() -> None:
         clients = {v: TranslateClient(ClientOptions(target=sc.address, timeout=300)) for v, sc in servers.items()}
         store = RedisStore(redis_server.url)
         for n in a.sizes:
-            ids = long_ids(target.tokenizer, n)
-            prefix = ids[0, : (n - 16) // BS * BS].tolist()
-            with torch.no_grad():
-                src = capture_kv(source.model, ids[:, : len(prefix)])
-            key = publish_source(src, prefix, ms.source, store=store, secret=SECRET, tenant="bench", block_size=BS)
-            kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
-            call = {v: (lambda c=c: c.translate(None, ms.name, ms.version, token_ids=prefix, prefix_key=key, **kw))
-                    for v, c in clients.items()}
+            prefix, _, kw = published_prefix(source, target, ms, store, SECRET, n, BS)
+            call = {v: (lambda c=c: c.translate(None, ms.name, ms.version, **kw)) for v, c in clients.items()}
             first = call[a.variants[0]]()  # the miss: maps and stores; every variant then hits
             sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
             for v in a.variants:

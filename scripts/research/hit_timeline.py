@@ -24,13 +24,10 @@ from pathlib import Path
 import torch
 
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, long_ids
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, tiny_pair
 from kvferry.client import client as client_module
 from kvferry.client.client import ClientOptions, TranslateClient
-from kvferry.common.prefix_cache import publish_source
 from kvferry.common.stores import RedisStore
-from kvferry.mappings.capture import capture_kv, load_model
-from kvferry.sidecar.registry import MapRegistry
 
 SECRET, BS = b"bench-secret", 256
 
@@ -81,10 +78,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     torch.set_num_threads(2)
-    registry = MapRegistry(paths.maps_dir(), force=True)
-    registry.scan()
-    ms = registry.resolve("S__T", "")
-    source, target = load_model(paths.model_dir("S")), load_model(paths.model_dir("T"))
+    ms, source, target = tiny_pair()
     arrivals: list[float] = []
     take = client_module._Collector.take
 
@@ -102,20 +96,15 @@ def main() -> None:
                 TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
             raw = RedisStore(redis_server.url)
             for n in a.sizes:
-                ids = long_ids(target.tokenizer, n)
-                prefix = ids[0, : (n - 16) // BS * BS].tolist()
-                with torch.no_grad():
-                    src = capture_kv(source.model, ids[:, : len(prefix)])
-                key = publish_source(src, prefix, ms.source, store=raw, secret=SECRET, tenant="bench", block_size=BS)
-                kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
-                first = client.translate(None, ms.name, ms.version, token_ids=prefix, prefix_key=key, **kw)  # the miss
+                _, _, kw = published_prefix(source, target, ms, raw, SECRET, n, BS)
+                first = client.translate(None, ms.name, ms.version, **kw)  # the miss
                 sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
                 calls = []
                 for _ in range(a.reps):
                     log.write_text("")
                     arrivals.clear()
                     t0 = time.perf_counter()
-                    client.translate(None, ms.name, ms.version, token_ids=prefix, prefix_key=key, **kw)
+                    client.translate(None, ms.name, ms.version, **kw)
                     t1 = time.perf_counter()
                     time.sleep(0.01)  # the sidecar's last notes reach the file
                     srv = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
