@@ -101,6 +101,9 @@ class FitSettings:
             raise InvalidInput(f"window_kinds must be 'k' or 'kv', got {self.window_kinds!r}")
         if self.window_sources < 1:
             raise InvalidInput(f"window_sources must be >= 1, got {self.window_sources!r}")
+        if self.window == 1 and self.window_layers is not None:
+            raise InvalidInput(f"window_layers {self.window_layers!r} names windowed maps but window is 1; "
+                               "set window (the tokens each reads) above 1")
         if self.window > 1 and self.per_head:
             raise InvalidInput("per_head maps cannot be windowed: drop per_head or set window to 1")
 

@@ -206,7 +206,8 @@ def test_window_settings_that_cannot_work_are_refused_before_capture(family):
         fit_pair(s, t, CALIB, FitSettings(**(WINDOWED | {"window_layers": (4, 6)})), progress=False)
     for bad, match in [({"window": 0}, "window must be"), ({"window": 65}, "window must be"),
                        ({"window_layers": (3, 2)}, "first <= last"), ({"window_kinds": "v"}, "window_kinds"),
-                       ({"window_sources": 0}, "window_sources"), ({"per_head": True}, "per_head maps cannot be windowed")]:
+                       ({"window_sources": 0}, "window_sources"), ({"per_head": True}, "per_head maps cannot be windowed"),
+                       ({"window": 1}, "window is 1")]:
         with pytest.raises(InvalidInput, match=match):
             FitSettings(**(WINDOWED | bad))
 
