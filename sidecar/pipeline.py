@@ -62,13 +62,6 @@ def target_dtype(spec: TranslateSpec, ms: MapSet) -> torch.dtype:
     return ms.dtype if narrower else spec.source_dtype
 
 
-def sends_as_stored(spec: TranslateSpec, cached: Lookup | list | None, keep_output: bool = False) -> bool:
-    """Whether a session's cached prefix leaves as its stored bytes: found blocks in the asked dtype, the contiguous
-    layout, nothing kept for write-back. Such a prefix needs no tensor work (no cast, join or page)."""
-    return (isinstance(cached, Lookup) and bool(cached.blocks) and cached.as_stored and spec.layout != PAGED
-            and not keep_output)
-
-
 class TranslateSession:
     """One request's state: per (layer, kind) the next expected token, the applier, partial pages.
 
@@ -87,7 +80,7 @@ class TranslateSession:
         self.out_dtype = target_dtype(spec, ms)
         self.stored: Lookup | None = None  # a cached prefix sent from its stored bytes
         if isinstance(cached, Lookup):
-            if sends_as_stored(spec, cached, keep_output):
+            if cached.blocks and cached.as_stored and spec.layout != PAGED and not keep_output:
                 self.stored, cached = cached, None
             else:
                 cached = cached.layers()
@@ -266,7 +259,6 @@ class TranslateSession:
 
 def start_session(*args, **kw) -> tuple[TranslateSession, list[Block | BlockBytes]]:
     """A TranslateSession (its arguments) and its initial blocks: the cached prefix, cast, joined or paged, which is
-    tensor work, so callers run this on the sidecar's compute thread (compute.py); a prefix that leaves as its stored
-    bytes (:func:`sends_as_stored`) with nothing to map is the exception: no tensor work, so no hop."""
+    tensor work, so callers run this on the sidecar's compute thread (compute.py)."""
     session = TranslateSession(*args, **kw)
     return session, session.initial_blocks()

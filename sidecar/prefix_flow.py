@@ -22,7 +22,7 @@ from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import InvalidInput
 from kvferry.common.errors import NotFound
 
-from .pipeline import TranslateSession, sends_as_stored, start_session, target_dtype
+from .pipeline import TranslateSession, start_session, target_dtype
 
 log = logging.getLogger("kvferry.prefix")
 
@@ -129,8 +129,6 @@ class PrefixService:
                                            covered, dtype, context).result()
             self._put(items)
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
-        if cached is tgt and sends_as_stored(spec2, tgt):  # all stored, sent as stored bytes: no tensor work, no hop
-            return (*start_session(spec2, ms, limits, cached, False), tgt.end_block)
         return (*compute.submit(start_session, spec2, ms, limits, cached, False).result(), tgt.end_block)
 
 

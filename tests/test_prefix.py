@@ -263,40 +263,6 @@ def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, f
     assert not off, f"tensor work off the compute thread: {off}"
 
 
-def test_a_key_only_hit_sent_as_stored_needs_no_compute_hop(sidecar_factory, maps_dir, family, redis_url, monkeypatch):
-    """A key-only request whose target blocks are all stored, in the asked dtype, for the contiguous layout, leaves as
-    the stored bytes: its session is built on the thread that read the store, with no tensor work (no join, cast, map
-    or page) and no hop to the compute thread. The same blocks asked for paged are paged on the compute thread."""
-    import kvferry.sidecar.prefix_flow as flow
-    from kvferry.common.prefix_cache import Lookup
-    from kvferry.sidecar.compute import THREAD_NAME
-    from kvferry.sidecar.pipeline import TranslateSession
-
-    seen: list[tuple[str, str]] = []
-    for owner, name in [(TranslateSession, "__init__"), (Lookup, "layers"), (flow, "apply"), (PrefixCache, "encode_blocks")]:
-        def watch(*a, _real=getattr(owner, name), _name=name, **kw):
-            seen.append((_name, threading.current_thread().name))
-            return _real(*a, **kw)
-        monkeypatch.setattr(owner, name, watch)
-    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
-    kv = make_kv(layers=4, tokens=48, heads=2, head_dim=32, seed=12)
-    ids = list(range(500, 548))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        mapped = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))  # maps and stores
-        assert mapped.stats.cached_blocks == 0 and ("apply", f"{THREAD_NAME}_0") in seen
-        seen.clear()
-        hit = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
-        assert hit.stats.cached_blocks == 3
-        assert [name for name, _ in seen] == ["__init__"] and not seen[0][1].startswith(THREAD_NAME), seen
-        for (k, v), (mk, mv) in zip(hit.layers(), mapped.layers()):
-            assert torch.equal(k, mk) and torch.equal(v, mv)
-        seen.clear()
-        paged = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, layout="paged", block_size=8, **_kw(family))
-        assert paged.stats.cached_blocks == 3
-        assert {thread for _, thread in seen} == {f"{THREAD_NAME}_0"} and ("layers", f"{THREAD_NAME}_0") in seen
-
-
 def test_corrupt_blob_is_a_miss(sidecar_factory, maps_dir, family, redis_url, redis_server):
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)
     kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=5)

@@ -3,9 +3,10 @@ that differ in one thing, called in turn (round robin) so the machine's drift hi
 S__T map and a real redis-server; the gRPC floor of the same message sizes is timed in the same rounds.
 
 Variants:
-  shipped         the sidecar as committed
-  compute_hop     a stored hit's session built on the compute thread (the code before session 13: two more
-                  thread hand-offs per key-only hit, I/O thread -> compute thread -> I/O thread)
+  shipped         the sidecar as committed: a key-only hit's session is built on the compute thread (I/O thread ->
+                  compute thread -> I/O thread)
+  no_compute_hop  the session built on the I/O thread that read the store (a stored contiguous hit does no tensor
+                  work, so it needs no hop): measured in session 13 and not kept (no gain)
 
     .venv/bin/python scripts/research/hit_ab.py --sizes 272 2048 8192 --reps 31 --json runs/results/hit_ab.json
 """
@@ -28,8 +29,19 @@ from kvferry.common.stores import RedisStore
 SECRET, BS = b"bench-secret", 256
 VARIANTS = {
     "shipped": "",
-    "compute_hop": ("import kvferry.sidecar.prefix_flow as pf\npf.sends_as_stored = lambda *a, **k: False\n"
-                    "import kvferry.bench.server as s\ns.main()\n"),
+    "no_compute_hop": ("import concurrent.futures as cf, kvferry.sidecar.prefix_flow as pf\n"
+                       "class Inline:\n"
+                       "    def __init__(self, pool):\n"
+                       "        self.pool = pool\n"
+                       "    def submit(self, fn, *a):\n"
+                       "        if fn is not pf.start_session:\n"
+                       "            return self.pool.submit(fn, *a)\n"
+                       "        done = cf.Future()\n"
+                       "        done.set_result(fn(*a))\n"
+                       "        return done\n"
+                       "real = pf.PrefixService.from_store\n"
+                       "pf.PrefixService.from_store = lambda self, spec, ms, limits, compute: real(self, spec, ms, limits, Inline(compute))\n"
+                       "import kvferry.bench.server as s\ns.main()\n"),
 }
 
 
