@@ -28,7 +28,7 @@ from .attention import use_folded_gqa
 from .client import TranslateClient, TranslateResult, serving_mapping
 from .importers import to_dynamic_cache
 from .monitor import QualityMonitor, Thresholds, shadow_scores
-from .rollout import MapRollout, PolicyStore
+from .rollout import MapRollout, PolicyStore, effective_refresh
 
 log = logging.getLogger("kvferry.cascade")
 
@@ -60,6 +60,11 @@ class CascadeResult:
     timings: dict = field(default_factory=dict)
     drift: Drift | None = None  # mapped vs recomputed tail, when the source cache covered the tail
     shadow: Future | None = None  # resolves to (top1, top10, kl) when this request was shadow-checked
+
+
+def _rpc_reason(err: grpc.RpcError) -> str:
+    """A fallback's reason for a failed sidecar call: its code word, the gRPC status and the details."""
+    return f"{_REASONS.get(err.code(), 'sidecar_error')}: {err.code().name}: {err.details()}"
 
 
 @torch.no_grad()
@@ -121,15 +126,25 @@ class Cascade:
                              + "".join(f"; {m.version}: {m.gate_reason}" for m in listed))
         return chosen.version
 
-    def _thresholds(self, version: str, rollout: MapRollout) -> Thresholds:
+    def _evidence_of(self, version: str):
+        """The version's evidence as the sidecar lists it (kept once known); None when the map has none listed or the
+        sidecar could not be asked (it is asked again next time)."""
         key = (self.map_name, version)
         if key not in self._evidence:
             try:
                 found = [m for m in self.client.list_mappings(self.map_name) if m.name == self.map_name and m.version == version]
-                self._evidence[key] = found[0].evidence if found else None
             except grpc.RpcError:
-                return Thresholds.resolve(rollout, None)  # try again next time
-        return Thresholds.resolve(rollout, self._evidence[key])
+                return None
+            self._evidence[key] = found[0].evidence if found else None
+        return self._evidence[key]
+
+    def _thresholds(self, version: str, rollout: MapRollout) -> Thresholds:
+        return Thresholds.resolve(rollout, self._evidence_of(version))
+
+    def refresh_for(self, version: str, rollout: MapRollout) -> int:
+        """The refresh of a request mapped with ``version`` (rollout.effective_refresh)."""
+        ev = self._evidence_of(version)
+        return effective_refresh(rollout.refresh, int(ev.recommended_refresh) if ev is not None else 0)
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, source_kv, max_new_tokens: int = 32) -> CascadeResult:
@@ -137,7 +152,6 @@ class Cascade:
         translated and feeds the drift signal), or at least the first n - refresh."""
         name, n = self.map_name, prompt_ids.shape[1]
         rollout = self.store.get(name)
-        r = rollout.refresh
         off = self.store.off_reason(name)
         if off:
             return self._fallback(prompt_ids, max_new_tokens, off)
@@ -147,6 +161,16 @@ class Cascade:
             return self._fallback(prompt_ids, max_new_tokens, "no_sidecar: no client configured")
         if self._rng.random() * 100 >= rollout.canary_percent:
             return self._fallback(prompt_ids, max_new_tokens, f"canary_holdout: outside the {rollout.canary_percent:g}% canary")
+        t0 = time.perf_counter()
+        try:
+            version = self.store.pinned_version(name, self._latest)
+        except grpc.RpcError as err:
+            return self._fallback(prompt_ids, max_new_tokens, _rpc_reason(err))
+        except _NoVersion as err:
+            return self._fallback(prompt_ids, max_new_tokens, str(err))
+        r = self.refresh_for(version, rollout)
+        if n <= r:
+            return self._fallback(prompt_ids, max_new_tokens, f"short_prompt: {n} tokens <= refresh r={r}")
         layers = cache_layers(source_kv)
         send = min(int(layers[0][0].shape[2]), n) if layers else 0
         if send < n - r:
@@ -154,16 +178,11 @@ class Cascade:
         kw = {}
         if self.source_identity is not None:
             kw = dict(source_geometry=self.source_identity.geometry.fingerprint, tokenizer=self.source_identity.tokenizer)
-        t0 = time.perf_counter()
         try:
-            version = self.store.pinned_version(name, self._latest)
             res = self.client.translate([(k[:, :, :send], v[:, :, :send]) for k, v in layers], name, version,
                                         token_ids=prompt_ids[0, :send].tolist(), **kw)
         except grpc.RpcError as err:
-            reason = _REASONS.get(err.code(), "sidecar_error")
-            return self._fallback(prompt_ids, max_new_tokens, f"{reason}: {err.code().name}: {err.details()}")
-        except _NoVersion as err:
-            return self._fallback(prompt_ids, max_new_tokens, str(err))
+            return self._fallback(prompt_ids, max_new_tokens, _rpc_reason(err))
         except ConnectionError as err:
             return self._fallback(prompt_ids, max_new_tokens, f"sidecar_error: {err}")
         t1 = time.perf_counter()

@@ -39,6 +39,13 @@ AUTO_OFF = Gauge("kvferry_rollout_auto_disabled", "1 while live quality monitori
 
 
 @dataclass(frozen=True)
+def effective_refresh(configured: int, measured: int) -> int:
+    """The prompt tokens the target recomputes on a mapped cache: the configured refresh, raised to the refresh the
+    map's evidence was measured with (its recommended_refresh; 0: none recorded). The evidence, and so the gate that
+    let the map serve, says nothing of a shorter refresh."""
+    return max(configured, measured)
+
+
 class MapRollout:
     """How one map is rolled out. Thresholds left at None come from the map's evidence (its manifest)."""
 

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvferry.mappings.errors import InvalidInput
 
 from .connector_config import ConnectorConfig
+from .rollout import effective_refresh
 from kvferry.common.prefix import Namespace, block_hashes, model_key
 
 log = logging.getLogger("kvferry.vllm")
@@ -84,7 +85,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._store = None
         self._client = None
         self._identity = None  # producer: this engine's ModelIdentity, read once
-        self._status: tuple[float, tuple[str, str] | None, str] = (0.0, None, "")  # (checked, source fingerprints, version)
+        # (checked, source fingerprints, version, the refresh its evidence was measured with)
+        self._status: tuple[float, tuple[str, str] | None, str, int] = (0.0, None, "", 0)
         self._policy = None
         if self.cfg.policy_file and self.consumer:
             from .rollout import PolicyStore
@@ -114,19 +116,20 @@ class KvferryConnector(KVConnectorBase_V1):
     def _source(self, version: str) -> tuple[str, str] | None:
         """The map's source (geometry, tokenizer) fingerprints if ``version`` ("": any) is servable, else None;
         from ListMappings, cached for status_seconds."""
-        checked, source, seen = self._status
+        checked, source, seen, _ = self._status
         if time.monotonic() - checked < self.cfg.status_seconds and seen == version:
             return source
-        source = None
+        source, measured = None, 0
         try:
             from .client import serving_mapping
 
             chosen = serving_mapping(self.client().list_mappings(self.cfg.map_name), self.cfg.map_name, version)
             if chosen is not None:  # the version the sidecar will serve, not the first servable one listed
                 source = (chosen.source.fingerprint, chosen.tokenizer_fingerprint)
+                measured = int(chosen.evidence.recommended_refresh)
         except Exception as e:  # noqa: BLE001 - a sidecar outage means "no match", never a failed request
             log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
-        self._status = (time.monotonic(), source, version)
+        self._status = (time.monotonic(), source, version, measured)
         return source
 
     def _namespace(self, source: tuple[str, str]) -> Namespace:
@@ -162,6 +165,7 @@ class KvferryConnector(KVConnectorBase_V1):
         if source is None:
             return 0, False
         ns = self._namespace(source)
+        refresh = effective_refresh(refresh, self._status[3])  # never shorter than the map's evidence measured
         usable = (n - refresh) // self.cfg.prefix_block_size  # whole prefix blocks before the refreshed tail
         if usable < 1:
             return 0, False

@@ -219,6 +219,24 @@ def test_a_map_for_another_target_model_is_never_used(sidecar_factory, maps_dir,
     assert res.path == "fallback" and res.reason.startswith("map_incompatible")
 
 
+def test_the_refresh_never_falls_below_the_one_the_evidence_measured(sidecar_factory, maps_dir, family, prompts):
+    """The maps' evidence was measured with r = 8: a rollout asking for r = 4 still gets 8, so a source cache that
+    stops 6 tokens short of the prompt is enough (with r = 4 it would not be), and a prompt of 8 tokens or fewer
+    takes the target's own prefill."""
+    s = family["S"]
+    sc = sidecar_factory(maps_dir=str(maps_dir))
+    ids = prompts[0][:, :80]
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        cascade = Cascade(s.model, c, "S__S-self", MapRollout(refresh=4, min_tokens=5, version="1.0.0"), s.identity)
+        res = cascade.generate(ids, capture_kv(s.model, ids[:, :74]), max_new_tokens=4)
+        assert res.path == "mapped" and res.reason.endswith("refresh r=8"), res.reason
+        assert res.tokens == cascade.full_prefill(ids, 4).tokens
+        short = cascade.generate(ids[:, :8], capture_kv(s.model, ids[:, :8]), max_new_tokens=2)
+        assert short.path == "fallback" and short.reason.startswith("short_prompt: 8 tokens <= refresh r=8")
+        unmeasured = Cascade(s.model, c, "S__S-self", MapRollout(refresh=16, min_tokens=17, version="1.0.0"), s.identity)
+        assert unmeasured.generate(ids, capture_kv(s.model, ids), max_new_tokens=2).reason.endswith("refresh r=16")
+
+
 def test_set_policy_replaces_the_policy_in_process():
     store = PolicyStore(RolloutPolicy(maps={"S__T": MapRollout(version="1.0.0")}))
     assert store.get("S__T").version == "1.0.0"
