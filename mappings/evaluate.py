@@ -87,24 +87,28 @@ class _AttnTap:
             h.remove()
 
 
-class _Scores:
+class NextTokenScores:
+    """Running next-token agreement of an arm with the full prefill: top-1, top-10 overlap (shared tokens counted as
+    integers, so a mean that is exactly a threshold reads as it), KL(full || arm) and attention-output cosine."""
+
     def __init__(self):
         self.n = 0
-        self.top1 = self.top10 = self.kl = self.cos = 0.0
+        self.top1 = self.kl = self.cos = 0.0
+        self.top10 = 0  # shared tokens, counted exactly: a mean of tenths summed in floats drifts (48/60 read 0.79999…)
 
     def add(self, gold: torch.Tensor, logits: torch.Tensor, attn_gold=None, attn=None) -> None:
         lp_g, lp = gold.log_softmax(-1), logits.log_softmax(-1)
         self.n += 1
         self.top1 += float(gold.argmax() == logits.argmax())
         a, b = set(gold.topk(10).indices.tolist()), set(logits.topk(10).indices.tolist())
-        self.top10 += len(a & b) / 10
+        self.top10 += len(a & b)
         self.kl += float((lp_g.exp() * (lp_g - lp)).sum())
         if attn is not None:
             self.cos += float(torch.nn.functional.cosine_similarity(attn_gold, attn, dim=-1).mean())
 
     def result(self, with_cos: bool) -> dict:
         n = max(self.n, 1)
-        out = {"top1": self.top1 / n, "top10": self.top10 / n, "kl": self.kl / n}
+        out = {"top1": self.top1 / n, "top10": self.top10 / (10 * n), "kl": self.kl / n}
         if with_cos:
             out["attn_cos"] = self.cos / n
         return out
@@ -180,7 +184,7 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
         raise InvalidInput(f"held-out text is shorter than one {s.max_len}-token prompt")
     rng = random.Random(s.seed)
     prompts = [windows[i % len(windows)][: rng.randint(s.min_len, s.max_len)][None] for i in range(s.prompts)]
-    scores = {arm: _Scores() for arm in ARMS if arm != "gold"}
+    scores = {arm: NextTokenScores() for arm in ARMS if arm != "gold"}
     layer_err = _LayerError(ms.target.geometry.layers)
     greedy = {arm: [] for arm in ("truncate", "mapped", "mapped_refresh", "mapped_sinks")}
     tap = _AttnTap(target.model)
@@ -250,7 +254,7 @@ def next_token_arms(ms: MapSet, source: LoadedModel, target: LoadedModel, texts:
     if not windows:
         raise InvalidInput(f"held-out text is shorter than one {s.max_len}-token prompt")
     rng = random.Random(s.seed + 1)
-    scores = {arm: _Scores() for arm in ARMS if arm != "gold"}
+    scores = {arm: NextTokenScores() for arm in ARMS if arm != "gold"}
     for i in range(prompts):
         ids = windows[i % len(windows)][: rng.randint(s.min_len, s.max_len)][None]
         _, _, arms = _arm_caches(ms, source, target, ids, s)

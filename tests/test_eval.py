@@ -84,3 +84,22 @@ def test_load_for_serving_checks_evidence(family, tmp_path):
     assert load_for_serving(dest, Gates(min_top10=0.6, min_copy_retention=0)).evidence["arms"]["mapped_refresh"]["top10"] == 0.7
     with pytest.raises(GateFailed, match="no long-range"):  # the long-range gate is on by default
         load_for_serving(dest, Gates(min_top10=0.6))
+
+
+def test_top10_overlap_is_counted_exactly_at_the_gate():
+    """60 prompts that each share 8 of their top 10 tokens average 0.8 exactly, and pass a top-10 gate of 0.8 (summed
+    as floats, 60 tenths read 0.79999…93 and failed it with a message saying "0.800 fails (>= 0.8)")."""
+    import torch
+
+    from kvferry.mappings.evaluate import NextTokenScores
+
+    gold = torch.arange(100, 0, -1).float()  # top 10: tokens 0..9
+    arm = gold.clone()
+    arm[[8, 9]] = -1.0  # tokens 8 and 9 leave the top 10, 10 and 11 come in: 8 shared
+    scores = NextTokenScores()
+    for _ in range(60):
+        scores.add(gold, arm)
+    row = scores.result(with_cos=True)  # no attention given: cosine 0, which the default gate (>= 0) takes
+    assert row["top10"] == 0.8 and row["top1"] == 1.0
+    copy = {"gaps": {"500": {"full": 0.95, "truncate": 0.4, "mapped_refresh": 0.95}}}
+    assert Gates().failures({"arms": {"mapped_refresh": row}, "copy": copy}) == []
