@@ -37,8 +37,6 @@ CANARY = Gauge("kvferry_rollout_canary_percent", "Share of eligible requests sen
 AUTO_OFF = Gauge("kvferry_rollout_auto_disabled", "1 while live quality monitoring holds the map off (alert on this)", ["map"])
 
 
-
-@dataclass(frozen=True)
 def effective_refresh(configured: int, measured: int) -> int:
     """The prompt tokens the target recomputes on a mapped cache: the configured refresh, raised to the refresh the
     map's evidence was measured with (its recommended_refresh; 0: none recorded). The evidence, and so the gate that
@@ -46,6 +44,7 @@ def effective_refresh(configured: int, measured: int) -> int:
     return max(configured, measured)
 
 
+@dataclass(frozen=True)
 class MapRollout:
     """How one map is rolled out. Thresholds left at None come from the map's evidence (its manifest)."""
 
