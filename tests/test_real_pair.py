@@ -29,19 +29,22 @@ from conftest import DATA, ROOT
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
 
 LOSES, KEEPS = 10, 25  # depth cuts whose shipped maps lose / keep long-range copying (see their evidence)
-SHORT_TOP10 = 18  # its map keeps long-range copying (the long-range gate passes it) but the top-10 gate refuses it
+DEEP = 18  # both its maps keep copying; 0.1.0 (research scripts) is refused on top-10 alone, 0.2.0 (kvferry fit
+# --window, then kvferry distill) passes every gate
+SHORT_TOP10 = "0.1.0"
 
 
-def _map(cut: int):
+def _map(cut: int, version: str | None = None):
+    """The shipped map from the first ``cut`` layers: ``version``, or the latest."""
     root = ROOT / "maps" / f"{pretrained.cut_name('smollm2-135m', cut)}__smollm2-135m"
     versions = sorted(p for p in root.iterdir() if (p / "manifest.json").is_file())
-    return load(versions[-1])
+    return load(root / version if version else versions[-1])
 
 
 @pytest.fixture(scope="module")
 def real():
     target = load_model(pretrained.fetch("smollm2-135m"))
-    sources = {cut: load_model(pretrained.cut("smollm2-135m", cut)) for cut in (LOSES, SHORT_TOP10, KEEPS)}
+    sources = {cut: load_model(pretrained.cut("smollm2-135m", cut)) for cut in (LOSES, DEEP, KEEPS)}
     return target, sources
 
 
@@ -88,30 +91,37 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
     problems = Gates().failures(ms.evidence)
     assert any("long-range copy" in p for p in problems), problems
     assert Gates().copy_failures(_map(KEEPS).evidence) == []
-    short = Gates().failures(_map(SHORT_TOP10).evidence)  # every reason is the next-token top-10 criterion
-    assert short and all("top10" in p for p in short) and Gates().copy_failures(_map(SHORT_TOP10).evidence) == [], short
+    short = Gates().failures(_map(DEEP, SHORT_TOP10).evidence)  # every reason is the next-token top-10 criterion
+    assert short and all("top10" in p for p in short) and Gates().copy_failures(_map(DEEP, SHORT_TOP10).evidence) == [], short
+    assert Gates().failures(_map(DEEP).evidence) == []
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"))
     s, exs = examples
     ex = next(e for e in exs if e.gap == s.gaps[0])
     ids = torch.tensor([ex.prompt])
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        listed = {m.name: m for m in c.list_mappings("smollm2")}
-        assert not listed[ms.name].servable and "long-range copy" in listed[ms.name].gate_reason
-        assert listed[_map(KEEPS).name].servable
-        assert not listed[_map(SHORT_TOP10).name].servable and "top10" in listed[_map(SHORT_TOP10).name].gate_reason
+        listed = {(m.name, m.version): m for m in c.list_mappings("smollm2")}
+        loses, deep = (ms.name, ms.version), (_map(DEEP).name, SHORT_TOP10)
+        assert not listed[loses].servable and "long-range copy" in listed[loses].gate_reason
+        assert listed[(_map(KEEPS).name, _map(KEEPS).version)].servable
+        assert not listed[deep].servable and "top10" in listed[deep].gate_reason
+        assert listed[(_map(DEEP).name, _map(DEEP).version)].servable
         cascade = Cascade(target.model, c, ms.name, MapRollout(refresh=s.refresh, min_tokens=64), sources[LOSES].identity)
         res = cascade.generate(ids, capture_kv(sources[LOSES].model, ids), 8)
         gold = cascade.full_prefill(ids, 8)
         cascade.close()
+        served = Cascade(target.model, c, _map(DEEP).name, MapRollout(refresh=s.refresh, min_tokens=64), sources[DEEP].identity)
+        deep_res = served.generate(ids, capture_kv(sources[DEEP].model, ids), 8)
+        served.close()
     assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible") and res.tokens == gold.tokens
+    assert deep_res.path == "mapped" and _map(DEEP).version in deep_res.reason, deep_res.reason
 
 
-@pytest.mark.parametrize("cut", [LOSES, SHORT_TOP10, KEEPS])
+@pytest.mark.parametrize("cut", [LOSES, DEEP, KEEPS])
 def test_copy_probe_through_the_sidecar_matches_the_evidence(real, examples, sidecar_factory, cut):
     """One gap's row, recomputed with every prefix translated by a real sidecar (contiguous and paged), agrees
     with the evidence the gate read; the sidecar's cache equals in-process apply. The gap: for the map that loses
     copying, the one where its evidence keeps least (what the gate refuses it on); for the maps that keep it (the
-    18-layer one, refused on top-10 alone, and the 25-layer one, served), the first (the shortest prompts)."""
+    latest 18-layer one, windowed, and the 25-layer one, both served), the first (the shortest prompts)."""
     target, sources = real
     ms, source = _map(cut), sources[cut]
     s, exs = examples
