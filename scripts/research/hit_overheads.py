@@ -19,13 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, long_ids
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix
 from kvferry.client.client import ClientOptions, TranslateClient, make_spec
 from kvferry.client.direct import DirectReader
 from kvferry.common import wire
-from kvferry.common.prefix_cache import publish_source
 from kvferry.common.stores import RedisStore
-from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.mappings.capture import load_model
 from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.metrics import Metrics
 from kvferry.sidecar.prefix_flow import PrefixService
@@ -64,20 +63,14 @@ def main() -> None:
         with ServerProcess(paths.maps_dir(), redis_url=redis_server.url, prefix_secret=SECRET.decode(),
                            prefix_block_size=BS) as sc, TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
             for n in a.sizes:
-                ids = long_ids(target.tokenizer, n)
-                prefix = ids[0, : (n - 16) // BS * BS].tolist()
-                with torch.no_grad():
-                    src = capture_kv(source.model, ids[:, : len(prefix)])
-                key = publish_source(src, prefix, ms.source, store=RedisStore(redis_server.url), secret=SECRET,
-                                     tenant="bench", block_size=BS)
-                kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
-                spec = make_spec(None, ms.name, ms.version, token_ids=prefix, prefix_key=key, **kw)
+                prefix, key, kw = published_prefix(source, target, ms, RedisStore(redis_server.url), SECRET, n, BS)
+                spec = make_spec(None, ms.name, ms.version, **kw)
 
                 def sidecar_in_process():
-                    session, _ = service.from_store(spec, ms, cfg.limits, compute)
-                    return [wire.encode_block_response(b) for b in session.initial_blocks()]
+                    _, initial, _ = service.from_store(spec, ms, cfg.limits, compute)
+                    return [wire.encode_block_response(b) for b in initial]
 
-                translate = lambda: client.translate(None, ms.name, ms.version, token_ids=prefix, prefix_key=key, **kw)  # noqa: E731
+                translate = lambda: client.translate(None, ms.name, ms.version, **kw)  # noqa: E731
                 first = translate()  # the miss: maps and writes back
                 sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
                 hit, floor = times(translate, 21), times(lambda: sc.replay(sizes), 21)
