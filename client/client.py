@@ -217,29 +217,57 @@ def _delay(opts: ClientOptions, attempt: int, err: grpc.RpcError) -> float:
 
 
 TRANSLATE_METHOD = "/kvferry.v1.TranslateService/Translate"
+BY_KEY_METHOD = "/kvferry.v1.TranslateService/TranslateByKey"
+
+
+def _method_missing(err: grpc.RpcError) -> bool:
+    """UNIMPLEMENTED from a sidecar older than TranslateByKey (gRPC's own answer for an unknown method). A sidecar
+    without a prefix store also answers UNIMPLEMENTED; Translate then gives the same status, so a retry through it
+    loses one round trip and nothing else."""
+    return hasattr(err, "code") and err.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 class _Endpoints:
-    """One channel per endpoint; ``stub`` and ``translate`` use the current one, ``fail_over`` moves to the next.
+    """One channel per endpoint; ``stub`` and ``call`` use the current one, ``fail_over`` moves to the next.
 
-    ``translate`` sends pre-encoded chunks and decodes blocks in place (wire.serialize/decode_response);
-    the stub serves the other RPCs."""
+    ``call`` opens a translation: a key-only one through TranslateByKey (one message), unless this endpoint answered
+    that it lacks the method; else through Translate, sending pre-encoded chunks. Both decode blocks in place
+    (wire.serialize/decode_response). The stub serves the other RPCs."""
 
     def __init__(self, options: ClientOptions, make_channel):
+        self.options = options
         creds, args = options.credentials(), options.channel_args()
         self.channels = [make_channel(addr, creds, args) for addr in options.addresses()]
         self.stubs = [pb_grpc.TranslateServiceStub(c) for c in self.channels]
         self.translates = [c.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize,
                                            response_deserializer=wire.decode_response) for c in self.channels]
+        self.by_keys = [c.unary_stream(BY_KEY_METHOD, request_serializer=wire.serialize,
+                                       response_deserializer=wire.decode_response) for c in self.channels]
+        self.has_by_key = [True] * len(self.channels)  # until an endpoint says it lacks the method
         self.current = 0
 
     @property
     def stub(self) -> pb_grpc.TranslateServiceStub:
         return self.stubs[self.current]
 
-    @property
-    def translate(self):
-        return self.translates[self.current]
+    def uses_by_key(self, spec: TranslateSpec, layers: list) -> bool:
+        return bool(spec.prefix_key) and not layers and self.has_by_key[self.current]
+
+    def call(self, spec: TranslateSpec, layers: list, timeout: float | None):
+        """The response stream of one attempt (iterate it; async iterate with the asyncio channel)."""
+        meta = self.options.metadata()
+        if self.uses_by_key(spec, layers):
+            return self.by_keys[self.current](pb.TranslateByKeyRequest(header=wire.spec_to_pb(spec).header),
+                                              timeout=timeout, metadata=meta)
+        return self.translates[self.current](encode_requests(spec, layers, chunk_tokens_for(self.options, layers), encoded=True),
+                                             timeout=timeout, metadata=meta)
+
+    def by_key_refused(self, spec: TranslateSpec, layers: list, err: grpc.RpcError) -> bool:
+        """After a failed attempt: was it TranslateByKey on an endpoint without it? Then remember, and retry now."""
+        if self.uses_by_key(spec, layers) and _method_missing(err):
+            self.has_by_key[self.current] = False
+            return True
+        return False
 
     def fail_over(self) -> None:
         self.current = (self.current + 1) % len(self.stubs)
@@ -290,20 +318,21 @@ class TranslateClient:
                 hit = None  # the sidecar's own path below retries and fails over
             if hit is not None:
                 return _direct_result(hit)
-        for attempt in range(self.options.retries + 1):
+        attempt = 0
+        while True:
             col = _Collector()
             try:
-                call = self.endpoints.translate(encode_requests(spec, layers, chunk_tokens_for(self.options, layers), encoded=True),
-                                                timeout=timeout, metadata=self.options.metadata())
-                for msg in call:
+                for msg in self.endpoints.call(spec, layers, timeout):
                     col.take(msg)
                 return col.result(attempt + 1)
             except grpc.RpcError as err:
+                if self.endpoints.by_key_refused(spec, layers, err):
+                    continue  # the same attempt, through Translate
                 if attempt >= self.options.retries or not _retryable(err):
                     raise
                 self.endpoints.fail_over()
                 time.sleep(_delay(self.options, attempt, err))
-        raise AssertionError("unreachable")
+                attempt += 1
 
 
 class AsyncTranslateClient:
@@ -342,17 +371,18 @@ class AsyncTranslateClient:
                 hit = None
             if hit is not None:
                 return _direct_result(hit)
-        for attempt in range(self.options.retries + 1):
+        attempt = 0
+        while True:
             col = _Collector()
             try:
-                call = self.endpoints.translate(encode_requests(spec, layers, chunk_tokens_for(self.options, layers), encoded=True),
-                                                timeout=timeout, metadata=self.options.metadata())
-                async for msg in call:
+                async for msg in self.endpoints.call(spec, layers, timeout):
                     col.take(msg)
                 return col.result(attempt + 1)
             except grpc.RpcError as err:
+                if self.endpoints.by_key_refused(spec, layers, err):
+                    continue  # the same attempt, through Translate
                 if attempt >= self.options.retries or not _retryable(err):
                     raise
                 self.endpoints.fail_over()
                 await asyncio.sleep(_delay(self.options, attempt, err))
-        raise AssertionError("unreachable")
+                attempt += 1

@@ -79,6 +79,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method, full_method),
                                                          handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method, full_method),
+                                                        handler.request_deserializer, handler.response_serializer)
         return handler
 
     def _done(self, method: str, code: grpc.StatusCode, t0: float) -> None:
@@ -110,20 +113,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
     def _stream(self, fn, method, full_method):
-        if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write() itself (Translate)
-            async def writer(request_iterator, context):
+        # ``request``: the request iterator of a stream-stream call, the request of a unary-stream one.
+        if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write() itself (Translate*)
+            async def writer(request, context):
                 # gRPC keeps the AbortError of a failed call, and its traceback keeps this frame: hold the request
-                # iterator (whose receiver keeps the last request message, up to max_message_bytes) only in the call.
-                requests = [request_iterator]
-                del request_iterator
+                # (or the iterator, whose receiver keeps the last request message, up to max_message_bytes) only in
+                # the call.
+                requests = [request]
+                del request
                 async with self._guard(context, method, full_method):
                     await fn(requests.pop(), context)
 
             return writer
 
-        async def wrapper(request_iterator, context):
+        async def wrapper(request, context):
             async with self._guard(context, method, full_method):
-                async for item in fn(request_iterator, context):
+                async for item in fn(request, context):
                     yield item
 
         return wrapper

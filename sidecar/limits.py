@@ -70,6 +70,35 @@ class OversizedHeader:
 HEADER_TAG = b"\x0a"  # TranslateRequest field 1 (header), length-delimited: the first byte a serializer writes
 
 
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """What TranslateByKey's decoder yields for bytes that are no TranslateByKeyRequest: refused as INVALID_ARGUMENT by
+    the handler (a deserializer that raised would leave the status to gRPC)."""
+
+    reason: str
+
+    def refuse(self) -> InvalidInput:
+        return InvalidInput(f"the TranslateByKey request is not a kvferry.v1.TranslateByKeyRequest ({self.reason}); "
+                            "serialize that message, with the key-only header in field 1")
+
+
+def by_key_decoder(limits: Limits, parse):
+    """TranslateByKey's request deserializer: ``parse`` (TranslateByKeyRequest.FromString), except that a request
+    over ``limits.max_header_bytes`` becomes an OversizedHeader, never parsed, and bytes ``parse`` refuses become
+    an UndecodableRequest."""
+    cap = limits.max_header_bytes
+
+    def decode(data: bytes):
+        if len(data) > cap:
+            return OversizedHeader(len(data), cap)
+        try:
+            return parse(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or whatever a parser raises on hostile bytes
+            return UndecodableRequest(type(e).__name__)
+
+    return decode
+
+
 def request_decoder(limits: Limits, parse):
     """Translate's request deserializer: ``parse`` (wire.decode_request: chunks as ChunkFrames, read in place, other
     messages as TranslateRequests), except that a header over

@@ -21,7 +21,7 @@ from kvferry.v1 import translate_pb2 as pb
 from .compute import on_compute
 from .config import SidecarConfig
 from .interceptor import ErrorInterceptor
-from .limits import request_decoder
+from .limits import by_key_decoder, request_decoder
 from .metrics import Metrics
 from .registry import MapRegistry
 from .servicer import TranslateServicer
@@ -35,13 +35,16 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def translate_handlers(servicer) -> grpc.GenericRpcHandler:
-    """TranslateService's handlers, as the generated stub registers them, except that Translate's response
-    serializer passes pre-encoded blocks through (see wire.encode_block_response), and its request deserializer
-    refuses oversized headers unparsed (limits.request_decoder)."""
+    """TranslateService's handlers, as the generated stub registers them, except that both translate methods' response
+    serializer passes pre-encoded blocks through (see wire.encode_block_response), and their request deserializers
+    refuse oversized headers unparsed (limits.request_decoder, limits.by_key_decoder)."""
     decode = request_decoder(servicer.limits, wire.decode_request)
+    by_key = by_key_decoder(servicer.limits, pb.TranslateByKeyRequest.FromString)
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Translate": grpc.stream_stream_rpc_method_handler(servicer.Translate, request_deserializer=decode,
                                                            response_serializer=wire.serialize),
+        "TranslateByKey": grpc.unary_stream_rpc_method_handler(servicer.TranslateByKey, request_deserializer=by_key,
+                                                               response_serializer=wire.serialize),
         "ListMappings": grpc.unary_unary_rpc_method_handler(servicer.ListMappings,
                                                             request_deserializer=pb.ListMappingsRequest.FromString,
                                                             response_serializer=pb.ListMappingsResponse.SerializeToString),

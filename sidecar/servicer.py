@@ -17,7 +17,7 @@ from kvferry.v1 import translate_pb2_grpc as pb_grpc
 from .auth import tenant_for
 from .compute import compute_executor
 from .flow import TranslateFlow
-from .limits import OversizedHeader
+from .limits import OversizedHeader, UndecodableRequest
 
 
 CANCEL_NOTICE_SECONDS = 0.05
@@ -64,6 +64,12 @@ async def _before(requests, deadline: float):
         if isinstance(msg, OversizedHeader):
             raise msg.refuse()
         yield msg
+
+
+async def _no_chunks():
+    """The request stream of a TranslateByKey call after its header: nothing."""
+    return
+    yield  # noqa: unreachable - makes this an async generator
 
 
 class _Sender:
@@ -126,6 +132,14 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         return pb.ListMappingsResponse(mappings=[mapping_info(e, self.gate_arm) for e in self.registry.entries(request.name_prefix)])
 
     async def Translate(self, request_iterator, context):
+        await self._serve(context, lambda deadline: self._translate(request_iterator, deadline))
+
+    async def TranslateByKey(self, request, context):
+        """A key-only Translate in one request message: the same answer as a Translate stream of its header alone."""
+        await self._serve(context, lambda deadline: self._by_key(request))
+
+    async def _serve(self, context, outputs) -> None:
+        """Take a stream slot, send what ``outputs(deadline)`` yields, give the slot back."""
         if self.draining:
             raise Unavailable("this sidecar is draining (shutting down); retry on another endpoint")
         if self.active >= self.max_streams:
@@ -140,7 +154,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
             # messages) do not outlive the call.
             sender = _Sender(context, deadline)
             try:
-                async with contextlib.aclosing(self._translate(request_iterator, deadline)) as outs:
+                async with contextlib.aclosing(outputs(deadline)) as outs:
                     async for out in outs:
                         await sender.send(out)
                 await sender.drain()
@@ -152,14 +166,23 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
 
     async def _translate(self, request_iterator, deadline: float):
         async with contextlib.aclosing(_before(request_iterator, deadline)) as requests:
-            async for out in self._translate_stream(requests):
+            first = await anext(requests, None)
+            if first is None or isinstance(first, wire.ChunkFrame) or first.WhichOneof("msg") != "header":
+                raise InvalidInput("a Translate stream must open with a header message")
+            async for out in self._translate_stream(first.header, requests):
                 yield out
 
-    async def _translate_stream(self, requests):
-        first = await anext(requests, None)
-        if first is None or isinstance(first, wire.ChunkFrame) or first.WhichOneof("msg") != "header":
-            raise InvalidInput("a Translate stream must open with a header message")
-        spec = dataclasses.replace(wire.spec_from_pb(first.header), tenant=tenant_for(first.header.tenant))
+    async def _by_key(self, request):
+        if isinstance(request, (OversizedHeader, UndecodableRequest)):
+            raise request.refuse()
+        if not request.header.prefix_key:
+            raise InvalidInput("TranslateByKey needs header.prefix_key (the key publish_source returned) and token_ids; "
+                               "stream a request's source KV through Translate")
+        async for out in self._translate_stream(request.header, _no_chunks()):
+            yield out
+
+    async def _translate_stream(self, header, requests):
+        spec = dataclasses.replace(wire.spec_from_pb(header), tenant=tenant_for(header.tenant))
         opened = await self.flow.open(spec)
         session = opened.session
         self.sessions.add(session)

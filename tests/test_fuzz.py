@@ -180,3 +180,27 @@ def test_one_token_chunks_succeed_and_non_finite_values_are_refused(fuzz_server,
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Translate(iter(poisoned), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "finite" in e.value.details(), e.value.details()
+
+
+@pytest.fixture(scope="module")
+def by_key_raw(fuzz_server):
+    """TranslateByKey on the fuzz sidecar, taking raw request bytes."""
+    from kvferry.client.client import BY_KEY_METHOD
+
+    with grpc.insecure_channel(fuzz_server[0].address) as ch:
+        yield ch.unary_stream(BY_KEY_METHOD)
+
+
+@settings(max_examples=max(CASES // 3, 50), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(header.map(lambda r: pb.TranslateByKeyRequest(header=r.header).SerializeToString()), st.binary(max_size=64)))
+def test_any_translate_by_key_request_gets_an_answer_or_a_proper_status(by_key_raw, raw):
+    """TranslateByKey's one message, well-formed or not: an answer, or a proper status with a reason (never INTERNAL)."""
+    try:
+        out = list(by_key_raw(raw, timeout=10))
+    except grpc.RpcError as e:
+        OUTCOMES[e.code().name] += 1
+        assert e.code() in ALLOWED, (e.code(), e.details())
+        assert e.details()
+        return
+    OUTCOMES["OK"] += 1
+    assert pb.TranslateResponse.FromString(out[-1]).WhichOneof("msg") == "trailer"

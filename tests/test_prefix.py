@@ -225,6 +225,86 @@ def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, f
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_translate_by_key_answers_exactly_what_translate_answers(sidecar_factory, maps_dir, family, redis_url):
+    """TranslateByKey is a key-only Translate in one message: the same header and block bytes, the same trailer counts,
+    the same status where nothing is stored; and its request is the bytes of a TranslateRequest with that header."""
+    from kvferry.client.client import BY_KEY_METHOD, TRANSLATE_METHOD, make_spec
+    from kvferry.common import wire
+    from kvferry.v1 import translate_pb2 as pb
+
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=5)
+    ids = list(range(9, 79))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    header = wire.spec_to_pb(make_spec([], "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))).header
+    as_stream = pb.TranslateRequest(header=header).SerializeToString()
+    as_one = pb.TranslateByKeyRequest(header=header).SerializeToString()
+    assert as_one == as_stream
+    with grpc.insecure_channel(sc.address) as ch:  # raw bytes both ways
+        stream, by_key = ch.stream_stream(TRANSLATE_METHOD), ch.unary_stream(BY_KEY_METHOD)
+        miss = list(by_key(as_one, timeout=30))  # maps the stored source blocks and stores the target's
+        hits = list(stream(iter([as_stream]), timeout=30)), list(by_key(as_one, timeout=30))
+        assert hits[0][:-1] == hits[1][:-1] and hits[0][0] == miss[0]  # header and every block, byte for byte
+        trailers = [pb.TranslateResponse.FromString(h[-1]).trailer for h in (miss, *hits)]
+        counts = [(t.tokens, t.cached_blocks, t.blocks, t.bytes_out) for t in trailers]
+        assert counts[0][:2] == (64, 0) and counts[1] == counts[2] and counts[1][:2] == (64, 4)
+        blocks = [wire.decode_response(m) for m in hits[1][1:-1]]
+        first = next(b for b in blocks if b.layer == 0 and b.start == 0)
+        torch.testing.assert_close(first.key, kv[0][0][0, :, : first.end], rtol=1e-5, atol=1e-5)  # the identity map
+        codes = []
+        for req in (pb.TranslateByKeyRequest(header=dict_replace(header, tenant="globex")).SerializeToString(),  # another tenant
+                    pb.TranslateByKeyRequest(header=dict_replace(header, prefix_key="")).SerializeToString(),  # no key
+                    b"\xff\xff\xff"):  # no message at all
+            with pytest.raises(grpc.RpcError) as e:
+                list(by_key(req, timeout=30))
+            codes.append((e.value.code(), e.value.details()))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream(iter([pb.TranslateRequest(header=dict_replace(header, tenant="globex")).SerializeToString()]), timeout=30))
+    assert codes[0] == (e.value.code(), e.value.details()) and codes[0][0] == grpc.StatusCode.NOT_FOUND
+    assert codes[1][0] == grpc.StatusCode.INVALID_ARGUMENT and "prefix_key" in codes[1][1]
+    assert codes[2][0] == grpc.StatusCode.INVALID_ARGUMENT and "TranslateByKeyRequest" in codes[2][1]
+
+
+def dict_replace(header, **fields):
+    """A copy of protobuf message ``header`` with ``fields`` set."""
+    out = type(header)()
+    out.CopyFrom(header)
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
+
+
+def test_the_client_falls_back_to_translate_on_a_sidecar_without_translate_by_key(sidecar_factory, maps_dir, family,
+                                                                                    redis_url, monkeypatch):
+    """A sidecar from before TranslateByKey answers UNIMPLEMENTED: the client sends the same header through Translate,
+    without spending a retry, and remembers it for that endpoint."""
+    import kvferry.sidecar.server as server
+
+    real = server.translate_handlers
+
+    def older(servicer):  # the same sidecar without the method
+        handlers = real(servicer)
+
+        class Older(grpc.GenericRpcHandler):
+            def service(self, details):
+                return None if details.method.endswith("/TranslateByKey") else handlers.service(details)
+
+        return Older()
+
+    monkeypatch.setattr(server, "translate_handlers", older)
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=6)
+    ids = list(range(11, 81))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        first = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
+        assert c.endpoints.has_by_key == [False] and first.attempts == 1 and first.stats.cached_blocks == 0
+        again = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
+        assert again.stats.cached_blocks == 4
+        torch.testing.assert_close(again.layers()[2][1], kv[2][1][:, :, :64])
+    assert sc.sidecar.metrics.requests.labels("Translate", "OK")._value.get() == 2
+
+
 def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, family, redis_url, monkeypatch):
     """Loading maps, building sessions, casting, joining and paging stored blocks, mapping and encoding for the store:
     every sidecar call that touches tensor data runs on its one compute thread. A second thread that enters a torch

@@ -53,6 +53,9 @@ def test_bearer_tokens_gate_every_kvferry_call_but_not_health(sidecar_factory, m
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
         assert _code(lambda: c.translate(kv, "S__S-self", **_kw(family))) == grpc.StatusCode.UNAUTHENTICATED
         assert _code(lambda: c.list_mappings()) == grpc.StatusCode.UNAUTHENTICATED
+        key_only = dict(token_ids=list(range(32)), prefix_key="ab" * 32, **_kw(family))  # goes as TranslateByKey
+        assert _code(lambda: c.translate(None, "S__S-self", **key_only)) == grpc.StatusCode.UNAUTHENTICATED
+        assert c.endpoints.has_by_key == [True]
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token="x" * 30)) as c:
         assert _code(lambda: c.translate(kv, "S__S-self", **_kw(family))) == grpc.StatusCode.UNAUTHENTICATED
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
@@ -272,4 +275,14 @@ def test_oversized_headers_are_refused_unparsed(sidecar_factory, maps_dir):
     with grpc.insecure_channel(sc.address) as ch:
         with pytest.raises(grpc.RpcError) as e:
             list(pb_grpc.TranslateServiceStub(ch).Translate(iter([pb.TranslateRequest.FromString(big)]), timeout=30))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-tokens" in e.value.details()
+    # TranslateByKey's one message: the same cap, refused before parsing too
+    from kvferry.client.client import BY_KEY_METHOD
+    from kvferry.sidecar.limits import by_key_decoder
+
+    assert isinstance(by_key_decoder(limits, never)(big), OversizedHeader)
+    assert by_key_decoder(limits, pb.TranslateByKeyRequest.FromString)(ok).header.num_tokens == 1000
+    with grpc.insecure_channel(sc.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(ch.unary_stream(BY_KEY_METHOD)(big, timeout=30))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-tokens" in e.value.details()

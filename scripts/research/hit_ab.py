@@ -7,6 +7,9 @@ Variants:
                   compute thread -> I/O thread)
   no_compute_hop  the session built on the I/O thread that read the store (a stored contiguous hit does no tensor
                   work, so it needs no hop): measured in session 13 and not kept (no gain)
+  keep_memory     the shipped sidecar with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ 256 MiB,
+                  MALLOC_TRIM_THRESHOLD_ 1 GiB): a hit's multi-MiB buffers (the blobs, the messages, gRPC's copies) are
+                  then reused, not mapped fresh and faulted in page by page
 
     .venv/bin/python scripts/research/hit_ab.py --sizes 272 2048 8192 --reps 31 --json runs/results/hit_ab.json
 """
@@ -27,8 +30,11 @@ from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.stores import RedisStore
 
 SECRET, BS = b"bench-secret", 256
+KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+ENV = {"keep_memory": KEEP_MEMORY}
 VARIANTS = {
     "shipped": "",
+    "keep_memory": "",
     "no_compute_hop": ("import concurrent.futures as cf, kvferry.sidecar.prefix_flow as pf\n"
                        "class Inline:\n"
                        "    def __init__(self, pool):\n"
@@ -64,7 +70,7 @@ def main() -> None:
     servers = {}
     try:
         for v in a.variants:
-            servers[v] = ServerProcess(paths.maps_dir(), code=VARIANTS[v], redis_url=redis_server.url,
+            servers[v] = ServerProcess(paths.maps_dir(), code=VARIANTS[v], env=ENV.get(v), redis_url=redis_server.url,
                                        prefix_secret=SECRET.decode(), prefix_block_size=BS)
         clients = {v: TranslateClient(ClientOptions(target=sc.address, timeout=300)) for v, sc in servers.items()}
         store = RedisStore(redis_server.url)

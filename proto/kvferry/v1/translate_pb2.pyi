@@ -84,6 +84,12 @@ class TranslateHeader(_message.Message):
     tenant: str
     def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
+class TranslateByKeyRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: TranslateHeader
+    def __init__(self, header: _Optional[_Union[TranslateHeader, _Mapping]] = ...) -> None: ...
+
 class SourceChunk(_message.Message):
     __slots__ = ("layer", "kind", "token_start", "token_end", "tensor")
     LAYER_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class TranslateServiceStub:
                 request_serializer=kvferry_dot_v1_dot_translate__pb2.TranslateRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_translate__pb2.TranslateResponse.FromString,
                 _registered_method=True)
+        self.TranslateByKey = channel.unary_stream(
+                '/kvferry.v1.TranslateService/TranslateByKey',
+                request_serializer=kvferry_dot_v1_dot_translate__pb2.TranslateByKeyRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_translate__pb2.TranslateResponse.FromString,
+                _registered_method=True)
         self.ListMappings = channel.unary_unary(
                 '/kvferry.v1.TranslateService/ListMappings',
                 request_serializer=kvferry_dot_v1_dot_translate__pb2.ListMappingsRequest.SerializeToString,
@@ -52,6 +57,24 @@ class TranslateServiceServicer:
     def Translate(self, request_iterator, context):
         """Stream a source cache in (header, then chunks); stream target blocks out (header, blocks, trailer).
         Rules, sizes and status codes: the comment at the top of this file.
+        (TranslateByKey answers with the same TranslateResponse stream, on purpose: one response type.)
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TranslateByKey(self, request, context):
+        """Translate a prefix whose source KV is in the prefix store, in one request message. The response
+        stream (header, blocks, trailer) and every status code are exactly those of a Translate stream
+        that sends the same header and half-closes; the call saves Translate's second message and its
+        round trip (key-only hits took up to 8% less time here, docs/benchmarks.md). A header without
+        prefix_key is INVALID_ARGUMENT: stream its source KV through Translate. Size limits, auth,
+        tenants and the stream cap apply as to Translate. A sidecar older than this method answers
+        UNIMPLEMENTED ("Method not found!"): send the header through Translate instead (the Python
+        client does this by itself and remembers it per endpoint).
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,6 +93,11 @@ def add_TranslateServiceServicer_to_server(servicer, server):
             'Translate': grpc.stream_stream_rpc_method_handler(
                     servicer.Translate,
                     request_deserializer=kvferry_dot_v1_dot_translate__pb2.TranslateRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_translate__pb2.TranslateResponse.SerializeToString,
+            ),
+            'TranslateByKey': grpc.unary_stream_rpc_method_handler(
+                    servicer.TranslateByKey,
+                    request_deserializer=kvferry_dot_v1_dot_translate__pb2.TranslateByKeyRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_translate__pb2.TranslateResponse.SerializeToString,
             ),
             'ListMappings': grpc.unary_unary_rpc_method_handler(
@@ -104,6 +132,33 @@ class TranslateService:
             target,
             '/kvferry.v1.TranslateService/Translate',
             kvferry_dot_v1_dot_translate__pb2.TranslateRequest.SerializeToString,
+            kvferry_dot_v1_dot_translate__pb2.TranslateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TranslateByKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvferry.v1.TranslateService/TranslateByKey',
+            kvferry_dot_v1_dot_translate__pb2.TranslateByKeyRequest.SerializeToString,
             kvferry_dot_v1_dot_translate__pb2.TranslateResponse.FromString,
             options,
             channel_credentials,
