@@ -47,13 +47,18 @@ class ServerProcess:
         self.address = m.group(1)
         opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         self.channel = grpc.insecure_channel(self.address, opts)
-        from kvferry.bench.server import ECHO_METHOD, REPLAY_METHOD
+        from kvferry.bench.server import ECHO_METHOD, REPLAY_METHOD, SINK_METHOD
 
         self.echo = self.channel.stream_stream(ECHO_METHOD)
         self.replay_call = self.channel.unary_stream(REPLAY_METHOD)
+        self.sink_call = self.channel.stream_unary(SINK_METHOD)
 
     def roundtrip(self, payloads: list[bytes]) -> int:
         return sum(len(r) for r in self.echo(iter(payloads), timeout=120))
+
+    def sink(self, payloads: list[bytes]) -> int:
+        """Send these messages to the server process, which only counts them: the transport alone, one way."""
+        return struct.unpack("<Q", self.sink_call(iter(payloads), timeout=120))[0]
 
     def replay(self, sizes: list[int]) -> int:
         """Receive messages of these sizes from the server process: the transport alone, one way."""

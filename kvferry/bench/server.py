@@ -17,6 +17,7 @@ from kvferry.sidecar.server import Sidecar
 
 ECHO_METHOD = "/kvferry.bench.Echo/Echo"
 REPLAY_METHOD = "/kvferry.bench.Echo/Replay"
+SINK_METHOD = "/kvferry.bench.Echo/Sink"
 
 
 def echo_handler():
@@ -34,8 +35,16 @@ def echo_handler():
         for p in payloads[request]:
             yield p
 
+    async def sink(request_iterator, context):
+        """Take the messages sent and answer their total size: gRPC's one-way transport floor, client to server."""
+        total = 0
+        async for raw in request_iterator:
+            total += len(raw)
+        return struct.pack("<Q", total)
+
     return grpc.method_handlers_generic_handler("kvferry.bench.Echo", {
-        "Echo": grpc.stream_stream_rpc_method_handler(echo), "Replay": grpc.unary_stream_rpc_method_handler(replay)})
+        "Echo": grpc.stream_stream_rpc_method_handler(echo), "Replay": grpc.unary_stream_rpc_method_handler(replay),
+        "Sink": grpc.stream_unary_rpc_method_handler(sink)})
 
 
 async def _main(a: argparse.Namespace) -> None:
