@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,27 @@ import grpc
 import torch
 
 from kvferry import paths
+
+
+def round_robin_ms(calls: dict, reps: int) -> dict[str, list[float]]:
+    """Each call's times in ms over ``reps`` rounds, the calls taken in turn within a round, so that the machine's drift
+    hits every one alike (what side-by-side comparisons here read)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def write_json(path, results) -> None:
+    """``results`` as indented JSON at ``path`` (its folder made), when a path was given."""
+    if path:
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(results, indent=1))
 
 
 def median_seconds(fn, reps: int) -> float:

@@ -8,15 +8,13 @@ every target block stored, called in turn (round robin); the gRPC floor of the s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, tiny_pair
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, tiny_pair, write_json
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.stores import RedisStore
 
@@ -47,12 +45,7 @@ def main() -> None:
             hits = [calls[v]() for v in ("TranslateByKey", "Translate")]
             assert all(h.stats.cached_blocks == len(prefix) // BS for h in hits)
             assert all(torch.equal(x.key, y.key) and torch.equal(x.value, y.value) for x, y in zip(hits[0].blocks, hits[1].blocks))
-            times: dict[str, list[float]] = {v: [] for v in calls}
-            for _ in range(a.reps):
-                for v, fn in calls.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[v].append((time.perf_counter() - t0) * 1e3)
+            times = round_robin_ms(calls, a.reps)
             med = {v: statistics.median(t) for v, t in times.items()}
             results[n] = {"median_ms": med, "min_ms": {v: min(t) for v, t in times.items()}, "reps": a.reps}
             print(f"n={n}: " + " | ".join(f"{v} {m:.2f}" for v, m in med.items()) + f" ms (medians of {a.reps}, round robin); "
@@ -62,9 +55,7 @@ def main() -> None:
     finally:
         server.close()
         redis_server.stop()
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(results, indent=1))
+    write_json(a.json, results)
 
 
 if __name__ == "__main__":

@@ -17,15 +17,13 @@ Variants:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, tiny_pair
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, tiny_pair, write_json
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.stores import RedisStore
 
@@ -49,12 +47,6 @@ VARIANTS = {
                        "pf.PrefixService.from_store = lambda self, spec, ms, limits, compute: real(self, spec, ms, limits, Inline(compute))\n"
                        "import kvferry.bench.server as s\ns.main()\n"),
 }
-
-
-def _ms(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> None:
@@ -81,11 +73,7 @@ def main() -> None:
             sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
             for v in a.variants:
                 assert call[v]().stats.cached_blocks == len(prefix) // BS, v
-            times: dict[str, list[float]] = {v: [] for v in [*a.variants, "floor"]}
-            for _ in range(a.reps):
-                for v in a.variants:
-                    times[v].append(_ms(call[v]))
-                times["floor"].append(_ms(lambda: servers[a.variants[0]].replay(sizes)))
+            times = round_robin_ms({**call, "floor": lambda: servers[a.variants[0]].replay(sizes)}, a.reps)
             med = {v: statistics.median(t) for v, t in times.items()}
             results[n] = {"median_ms": med, "min_ms": {v: min(t) for v, t in times.items()}}
             print(f"n={n}: " + " | ".join(f"{v} {m:.2f}" for v, m in med.items()) + " ms (medians of "
@@ -96,9 +84,7 @@ def main() -> None:
         for sc in servers.values():
             sc.close()
         redis_server.stop()
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(results, indent=1))
+    write_json(a.json, results)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,13 @@ download alone (Replay of the response's message sizes). Tiny family's S__T map.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from kvferry import paths
-from kvferry.bench.harness import ServerProcess, long_ids, tiny_pair
+from kvferry.bench.harness import ServerProcess, long_ids, round_robin_ms, tiny_pair, write_json
 from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
 from kvferry.mappings.capture import capture_kv
 
@@ -46,19 +44,12 @@ def main() -> None:
             calls = {"translate_rpc": lambda: client.translate(src, ms.name, ms.version, **kw),
                      "echo": lambda: server.roundtrip(payloads), "upload": lambda: server.sink(payloads),
                      "download": lambda: server.replay(out_sizes)}
-            times: dict[str, list[float]] = {k: [] for k in calls}
-            for _ in range(a.reps):
-                for k, fn in calls.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[k].append((time.perf_counter() - t0) * 1e3)
+            times = round_robin_ms(calls, a.reps)
             med = {k: statistics.median(v) for k, v in times.items()}
             med["upload+download"] = med["upload"] + med["download"]
             results[n] = {"median_ms": med, "request_bytes": sum(map(len, payloads)), "response_bytes": sum(out_sizes), "reps": a.reps}
             print(f"n={n}: " + " | ".join(f"{k} {v:.1f}" for k, v in med.items()) + f" ms (medians of {a.reps}, rounds)", flush=True)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(results, indent=1))
+    write_json(a.json, results)
 
 
 if __name__ == "__main__":
