@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--recall-prompts", type=int, default=50)
     e.add_argument("--copy-gaps", default="500,1000,3000",
                    help='copy-probe gaps in tokens, comma-separated ("none" skips the probe, and the long-range gate then refuses the map)')
-    e.add_argument("--copy-prompts", type=int, default=6, help="copy-probe prompts per gap")
+    e.add_argument("--copy-prompts", type=int, default=12, help="copy-probe prompts per gap (CopySettings.prompts)")
     e.add_argument("--only-copy", action="store_true", help="run only the copy probe and add it to the existing evidence")
     e.add_argument("--prose", nargs="*", default=None, help="held-out prose (e.g. data/prose_heldout.jsonl) for next-token metrics")
     e.add_argument("--prose-prompts", type=int, default=50)

@@ -29,8 +29,8 @@ from conftest import DATA, ROOT
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
 
 LOSES, KEEPS = 10, 25  # depth cuts whose shipped maps lose / keep long-range copying (see their evidence)
-DEEP = 18  # both its maps keep copying; 0.1.0 (research scripts) is refused on top-10 alone, 0.2.0 (kvferry fit
-# --window, then kvferry distill) passes every gate
+DEEP = 18  # its maps keep copying; 0.1.0 (research scripts) is refused on top-10 alone, 0.2.0 (kvferry fit --window,
+# then kvferry distill) and 0.3.0 (0.2.0 distilled further; evidence on 12 copy prompts per gap) pass every gate
 SHORT_TOP10 = "0.1.0"
 
 
@@ -49,12 +49,20 @@ def real():
 
 
 @pytest.fixture(scope="module")
-def examples(real):
+def stream(real):
     target, _ = real
-    maps = _map(LOSES)
-    s = CopySettings(**{k: (tuple(v) if k == "gaps" else v) for k, v in maps.evidence["copy"]["settings"].items()})
-    stream = token_stream(target.tokenizer, read_corpus([DATA / "heldout.jsonl"]))
+    return token_stream(target.tokenizer, read_corpus([DATA / "heldout.jsonl"]))
+
+
+def _examples(ms, stream):
+    """The copy-probe prompts ``ms``'s own evidence was measured on (its settings: gaps, prompts per gap, seed)."""
+    s = CopySettings(**{k: (tuple(v) if k == "gaps" else v) for k, v in ms.evidence["copy"]["settings"].items()})
     return s, make_examples(stream, s)
+
+
+@pytest.fixture(scope="module")
+def examples(stream):
+    return _examples(_map(LOSES), stream)
 
 
 def test_the_converted_model_is_the_real_one(real):
@@ -93,7 +101,7 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
     assert Gates().copy_failures(_map(KEEPS).evidence) == []
     short = Gates().failures(_map(DEEP, SHORT_TOP10).evidence)  # every reason is the next-token top-10 criterion
     assert short and all("top10" in p for p in short) and Gates().copy_failures(_map(DEEP, SHORT_TOP10).evidence) == [], short
-    assert Gates().failures(_map(DEEP).evidence) == []
+    assert Gates().failures(_map(DEEP).evidence) == [] == Gates().failures(_map(DEEP, "0.2.0").evidence)
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"))
     s, exs = examples
     ex = next(e for e in exs if e.gap == s.gaps[0])
@@ -117,14 +125,14 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
 
 
 @pytest.mark.parametrize("cut", [LOSES, DEEP, KEEPS])
-def test_copy_probe_through_the_sidecar_matches_the_evidence(real, examples, sidecar_factory, cut):
+def test_copy_probe_through_the_sidecar_matches_the_evidence(real, stream, sidecar_factory, cut):
     """One gap's row, recomputed with every prefix translated by a real sidecar (contiguous and paged), agrees
     with the evidence the gate read; the sidecar's cache equals in-process apply. The gap: for the map that loses
     copying, the one where its evidence keeps least (what the gate refuses it on); for the maps that keep it (the
     latest 18-layer one, windowed, and the 25-layer one, both served), the first (the shortest prompts)."""
     target, sources = real
     ms, source = _map(cut), sources[cut]
-    s, exs = examples
+    s, exs = _examples(ms, stream)
     rows = ms.evidence["copy"]["gaps"]
     gap = min(s.gaps, key=lambda g: rows[str(g)]["mapped_refresh"] / rows[str(g)]["full"]) if cut == LOSES else s.gaps[0]
     row = rows[str(gap)]
