@@ -113,6 +113,10 @@ class TrainableMaps:
                 self.weight[k].copy_(w)
                 self.bias[k].copy_(b)
 
+    def output(self, key: tuple[int, str], x: torch.Tensor) -> torch.Tensor:
+        """Map ``key``'s output features for its inputs ``x`` [tokens, inputs] (research variants add to it)."""
+        return x @ self.weight[key] + self.bias[key]
+
     def cache(self, source_kv: list[LayerKV], fixed: list[LayerKV], stop: int) -> list[LayerKV]:
         """The mapped cache of tokens [0, stop) (keys rotated as cached): layers below ``from_layer`` from ``fixed``."""
         g, rope = self.ms.target.geometry, self.ms.source.geometry.rope
@@ -133,7 +137,7 @@ class TrainableMaps:
                 sig = (m.source_layers, m.inputs, m.window)
                 if sig not in inputs:
                     inputs[sig] = window_inputs(feature, *sig)
-                y = inputs[sig] @ self.weight[(layer, kind)] + self.bias[(layer, kind)]
+                y = self.output((layer, kind), inputs[sig])
                 kv.append(from_features(y[None], g.kv_heads, g.rope if kind == "k" else None, range(stop)))
             out.append((kv[0], kv[1]))
         return out
@@ -184,14 +188,14 @@ def tail_kl(target_model, maps: TrainableMaps, sample: TailSample, temperature: 
 
 
 def distill(ms: MapSet, source, target, train: list[TailSample], held: list[TailSample], s: DistillSettings,
-            progress: Callable[[str], None] | None = None) -> tuple[TrainableMaps, list[dict]]:
-    """Adam on the maps' weights from the set's own; returns the maps at the epoch with the lowest held-out KL and
-    the per-epoch log (train and held-out KL)."""
+            progress: Callable[[str], None] | None = None, maps: TrainableMaps | None = None) -> tuple[TrainableMaps, list[dict]]:
+    """Adam on the maps' weights from the set's own (or on ``maps.params()``, a TrainableMaps of ``ms`` given by the
+    caller); returns the maps at the epoch with the lowest held-out KL and the per-epoch log (train and held-out KL)."""
     if not train or not held:
         raise InvalidInput("distillation needs training and held-out tails; give it more text")
     for p in target.model.parameters():
         p.requires_grad_(False)
-    maps = TrainableMaps(ms, s.from_layer)
+    maps = maps or TrainableMaps(ms, s.from_layer)
     if not maps.keys:
         raise InvalidInput(f"the set has no maps of target layer {s.from_layer} or above to train")
     opt = torch.optim.Adam(maps.params(), lr=s.lr)
