@@ -257,8 +257,7 @@ class _Endpoints:
         """The response stream of one attempt (iterate it; async iterate with the asyncio channel)."""
         meta = self.options.metadata()
         if self.uses_by_key(spec, layers):
-            return self.by_keys[self.current](pb.TranslateByKeyRequest(header=wire.spec_to_pb(spec).header),
-                                              timeout=timeout, metadata=meta)
+            return self.by_keys[self.current](wire.spec_to_pb(spec, pb.TranslateByKeyRequest), timeout=timeout, metadata=meta)
         return self.translates[self.current](encode_requests(spec, layers, chunk_tokens_for(self.options, layers), encoded=True),
                                              timeout=timeout, metadata=meta)
 

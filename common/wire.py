@@ -92,7 +92,9 @@ _LAYOUT_TO_PB = {CONTIGUOUS: pb.LAYOUT_CONTIGUOUS, PAGED: pb.LAYOUT_PAGED}
 _LAYOUT_FROM_PB = {v: k for k, v in _LAYOUT_TO_PB.items()}
 
 
-def spec_to_pb(s: TranslateSpec) -> pb.TranslateRequest:
+def spec_to_pb(s: TranslateSpec, message=pb.TranslateRequest):
+    """The spec as ``message``'s header (field 1): a TranslateRequest opening a Translate stream, or the one
+    TranslateByKeyRequest of a TranslateByKey call (the same bytes)."""
     ref = pb.MapRef(name=s.map_name)
     if s.map_version:
         ref.version = s.map_version
@@ -105,7 +107,7 @@ def spec_to_pb(s: TranslateSpec) -> pb.TranslateRequest:
         target_dtype=dtype_to_pb(s.target_dtype) if s.target_dtype is not None else pb.DTYPE_UNSPECIFIED,
         prefix_key=s.prefix_key, tenant=s.tenant,
     )
-    return pb.TranslateRequest(header=h)
+    return message(header=h)
 
 
 # Longest identifier accepted in a header; longer ones are refused without being echoed back.

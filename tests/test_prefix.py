@@ -252,20 +252,20 @@ def test_translate_by_key_answers_exactly_what_translate_answers(sidecar_factory
         first = next(b for b in blocks if b.layer == 0 and b.start == 0)
         torch.testing.assert_close(first.key, kv[0][0][0, :, : first.end], rtol=1e-5, atol=1e-5)  # the identity map
         codes = []
-        for req in (pb.TranslateByKeyRequest(header=dict_replace(header, tenant="globex")).SerializeToString(),  # another tenant
-                    pb.TranslateByKeyRequest(header=dict_replace(header, prefix_key="")).SerializeToString(),  # no key
+        for req in (pb.TranslateByKeyRequest(header=_with_fields(header, tenant="globex")).SerializeToString(),  # another tenant
+                    pb.TranslateByKeyRequest(header=_with_fields(header, prefix_key="")).SerializeToString(),  # no key
                     b"\xff\xff\xff"):  # no message at all
             with pytest.raises(grpc.RpcError) as e:
                 list(by_key(req, timeout=30))
             codes.append((e.value.code(), e.value.details()))
         with pytest.raises(grpc.RpcError) as e:
-            list(stream(iter([pb.TranslateRequest(header=dict_replace(header, tenant="globex")).SerializeToString()]), timeout=30))
+            list(stream(iter([pb.TranslateRequest(header=_with_fields(header, tenant="globex")).SerializeToString()]), timeout=30))
     assert codes[0] == (e.value.code(), e.value.details()) and codes[0][0] == grpc.StatusCode.NOT_FOUND
     assert codes[1][0] == grpc.StatusCode.INVALID_ARGUMENT and "prefix_key" in codes[1][1]
     assert codes[2][0] == grpc.StatusCode.INVALID_ARGUMENT and "TranslateByKeyRequest" in codes[2][1]
 
 
-def dict_replace(header, **fields):
+def _with_fields(header, **fields):
     """A copy of protobuf message ``header`` with ``fields`` set."""
     out = type(header)()
     out.CopyFrom(header)

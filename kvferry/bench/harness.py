@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import grpc
 import torch
@@ -35,8 +36,6 @@ def round_robin_ms(calls: dict, reps: int) -> dict[str, list[float]]:
 def write_json(path, results) -> None:
     """``results`` as indented JSON at ``path`` (its folder made), when a path was given."""
     if path:
-        from pathlib import Path
-
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(results, indent=1))
 
