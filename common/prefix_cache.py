@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvferry.mappings.errors import InvalidInput
@@ -41,12 +42,38 @@ class Lookup:
         (K, V) [1, kv_heads, tokens, head_dim]."""
         if not self.blocks:
             return []
-        heads, _, dim = self.blocks[0].shape
-        n, stored = self.tokens, self.blocks[0].dtype
+        stored = self.blocks[0].dtype
         if any(b.dtype != stored for b in self.blocks):  # writers that asked for different dtypes: convert per block
             want = self.dtype or stored
             return [tuple(torch.cat([b.layer(i)[kind].to(want) for b in self.blocks], 1)[None] for kind in (0, 1))
                     for i in range(len(self.blocks[0].offsets))]
+        joined = self._join_uniform() or self._join_pieces()
+        if self.dtype not in (None, stored):
+            joined = [(k.to(self.dtype), v.to(self.dtype)) for k, v in joined]
+        return joined
+
+    def _join_uniform(self) -> list[LayerKV] | None:
+        """The join in one numpy call when every block lays its tensors out alike (the same offsets, tiling the
+        payload's first bytes): one [tensors, kv_heads, tokens, row bytes] array whose rows are the layers' K and V,
+        so each layer's K or V is a contiguous view of it. None when the blocks differ (the piece-by-piece join)."""
+        first = self.blocks[0]
+        size, tensors = first.nbytes, 2 * len(first.offsets)
+        slots = sorted(off for pair in first.offsets for off in pair)
+        if slots != list(range(0, tensors * size, size)) or any(
+                b.offsets != first.offsets or b.shape != first.shape or len(b.data) < tensors * size for b in self.blocks):
+            return None
+        heads, bs, _ = first.shape
+        row = first.row_bytes
+        out = torch.empty((tensors, heads, self.tokens, row), dtype=torch.uint8)
+        np.concatenate([np.frombuffer(b.data, np.uint8, tensors * size).reshape(tensors, heads, bs, row) for b in self.blocks],
+                       axis=2, out=out.numpy())
+        out = out.view(first.dtype)
+        return [(out[k // size][None], out[v // size][None]) for k, v in first.offsets]
+
+    def _join_pieces(self) -> list[LayerKV]:
+        """The join piece by piece (head by head, block by block), for blocks whose layouts differ."""
+        heads, _, dim = self.blocks[0].shape
+        n, stored = self.tokens, self.blocks[0].dtype
         out = []
         for i in range(len(self.blocks[0].offsets)):
             kv = []
@@ -56,7 +83,7 @@ class Lookup:
                 for piece in self.pieces(i, kind, 0, n):
                     dst[at : at + len(piece)] = piece
                     at += len(piece)
-                kv.append(t if self.dtype in (None, stored) else t.to(self.dtype))
+                kv.append(t)
             out.append(tuple(kv))
         return out
 

@@ -91,6 +91,37 @@ def test_stored_bytes_are_the_bytes_the_tensor_path_would_send(dtype):
     torch.testing.assert_close(mixed.layers()[0][0][..., BS:, :], kv[0][0][..., BS:, :].to(other).to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_join_of_blocks_laid_out_alike_or_not_gives_the_layers_back(dtype):
+    """Blocks laid out alike are joined in one call (views of one array, whatever order the format lays the layers
+    in: 11 layers put layer.10 before layer.2); a block laid out otherwise falls back to the piece-by-piece join,
+    with the same values."""
+    import dataclasses
+
+    from kvferry.common.prefix_cache import Lookup
+
+    heads, dim, n, layers = 2, 8, 3 * BS, 11
+    kv = make_kv(layers=layers, tokens=n, heads=heads, head_dim=dim, seed=9, dtype=dtype)
+    ids = list(range(7, 7 + n))
+    pc, ns = PrefixCache(MemoryStore(), SECRET, BS), Namespace("acme", "m")
+    pc.publish(ns, ids, kv)
+    look = pc.lookup(ns, ids, layers, heads, dim)
+    assert [off for pair in look.blocks[0].offsets for off in pair] != sorted(off for pair in look.blocks[0].offsets for off in pair)
+    for got, want in zip(look.layers(), kv):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # The middle block's layer 0 with K and V swapped in its bytes (and its offsets saying so): another layout.
+    mid = look.blocks[1]
+    (k0, v0), size = mid.offsets[0], mid.nbytes
+    data = bytearray(mid.data)
+    data[k0 : k0 + size], data[v0 : v0 + size] = mid.data[v0 : v0 + size], mid.data[k0 : k0 + size]
+    swapped = dataclasses.replace(mid, data=memoryview(bytes(data)), offsets=((v0, k0), *mid.offsets[1:]))
+    other = Lookup(look.hashes, 0, [look.blocks[0], swapped, look.blocks[2]])
+    for got, want in zip(other.layers(), kv):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    cast = Lookup(look.hashes, 0, look.blocks, dtype=torch.float16).layers()
+    assert cast[10][1].dtype == torch.float16 and torch.equal(cast[10][1], kv[10][1].to(torch.float16))
+
+
 def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
     import hashlib
     import json
@@ -117,6 +148,38 @@ def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
         forged = len(text).to_bytes(8, "little") + text + payload[8 + n :]
         with pytest.raises(CorruptBlock, match="offsets"):  # a hit sends byte ranges: every offset is checked
             decode_block(MAGIC_V2 + zlib.crc32(forged).to_bytes(4, "little") + forged, h, 2, (2, 8, 16))
+
+
+def test_a_header_seen_before_is_still_checked_against_this_block():
+    """Verified headers are remembered without their block hash (the JSON parse is skipped for the next block of the
+    same map): a blob read under another block's hash, a payload cut short under a remembered header (checksum
+    recomputed), and a header that names the hash twice are still refused or fully parsed."""
+    import json
+
+    from kvferry.common.prefix import MAGIC, read_block
+
+    layers = [tuple(t[0] for t in kv) for kv in make_kv(layers=2, tokens=8, heads=2, head_dim=16, seed=3)]
+    h1, h2 = b"\x07" * 32, b"\x08" * 32
+    one, two = encode_block(layers, h1, 8), encode_block(layers, h2, 8)
+    for _ in range(2):  # the second time from the remembered header
+        assert read_block(one, h1, 2, (2, 8, 16)).offsets == read_block(two, h2, 2, (2, 8, 16)).offsets
+        with pytest.raises(CorruptBlock, match="metadata"):
+            read_block(one, h2, 2, (2, 8, 16))  # a blob moved to another block's key
+        with pytest.raises(CorruptBlock):
+            read_block(one, h1, 3, (2, 8, 16))  # another layer count
+    payload = one[len(MAGIC) + 8 :]
+    short = payload[:-16]
+    import xxhash
+
+    with pytest.raises(CorruptBlock, match="offsets"):
+        read_block(MAGIC + xxhash.xxh3_64_intdigest(short).to_bytes(8, "little") + short, h1, 2, (2, 8, 16))
+    n = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + n])
+    header["__metadata__"]["format"] = h1.hex()  # the hash twice: no template, the full parse decides
+    text = json.dumps(header).encode()
+    forged = len(text).to_bytes(8, "little") + text + payload[8 + n :]
+    got = read_block(MAGIC + xxhash.xxh3_64_intdigest(forged).to_bytes(8, "little") + forged, h1, 2, (2, 8, 16))
+    assert got.offsets == read_block(one, h1, 2, (2, 8, 16)).offsets
 
 
 def test_memory_store_is_bounded_and_expires():

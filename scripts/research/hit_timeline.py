@@ -49,6 +49,7 @@ def around(owner, name, is_async=False):
             note(name + ">"); r = orig(*a, **k); note(name + "<"); return r
     setattr(owner, name, wrapped)
 around(servicer.TranslateServicer, "Translate", True)
+around(servicer.TranslateServicer, "TranslateByKey", True)
 around(flow.TranslateFlow, "open", True)
 around(prefix_flow.PrefixService, "from_store")
 around(prefix_cache.PrefixCache, "lookup")
@@ -65,7 +66,8 @@ def phases(events: list[tuple[str, float]]) -> dict[str, float]:
     for name, t in events:
         first.setdefault(name, t)
         last[name] = t
-    return {"call->handler": first["Translate>"], "handler->open": first["open>"] - first["Translate>"],
+    handler = first.get("TranslateByKey>", first.get("Translate>"))  # key-only calls go through TranslateByKey
+    return {"call->handler": handler, "handler->open": first["open>"] - handler,
             "open": last["open<"] - first["open>"], "lookup": first["lookup<"] - first["lookup>"],
             "send": last["_write<"] - first["_write>"], "client tail": last["return"] - last["_write<"],
             "total": last["return"]}
