@@ -10,6 +10,10 @@ Variants:
   keep_memory     the shipped sidecar with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ 256 MiB,
                   MALLOC_TRIM_THRESHOLD_ 1 GiB): a hit's multi-MiB buffers (the blobs, the messages, gRPC's copies) are
                   then reused, not mapped fresh and faulted in page by page
+  on_the_loop     a key-only request's whole store read (hashes, MGET, blob checks, session) run on the event loop
+                  itself, blocking it: no thread hand-off at all (an upper bound on what the hand-offs cost)
+  no_get          not a lever: the sidecar answers a repeated MGET from memory (the same bytes objects), so the hit
+                  costs everything but the store read; against the floor, what the sidecar and client add
 
     .venv/bin/python scripts/research/hit_ab.py --sizes 272 2048 8192 --reps 31 --json runs/results/hit_ab.json
 """
@@ -46,6 +50,31 @@ VARIANTS = {
                        "real = pf.PrefixService.from_store\n"
                        "pf.PrefixService.from_store = lambda self, spec, ms, limits, compute: real(self, spec, ms, limits, Inline(compute))\n"
                        "import kvferry.bench.server as s\ns.main()\n"),
+    "on_the_loop": ("import concurrent.futures as cf, kvferry.sidecar.flow as fl, kvferry.sidecar.prefix_flow as pf\n"
+                    "class Inline:\n"
+                    "    def submit(self, fn, *a):\n"
+                    "        done = cf.Future()\n"
+                    "        done.set_result(fn(*a))\n"
+                    "        return done\n"
+                    "real_open = fl.TranslateFlow.open\n"
+                    "async def open_inline(self, spec):\n"
+                    "    if not spec.prefix_key:\n"
+                    "        return await real_open(self, spec)\n"
+                    "    ms = self.registry.resolve(spec.map_name, spec.map_version)\n"
+                    "    self.limits.check(spec.num_tokens, 0)\n"
+                    "    session, initial, cached = self.prefix.from_store(spec, ms, self.limits, Inline())\n"
+                    "    return fl.Opened(session, ms, None, cached, initial)\n"
+                    "fl.TranslateFlow.open = open_inline\n"
+                    "import kvferry.bench.server as s\ns.main()\n"),
+    "no_get": ("import kvferry.common.stores as st\n"
+               "real_get, seen = st.RedisStore.get_many, {}\n"
+               "def remembered(self, keys):\n"
+               "    k = tuple(keys)\n"
+               "    if k not in seen or None in seen[k]:\n"
+               "        seen[k] = real_get(self, keys)\n"
+               "    return seen[k]\n"
+               "st.RedisStore.get_many = remembered\n"
+               "import kvferry.bench.server as s\ns.main()\n"),
 }
 
 
