@@ -76,6 +76,30 @@ def test_streamed_contiguous_and_paged_equal_apply(sidecar_factory, maps_dir, so
     assert sorted(pool.allocate(len(ids))) == sorted(table)
 
 
+@pytest.mark.parametrize("order", ["tokens", "layers"])
+def test_chunks_in_token_or_layer_order_equal_apply(sidecar_factory, maps_dir, source, order):
+    """Source chunks in token order (each range for every layer) or layer order (consecutive chunks of one layer)
+    translate alike through a real cross-model map, and a chunk sent twice is refused."""
+    import grpc
+
+    from kvferry.client.client import TRANSLATE_METHOD, encode_requests, make_spec
+    from kvferry.common import wire
+    from kvferry.common.messages import Block
+    from kvferry.client.client import contiguous_layers
+
+    s, ids, kv = source
+    ms, want = _expected(maps_dir, "S__T", kv)
+    sc = sidecar_factory(maps_dir=str(maps_dir))
+    reqs = list(encode_requests(make_spec(kv, "S__T", "1.0.0", **_kw(s)), kv, chunk_tokens=8, order=order, encoded=True))
+    with grpc.insecure_channel(sc.address) as ch:
+        call = ch.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.decode_response)
+        blocks = [m for m in call(iter(reqs), timeout=30) if isinstance(m, Block)]
+        _same(contiguous_layers(blocks, ms.target.geometry.layers, len(ids)), want)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(iter(reqs[:3] + reqs[2:]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of order" in err.value.details()
+
+
 @pytest.mark.parametrize("pair", PAIRS)
 def test_key_only_and_direct_reads_equal_apply(sidecar_factory, maps_dir, source, redis_url, pair):
     s, ids, kv = source

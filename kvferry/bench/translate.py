@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from kvferry import paths
 
 def run(a: argparse.Namespace) -> int:
     from kvferry.quiet import quiet_transformers
-    from .harness import ServerProcess, long_ids, median_seconds
+    from .harness import ServerProcess, long_ids, median_seconds, round_robin_ms
     from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
     from kvferry.client.attention import IMPLEMENTATION, use_folded_gqa
     from kvferry.client.importers import to_dynamic_cache
@@ -80,11 +81,12 @@ def run(a: argparse.Namespace) -> int:
                 full(), translate_path(), in_process(), echo.roundtrip(payloads)  # warm-up
                 t_full = median_seconds(full, a.reps)
                 t_path = median_seconds(translate_path, a.reps)
-                t_apply = median_seconds(in_process, a.reps)
-                t_echo = median_seconds(lambda: echo.roundtrip(payloads), a.reps)
                 st = state["res"].stats
                 req_bytes = sum(len(p) for p in payloads)
-                t_rpc = median_seconds(lambda: client.translate(wire_src, ms.name, ms.version, **kw), a.reps)
+                # taken in turn within each round, so the machine's drift hits the RPC and its bound alike
+                t_apply, t_echo, t_rpc = (statistics.median(t) / 1e3 for t in round_robin_ms(
+                    {"apply": in_process, "echo": lambda: echo.roundtrip(payloads),
+                     "rpc": lambda: client.translate(wire_src, ms.name, ms.version, **kw)}, a.reps).values())
                 row = {
                     "n": n, "refresh": r, "full_prefill_ms": t_full * 1e3, "translate_path_ttft_ms": t_path * 1e3,
                     "speedup": t_full / t_path, "apply_in_process_ms": t_apply * 1e3, "translate_rpc_ms": t_rpc * 1e3,
@@ -98,7 +100,7 @@ def run(a: argparse.Namespace) -> int:
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     table = [
-        f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; medians of {a.reps}; r={r}; wire {a.wire_dtype}; "
+        f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; medians of {a.reps} (apply, echo and RPC taken in turn each round); r={r}; wire {a.wire_dtype}; "
         f"target attention {target.model.config._attn_implementation}",
         "",
         "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms | translate RPC ms | (d) echo ms | "

@@ -41,12 +41,12 @@ PROTOBUF_PARSE = ("import kvferry.common.wire as w, kvferry.v1.translate_pb2 as 
                   "import kvferry.bench.server as s\ns.main()\n")
 BUFFERED = ("import kvferry.sidecar.servicer as sv\n"
             "stream = sv.TranslateServicer._translate_stream\n"
-            "async def buffered(self, requests):\n"
+            "async def buffered(self, header, requests):\n"
             "    items = [r async for r in requests]\n"
             "    async def again():\n"
             "        for r in items:\n"
             "            yield r\n"
-            "    async for out in stream(self, again()):\n"
+            "    async for out in stream(self, header, again()):\n"
             "        yield out\n"
             "sv.TranslateServicer._translate_stream = buffered\n"
             "import kvferry.bench.server as s\ns.main()\n")
