@@ -123,7 +123,11 @@ def test_shared_decompositions_give_todays_selection_on_the_shipped_pair(family)
     ms = fit_pair(family["S"], family["T"], CALIB, FitSettings(), progress=False)
     for key, m in shipped.maps.items():
         assert ms.maps[key].source_layers == m.source_layers, key
-        torch.testing.assert_close(ms.maps[key].weight, m.weight, rtol=1e-4, atol=1e-5)
+        # Relative to the map's norm, not per element: the capture and solve run through the CPU's BLAS kernels,
+        # and another CPU's kernels move single elements near zero by more than 1e-4 relatively (measured on an
+        # AMD EPYC runner: 3.3e-5 of the norm at most). A change in what the solver computes moves far more.
+        err = ((ms.maps[key].weight - m.weight).norm() / m.weight.norm()).item()
+        assert err < 2e-4, (key, err)
 
 
 WINDOWED = dict(k=2, seq_len=128, max_tokens=4096, window=3, window_layers=(2, 4), window_kinds="kv", window_sources=2)
