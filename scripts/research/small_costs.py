@@ -13,13 +13,11 @@ code it replaced (medians of --reps calls, in one process):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from kvferry.bench.harness import write_json
+from kvferry.bench.harness import median_seconds, write_json
 from kvferry.client.client import _token_ids
 from kvferry.common import prefix, wire
 from kvferry.common.prefix import encode_block, read_block
@@ -27,12 +25,7 @@ from kvferry.v1 import translate_pb2 as pb
 
 
 def median_us(fn, reps: int) -> float:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out) * 1e6
+    return median_seconds(fn, reps) * 1e6
 
 
 def main() -> None:
