@@ -2,7 +2,8 @@
 
 Keys: un-rotate with the source RoPE, map in position-free space, rotate with the target RoPE
 at the same absolute positions. Values: map directly. The matmul runs in the maps' dtype (float32
-or bfloat16); a bfloat16 map's output is rounded to bfloat16 before any cast to the output dtype.
+or bfloat16) where the device is fast at it, else in float32 (``precision.matmul_dtype``); a bfloat16 map's output
+is rounded to bfloat16 before any cast to the output dtype either way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .artifact import KINDS, MapSet
 from .capture import LayerKV
 from .errors import InvalidInput
 from .features import from_features, to_features
+from .precision import matmul_dtype
 
 
 def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.Tensor, dim: int) -> None:
@@ -57,7 +59,8 @@ class StreamingApplier:
         self.context = context
         self.out_dtype = out_dtype
         self.tokens = tokens  # total tokens, when known: completion is then checkable
-        self._groups = ms.fused_groups()  # maps reading the same source features share one matmul
+        home = next(iter(ms.maps.values())).weight.device if ms.maps else torch.device("cpu")
+        self._groups = ms.fused_groups(matmul_dtype(ms.dtype, home))  # maps reading the same source features share one matmul
         self._done = [0] * len(self._groups)  # tokens mapped per group
         self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind); starts at -context
         self._feats: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}  # (start, [B, n, w]) pieces
@@ -116,19 +119,22 @@ class StreamingApplier:
     def _advance(self):
         tg = self.ms.target.geometry
         width = tg.kv_width
-        for gi, (group, keys, w, b) in enumerate(self._groups):
+        for gi, (group, keys, _, _) in enumerate(self._groups):
             sources, inputs, _ = group
             ready = min(self._next.get((s, c), -self.context) for s in sources for c in inputs)
             a = self._done[gi]
             if ready <= a:
                 continue
             x = self._inputs(group, a, ready)
-            y = torch.addmm(b.to(x.device), x.reshape(-1, x.shape[-1]), w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
+            compute = matmul_dtype(self.ms.dtype, x.device)
+            _, _, w, b = self.ms.fused_groups(compute)[gi]
+            rows = x.reshape(-1, x.shape[-1]).to(compute)  # features already carry the stored dtype's rounding
+            y = torch.addmm(b.to(x.device), rows, w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
             pos = range(self.start_position + a, self.start_position + ready)
             for i, (t, kind) in enumerate(keys):
                 out = from_features(y[..., i * width : (i + 1) * width], tg.kv_heads, tg.rope if kind == "k" else None, pos)
                 # a bf16 map's output carries bf16 precision: round to it, so the evidence holds for bf16 on the wire too
-                _append_merged(self._out[(t, kind)], a, out.to(y.dtype).to(self.out_dtype), dim=2)
+                _append_merged(self._out[(t, kind)], a, out.to(self.ms.dtype).to(self.out_dtype), dim=2)
                 self._produced[(t, kind)] = ready
             self._done[gi] = ready
         self._trim()

@@ -81,7 +81,7 @@ class MapSet:
     created_at: str = ""
     kvferry_version: str = ""
     content_sha256: str = ""
-    _fused: list | None = field(default=None, init=False, repr=False, compare=False)  # see fused_groups()
+    _fused: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # see fused_groups()
 
     @property
     def name(self) -> str:
@@ -105,19 +105,21 @@ class MapSet:
         for m in self.maps.values():
             m.weight = m.weight.to(device=device, dtype=dtype or m.weight.dtype)
             m.bias = m.bias.to(device=device, dtype=dtype or m.bias.dtype)
-        self._fused = None
+        self._fused = {}
         return self
 
-    def fused_groups(self) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
-        """Maps grouped by the source features they read ((source_layers, inputs, window)), weights and biases concatenated per group: built once per
-        MapSet (and again after ``to()``), so apply runs one matmul per group. Lives and dies with the MapSet."""
-        if self._fused is None:
+    def fused_groups(self, dtype: torch.dtype | None = None) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
+        """Maps grouped by the source features they read ((source_layers, inputs, window)), weights and biases
+        concatenated per group (in ``dtype``, default the stored one): built once per MapSet and dtype (and again after
+        ``to()``), so apply runs one matmul per group. Lives and dies with the MapSet."""
+        dtype = dtype or self.dtype
+        if dtype not in self._fused:
             groups: dict[tuple, list[tuple[int, str]]] = {}
             for key, m in sorted(self.maps.items()):
                 groups.setdefault((m.source_layers, m.inputs, m.window), []).append(key)
-            self._fused = [(group, keys, torch.cat([self.maps[k].weight for k in keys], dim=1),
-                            torch.cat([self.maps[k].bias for k in keys])) for group, keys in groups.items()]
-        return self._fused
+            self._fused[dtype] = [(group, keys, torch.cat([self.maps[k].weight for k in keys], dim=1).to(dtype),
+                                   torch.cat([self.maps[k].bias for k in keys]).to(dtype)) for group, keys in groups.items()]
+        return self._fused[dtype]
 
     def validate(self) -> None:
         check_name(self.source.name), check_name(self.target.name), check_version(self.version)

@@ -143,3 +143,40 @@ def test_one_token_chunks_layer_by_layer_stay_linear_and_exact(family):
     for tl, (wk, wv) in enumerate(want):
         torch.testing.assert_close(torch.cat(got[(tl, "k")], 2), wk, rtol=1e-3, atol=1e-4)  # 1-token vs whole matmuls
         torch.testing.assert_close(torch.cat(got[(tl, "v")], 2), wv, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
+def test_a_bfloat16_map_gives_the_same_cache_whichever_dtype_multiplies_it(family, monkeypatch, compute):
+    """CPUs without AVX-512 multiply bf16 matrices 50-70x slower than fp32 ones, so there a bf16 map is multiplied in
+    fp32 (precision.matmul_dtype). Its inputs and weights are bf16 numbers either way and the output is rounded to
+    bf16 either way, so the cache is the one the map's evidence measured: equal to bf16 multiplication within one
+    bf16 rounding, through a real cross-model map."""
+    from kvferry.mappings import apply as apply_module
+    from kvferry.mappings.artifact import load
+
+    ms = load(ROOT / "maps" / "S__T" / "1.0.0").to(dtype=torch.bfloat16)
+    g = ms.source.geometry
+    src = make_kv(layers=g.layers, tokens=40, heads=g.kv_heads, head_dim=g.head_dim, seed=5)
+    monkeypatch.setattr(apply_module, "matmul_dtype", lambda map_dtype, device: map_dtype)
+    want = apply(ms, src, 3)
+    monkeypatch.setattr(apply_module, "matmul_dtype", lambda map_dtype, device: compute)
+    got = apply(ms, src, 3)
+    assert ms.fused_groups(compute)[0][2].dtype == compute  # the weights it multiplied with
+    for (wk, wv), (k, v) in zip(want, got):
+        for w, x in ((wk, k), (wv, v)):
+            assert x.dtype == torch.float32  # the input's dtype, carrying bf16 precision
+            torch.testing.assert_close(x, x.bfloat16().float(), rtol=0, atol=0)
+            torch.testing.assert_close(x, w, rtol=2 ** -7, atol=2 ** -7 * float(w.abs().max()))
+
+
+def test_bfloat16_maps_are_multiplied_in_float32_where_the_cpu_lacks_fast_bfloat16():
+    """The one decision: float32 maps always run in float32; bf16 maps run in bf16 on a CPU with torch's oneDNN bf16
+    GEMM (AVX-512 on x86) and in float32 on one without it (the AVX2-only CI runners)."""
+    import platform
+
+    from kvferry.mappings.precision import fast_bf16, matmul_dtype
+
+    assert matmul_dtype(torch.float32, "cpu") == torch.float32
+    assert matmul_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if fast_bf16("cpu") else torch.float32)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert fast_bf16("cpu") == torch.backends.cpu.get_cpu_capability().startswith("AVX512")

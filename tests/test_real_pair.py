@@ -138,7 +138,7 @@ def test_copy_probe_through_the_sidecar_matches_the_evidence(real, stream, sidec
     row = rows[str(gap)]
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True)
     accs = []
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=120)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         for i, ex in enumerate(e for e in exs if e.gap == gap):
             layout = "paged" if i % 2 else "contiguous"
             acc, layers = _sidecar_copy_accuracy(c, ms, source, target, ex, s.refresh, layout)
