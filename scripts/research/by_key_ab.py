@@ -7,28 +7,20 @@ every target block stored, called in turn (round robin); the gRPC floor of the s
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
 
 import torch
 
+from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, tiny_pair, write_json
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, write_json
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.stores import RedisStore
 
-SECRET, BS = b"bench-secret", 256
-
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=int, nargs="+", default=[272, 2048, 8192])
-    ap.add_argument("--reps", type=int, default=41)
-    ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(2)
-    ms, source, target = tiny_pair()
+    a = hit_args(reps=41)
+    ms, source, target = bench_pair()
     redis_server, results = RedisServer(), {}
     server = ServerProcess(paths.maps_dir(), redis_url=redis_server.url, prefix_secret=SECRET.decode(), prefix_block_size=BS)
     try:

@@ -7,14 +7,13 @@ MGET of the same blobs, called in turn (round robin) in one process against a re
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
 
 import torch
 
+from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, tiny_pair, write_json
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, write_json
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.client.direct import DirectReader
 from kvferry.common.prefix import map_id, map_namespaces, model_id
@@ -23,17 +22,10 @@ from kvferry.common.stores import RedisStore
 from kvferry.sidecar.servicer import mapping_info
 from kvferry.sidecar.registry import MapRegistry
 
-SECRET, BS = b"bench-secret", 256
-
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--reps", type=int, default=41)
-    ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(2)
-    ms, source, target = tiny_pair()
+    a = hit_args(sizes=(2048, 8192), reps=41)
+    ms, source, target = bench_pair()
     registry = MapRegistry(paths.maps_dir(), force=True)
     registry.scan()
     info = next(mapping_info(e, "mapped_refresh") for e in registry.entries(ms.name) if e.maps.version == ms.version)

@@ -20,18 +20,14 @@ Variants:
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
 
-import torch
-
+from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, tiny_pair, write_json
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, write_json
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.stores import RedisStore
 
-SECRET, BS = b"bench-secret", 256
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 ENV = {"keep_memory": KEEP_MEMORY}
 VARIANTS = {
@@ -79,14 +75,8 @@ VARIANTS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=int, nargs="+", default=[272, 2048, 8192])
-    ap.add_argument("--reps", type=int, default=31)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(2)
-    ms, source, target = tiny_pair()
+    a = hit_args(reps=31, more=lambda ap: ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS)))
+    ms, source, target = bench_pair()
     redis_server, results = RedisServer(), {}
     servers = {}
     try:

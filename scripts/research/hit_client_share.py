@@ -13,31 +13,21 @@ client - bare is the client's share, bare - floor+2 the sidecar's (hashes, blob 
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
-
-import torch
 
 from hit_ab import VARIANTS  # scripts/research/hit_ab.py (beside this script)
+from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, tiny_pair, write_json
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, write_json
 from kvferry.client.client import BY_KEY_METHOD, ClientOptions, TranslateClient, make_spec
 from kvferry.common import wire
 from kvferry.common.stores import RedisStore
 from kvferry.v1 import translate_pb2 as pb
 
-SECRET, BS = b"bench-secret", 256
-
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=int, nargs="+", default=[272, 2048, 8192])
-    ap.add_argument("--reps", type=int, default=41)
-    ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(2)
-    ms, source, target = tiny_pair()
+    a = hit_args(reps=41)
+    ms, source, target = bench_pair()
     redis_server, results = RedisServer(), {}
     try:
         with ServerProcess(paths.maps_dir(), code=VARIANTS["no_get"], redis_url=redis_server.url, prefix_secret=SECRET.decode(),

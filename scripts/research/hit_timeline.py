@@ -14,22 +14,19 @@ send (the first write to the trailer's), and client tail (the trailer's arrival 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, tiny_pair
+from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix
 from kvferry.client import client as client_module
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.stores import RedisStore
 
-SECRET, BS = b"bench-secret", 256
 
 # Run in the sidecar's process before the bench server's main(): notes (step, monotonic time) lines in LOG.
 SERVER_NOTES = '''
@@ -74,13 +71,8 @@ def phases(events: list[tuple[str, float]]) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=int, nargs="+", default=[272, 2048, 8192])
-    ap.add_argument("--reps", type=int, default=31)
-    ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(2)
-    ms, source, target = tiny_pair()
+    a = hit_args(reps=31)
+    ms, source, target = bench_pair()
     arrivals: list[float] = []
     take = client_module._Collector.take
 
