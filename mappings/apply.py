@@ -59,8 +59,7 @@ class StreamingApplier:
         self.context = context
         self.out_dtype = out_dtype
         self.tokens = tokens  # total tokens, when known: completion is then checkable
-        home = next(iter(ms.maps.values())).weight.device if ms.maps else torch.device("cpu")
-        self._groups = ms.fused_groups(matmul_dtype(ms.dtype, home))  # maps reading the same source features share one matmul
+        self._groups = ms.fused_groups(matmul_dtype(ms.dtype, ms.device))  # maps reading the same source features share one matmul
         self._done = [0] * len(self._groups)  # tokens mapped per group
         self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind); starts at -context
         self._feats: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}  # (start, [B, n, w]) pieces

@@ -100,6 +100,11 @@ class MapSet:
         """The dtype the maps are stored and applied in (float32, or bfloat16 for half the FLOP cost)."""
         return next(iter(self.maps.values())).weight.dtype if self.maps else torch.float32
 
+    @property
+    def device(self) -> torch.device:
+        """Where the maps' weights are (``to()`` moves them)."""
+        return next(iter(self.maps.values())).weight.device if self.maps else torch.device("cpu")
+
     def to(self, device=None, dtype: torch.dtype | None = None) -> "MapSet":
         """Move the maps (and, with ``dtype``, convert them: the evidence was measured in the stored dtype)."""
         for m in self.maps.values():

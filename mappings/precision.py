@@ -4,7 +4,7 @@ A bfloat16 map is applied as if its inputs and weights were rounded to bfloat16 
 (that is what its evidence measured). Products of two bfloat16 numbers are exact in float32 and the kernels
 accumulate in float32 either way, so running such a map in float32 gives the same result up to summation order. It
 matters on CPUs without AVX-512: there torch has no oneDNN bfloat16 GEMM and falls back to a scalar loop that
-measured 50-70x slower than float32 (scripts/research/bf16_matmul_ab.py).
+measured 40-70x slower than float32 (scripts/research/bf16_matmul_ab.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import functools
 import torch
 
 
-@functools.cache
 def _cpu_has_fast_bf16() -> bool:
     """What torch's own CPU matmul dispatch asks before taking the oneDNN bfloat16 GEMM (AVX-512 BW/VL/DQ, AMX, or
     Arm's BF16 extension)."""
@@ -24,14 +23,19 @@ def _cpu_has_fast_bf16() -> bool:
         return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def fast_bf16(device: torch.device | str) -> bool:
-    """Whether ``device`` multiplies bfloat16 matrices at least as fast as float32 ones."""
-    device = torch.device(device)
+@functools.cache
+def _fast_bf16(device: torch.device) -> bool:
     if device.type == "cpu":
         return _cpu_has_fast_bf16()
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return True  # other accelerators: trust the stored dtype
+
+
+def fast_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices at least as fast as float32 ones (asked once per device: apply
+    asks on every matmul)."""
+    return _fast_bf16(torch.device(device))
 
 
 def matmul_dtype(map_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:

@@ -147,7 +147,7 @@ def test_one_token_chunks_layer_by_layer_stay_linear_and_exact(family):
 
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
 def test_a_bfloat16_map_gives_the_same_cache_whichever_dtype_multiplies_it(family, monkeypatch, compute):
-    """CPUs without AVX-512 multiply bf16 matrices 50-70x slower than fp32 ones, so there a bf16 map is multiplied in
+    """CPUs without AVX-512 multiply bf16 matrices 40-70x slower than fp32 ones, so there a bf16 map is multiplied in
     fp32 (precision.matmul_dtype). Its inputs and weights are bf16 numbers either way and the output is rounded to
     bf16 either way, so the cache is the one the map's evidence measured: equal to bf16 multiplication within one
     bf16 rounding, through a real cross-model map."""

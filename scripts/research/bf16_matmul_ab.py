@@ -1,5 +1,5 @@
 """Session 16: a bfloat16 map multiplied in bfloat16 against the same map multiplied in float32, side by side in one
-process (medians of --reps, the two taken in turn each round), on this machine's CPU. On a CPU without AVX-512 torch
+process (medians of --reps, the two taken in turn each round: harness.round_robin_ms), on this machine's CPU. On a CPU without AVX-512 torch
 has no oneDNN bf16 GEMM, so precision.matmul_dtype multiplies bf16 maps in float32 there; this measures why.
 
 Rows: one addmm of the l10 map's widest group shape, and apply() of each shipped real-pair map (latest version) on
@@ -12,11 +12,12 @@ the layer's largest value.
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import torch
 
-from kvferry.bench.harness import median_seconds, write_json
+from kvferry.bench.harness import round_robin_ms, write_json
 from kvferry.mappings import apply as apply_module
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
@@ -52,22 +53,21 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     rows = {}
+
+    def medians_s(calls: dict) -> dict:
+        return {name: statistics.median(t) / 1e3 for name, t in round_robin_ms(calls, a.reps).items()}
+
     x, w, b = torch.randn(a.tokens, 1536, generator=g), torch.randn(1536, 960, generator=g), torch.randn(960, generator=g)
-    mm = {dt: (lambda dt=dt: torch.addmm(b.to(dt), x.to(dt), w.to(dt))) for dt in (torch.bfloat16, torch.float32)}
-    rows[f"addmm {a.tokens}x1536 @ 1536x960"] = (median_seconds(mm[torch.bfloat16], a.reps),
-                                                 median_seconds(mm[torch.float32], a.reps), None)
+    med = medians_s({dt: (lambda dt=dt: torch.addmm(b.to(dt), x.to(dt), w.to(dt))) for dt in (torch.bfloat16, torch.float32)})
+    rows[f"addmm {a.tokens}x1536 @ 1536x960"] = (med[torch.bfloat16], med[torch.float32], None)
     for root in sorted((ROOT / "maps").glob("smollm2-135m-l*__smollm2-135m")):
         ms = load(sorted(p.parent for p in root.glob("*/manifest.json"))[-1])
         sg = ms.source.geometry
         src = [tuple(torch.randn(1, sg.kv_heads, a.tokens, sg.head_dim, generator=g) for _ in range(2)) for _ in range(sg.layers)]
-        bf, fp = _forced(torch.bfloat16), _forced(torch.float32)
-        times = {torch.bfloat16: [], torch.float32: []}
-        for _ in range(a.reps):  # in turn each round
-            for dt, fn in ((torch.bfloat16, bf), (torch.float32, fp)):
-                times[dt].append(median_seconds(lambda: fn(ms, src), 1))
-        med = {dt: sorted(t)[len(t) // 2] for dt, t in times.items()}
-        rows[f"apply {root.name} {ms.version} ({a.tokens} tokens)"] = (med[torch.bfloat16], med[torch.float32],
-                                                                       _ulps(fp(ms, src), bf(ms, src)))
+        forced = {dt: _forced(dt) for dt in (torch.bfloat16, torch.float32)}
+        med = medians_s({dt: (lambda fn=fn: fn(ms, src)) for dt, fn in forced.items()})
+        rows[f"apply {root.name} {ms.version} ({a.tokens} tokens)"] = (
+            med[torch.bfloat16], med[torch.float32], _ulps(forced[torch.float32](ms, src), forced[torch.bfloat16](ms, src)))
     cap = torch.backends.cpu.get_cpu_capability()
     print(f"CPU capability {cap}, fast bf16: {fast_bf16('cpu')}, {a.threads} threads\n")
     print("| what | bf16 ms | fp32 ms | bf16 / fp32 | max diff (bf16 ulps) |\n|---|---|---|---|---|")
