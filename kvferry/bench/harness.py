@@ -33,6 +33,21 @@ def round_robin_ms(calls: dict, reps: int) -> dict[str, list[float]]:
     return times
 
 
+def paired_ratio(times: dict[str, list[float]], over: tuple[str, ...], under: tuple[str, ...]) -> dict[str, float]:
+    """The ratio sum(``over``) / sum(``under``) of the calls' times in each round of ``round_robin_ms``, summarised:
+    its median and quartiles over the rounds. A round's calls ran back to back, so each round's ratio pairs times the
+    machine's drift hit alike; the spread shows how far one run's ratio can be trusted (a ratio of medians has none)."""
+    rounds = len(times[under[0]])
+    per = sorted(sum(times[c][i] for c in over) / sum(times[c][i] for c in under) for i in range(rounds))
+    q1, _, q3 = statistics.quantiles(per, n=4, method="inclusive") if rounds > 1 else (per[0],) * 3
+    return {"median": statistics.median(per), "q1": q1, "q3": q3}
+
+
+def spread(r: dict[str, float]) -> str:
+    """A ``paired_ratio`` as printed in the benches' tables: median [q1, q3]."""
+    return f"{r['median']:.2f} [{r['q1']:.2f}, {r['q3']:.2f}]"
+
+
 def write_json(path, results) -> None:
     """``results`` as indented JSON at ``path`` (its folder made), when a path was given."""
     if path:

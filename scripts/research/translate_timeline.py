@@ -1,0 +1,121 @@
+"""Where a streamed Translate's time goes (issue 16): one timeline from both processes' monotonic clocks, as
+hit_timeline.py does for key-only hits. The sidecar notes when each chunk arrives and each map step and write starts
+and ends; the client notes when it sends each request message and when each response message arrives. Per size,
+the phase medians over ``--reps`` calls and the median call's events:
+
+    .venv/bin/python scripts/research/translate_timeline.py --sizes 2048 8192 --reps 9
+
+Phases: call -> handler (gRPC call set-up and the header's trip); upload (the client's first chunk sent to the last
+one received by the sidecar); compute (the sum of the sidecar's map steps, ``TranslateFlow.add``); compute after
+upload (map work still running once the last chunk arrived); send (first write to the last); client tail (the last
+write to the call's return).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hit_setup import bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
+from kvferry import paths
+from kvferry.bench.harness import ServerProcess, long_ids
+from kvferry.client import client as client_module
+from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.mappings.capture import capture_kv
+
+SERVER_NOTES = '''
+import json, os, time
+from kvferry.sidecar import flow, servicer
+LOG = open(os.environ["KVFERRY_TIMELINE"], "a")
+def note(name):
+    LOG.write(json.dumps([name, time.perf_counter()]) + "\\n"); LOG.flush()
+def around(owner, name):
+    orig = getattr(owner, name)
+    async def wrapped(*a, **k):
+        note(name + ">"); r = await orig(*a, **k); note(name + "<"); return r
+    setattr(owner, name, wrapped)
+around(servicer.TranslateServicer, "Translate")
+around(flow.TranslateFlow, "open")
+around(flow.TranslateFlow, "add")
+around(servicer._Sender, "_write")
+before = servicer._before
+async def noting_before(requests, deadline):
+    async for msg in before(requests, deadline):
+        note("chunk"); yield msg
+servicer._before = noting_before
+from kvferry.bench import server
+server.main()
+'''
+
+
+def phases(events: list[tuple[str, float]]) -> dict[str, float]:
+    """Milliseconds per phase of one call's sorted (name, ms since the call) events."""
+    first, last, spans, opened = {}, {}, {"add": 0.0}, {}
+    for name, t in events:
+        first.setdefault(name, t)
+        last[name] = t
+        if name == "add>":
+            opened["add"] = t
+        elif name == "add<":
+            spans["add"] += t - opened.pop("add")
+    return {"call->handler": first["Translate>"], "upload": last["chunk"] - first["sent"], "compute": spans["add"],
+            "compute after upload": max(0.0, last["add<"] - last["chunk"]), "send": last["_write<"] - first["_write>"],
+            "client tail": last["return"] - last["_write<"], "total": last["return"]}
+
+
+def main() -> None:
+    a = hit_args(sizes=(2048, 8192), reps=9)
+    ms, source, target = bench_pair()
+    marks: list[tuple[str, float]] = []
+    take, encode = client_module._Collector.take, client_module.encode_requests
+
+    def noting_take(self, msg):
+        take(self, msg)
+        marks.append(("msg", time.perf_counter()))
+
+    def noting_encode(*args, **kw):
+        for m in encode(*args, **kw):
+            marks.append(("sent", time.perf_counter()))
+            yield m
+
+    client_module._Collector.take, client_module.encode_requests = noting_take, noting_encode
+    log = Path(tempfile.mkdtemp()) / "timeline.jsonl"
+    log.touch()
+    results = {}
+    with ServerProcess(paths.maps_dir(), 2, code=SERVER_NOTES, env={"KVFERRY_TIMELINE": str(log)}) as sc, \
+            TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
+        for n in a.sizes:
+            ids = long_ids(target.tokenizer, n)
+            with torch.no_grad():
+                src = capture_kv(source.model, ids[:, : n - 16])
+            kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+            client.translate(src, ms.name, ms.version, **kw)  # warm-up
+            calls = []
+            for _ in range(a.reps):
+                log.write_text("")
+                marks.clear()
+                t0 = time.perf_counter()
+                client.translate(src, ms.name, ms.version, **kw)
+                t1 = time.perf_counter()
+                time.sleep(0.02)  # the sidecar's last notes reach the file
+                srv = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+                events = sorted(srv + marks + [("return", t1)], key=lambda e: e[1])
+                calls.append([(name, (t - t0) * 1e3) for name, t in events])
+            per = [phases(c) for c in calls]
+            med = {k: statistics.median(p[k] for p in per) for k in per[0]}
+            calls.sort(key=lambda c: c[-1][1])
+            results[n] = {"phase_medians_ms": med, "median_call": calls[len(calls) // 2]}
+            print(f"n={n}: " + " | ".join(f"{k} {v:.2f}" for k, v in med.items()) + " ms", flush=True)
+            print("   median call: " + "  ".join(f"{name}@{t:.1f}" for name, t in calls[len(calls) // 2]), flush=True)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
