@@ -288,6 +288,32 @@ def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, f
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_key_only_hit_starts_no_thread_per_call(sidecar_factory, maps_dir, family, redis_url, monkeypatch):
+    """The blocking client receives TranslateByKey's messages on the calling thread (client.SINGLE_THREADED_STREAMS):
+    no helper thread is started per call to hand each message over, and the answer is the same."""
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=6)
+    ids = list(range(5, 75))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    started = []
+    real_start = threading.Thread.start
+
+    def noting_start(self):
+        started.append(self.name)
+        real_start(self)
+
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        first = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))  # maps, stores
+        monkeypatch.setattr(threading.Thread, "start", noting_start)
+        hits = [c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family)) for _ in range(3)]
+        monkeypatch.undo()
+    assert started == []
+    for hit in hits:
+        assert hit.stats.cached_blocks == 4
+        for (k, v), (hk, hv) in zip(first.layers(), hit.layers()):
+            assert torch.equal(k, hk) and torch.equal(v, hv)
+
+
 def test_translate_by_key_answers_exactly_what_translate_answers(sidecar_factory, maps_dir, family, redis_url):
     """TranslateByKey is a key-only Translate in one message: the same header and block bytes, the same trailer counts,
     the same status where nothing is stored; and its request is the bytes of a TranslateRequest with that header."""

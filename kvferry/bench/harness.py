@@ -81,7 +81,9 @@ class ServerProcess:
             self.proc.kill()
             raise RuntimeError(f"bench server did not start: {line!r}")
         self.address = m.group(1)
-        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        from kvferry.client.client import SINGLE_THREADED_STREAMS  # the client's own transport setting: the floor stays its best
+
+        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20), SINGLE_THREADED_STREAMS]
         self.channel = grpc.insecure_channel(self.address, opts)
         from kvferry.bench.server import ECHO_METHOD, REPLAY_METHOD, SINK_METHOD
 

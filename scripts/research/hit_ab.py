@@ -12,6 +12,8 @@ Variants:
                   then reused, not mapped fresh and faulted in page by page
   on_the_loop     a key-only request's whole store read (hashes, MGET, blob checks, session) run on the event loop
                   itself, blocking it: no thread hand-off at all (an upper bound on what the hand-offs cost)
+  direct_writes   each response message written and awaited in turn (no task per write, no overlap of a write with
+                  building the next message)
   no_get          not a lever: the sidecar answers a repeated MGET from memory (the same bytes objects), so the hit
                   costs everything but the store read; against the floor, what the sidecar and client add
 
@@ -62,6 +64,11 @@ VARIANTS = {
                     "    return fl.Opened(session, ms, None, cached, initial)\n"
                     "fl.TranslateFlow.open = open_inline\n"
                     "import kvferry.bench.server as s\ns.main()\n"),
+    "direct_writes": ("import kvferry.sidecar.servicer as sv\n"
+                      "async def send(self, msg):\n"
+                      "    await self._write(msg)\n"
+                      "sv._Sender.send = send\n"
+                      "import kvferry.bench.server as s\ns.main()\n"),
     "no_get": ("import kvferry.common.stores as st\n"
                "real_get, seen = st.RedisStore.get_many, {}\n"
                "def remembered(self, keys):\n"

@@ -4,6 +4,8 @@ and ends; the client notes when it sends each request message and when each resp
 the phase medians over ``--reps`` calls and the median call's events:
 
     .venv/bin/python scripts/research/translate_timeline.py --sizes 2048 8192 --reps 9
+    .venv/bin/python scripts/research/translate_timeline.py --source models/pretrained/smollm2-135m-l25 \
+        --target models/pretrained/smollm2-135m --sizes 2048 --reps 5
 
 Phases: call -> handler (gRPC call set-up and the header's trip); upload (the client's first chunk sent to the last
 one received by the sidecar); compute (the sum of the sidecar's map steps, ``TranslateFlow.add``); compute after
@@ -26,7 +28,8 @@ from kvferry import paths
 from kvferry.bench.harness import ServerProcess, long_ids
 from kvferry.client import client as client_module
 from kvferry.client.client import ClientOptions, TranslateClient
-from kvferry.mappings.capture import capture_kv
+from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.sidecar.registry import MapRegistry
 
 SERVER_NOTES = '''
 import json, os, time
@@ -69,8 +72,14 @@ def phases(events: list[tuple[str, float]]) -> dict[str, float]:
 
 
 def main() -> None:
-    a = hit_args(sizes=(2048, 8192), reps=9)
+    a = hit_args(sizes=(2048, 8192), reps=9, more=lambda ap: (ap.add_argument("--source", type=Path),
+                                                               ap.add_argument("--target", type=Path)))
     ms, source, target = bench_pair()
+    if a.source:  # another pair than the tiny family's: its newest servable map
+        source, target = load_model(a.source), load_model(a.target)
+        registry = MapRegistry(paths.maps_dir(), force=True)
+        registry.scan()
+        ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", "")
     marks: list[tuple[str, float]] = []
     take, encode = client_module._Collector.take, client_module.encode_requests
 
