@@ -67,14 +67,16 @@ def median_seconds(fn, reps: int) -> float:
 class ServerProcess:
     """The sidecar (and an echo service) in a separate process, as in production: no shared GIL."""
 
-    def __init__(self, maps_dir, threads: int = 0, env: dict[str, str] | None = None, code: str = "", **extra):
+    def __init__(self, maps_dir, threads: int = 0, env: dict[str, str] | None = None, code: str = "", cwd: str | None = None,
+                 **extra):
         """``env``: variables added to the server process's environment; ``code``: Python run in place of
-        ``-m kvferry.bench.server`` (it must end by calling that module's main(): side-by-side variants)."""
+        ``-m kvferry.bench.server`` (it must end by calling that module's main(): side-by-side variants); ``cwd``: the
+        folder it runs in (another than a checkout, for a kvferry found on PYTHONPATH before the checkout's)."""
         cmd = [sys.executable, *(["-c", code] if code else ["-m", "kvferry.bench.server"]),
                "--maps-dir", str(maps_dir), "--threads", str(threads)]
         for k, v in extra.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
         line = self.proc.stdout.readline()
         m = re.search(r"listening on ([\d.]+:\d+)", line)
         if not m:

@@ -11,8 +11,8 @@ called in turn (round robin), medians:
   canned   the request's bytes taken unparsed, the hit's messages replayed from memory
   floor+2  the gRPC floor of the hit's message sizes (Replay, a 4-byte-per-message request)
 
-bare - work is the servicer's machinery, work - parsed the hit's work in the handler, parsed - canned the request's
-parse, canned - floor+2 the request's size.
+bare - work is the servicer's machinery, work - inline the thread hand-offs, inline - parsed the hit's work in the
+handler, parsed - canned the request's parse, canned - floor+2 the request's size.
 
     .venv/bin/python scripts/research/hit_strip.py --sizes 272 2048 8192 --reps 31 --json runs/results/hit_strip.json
 """
@@ -111,8 +111,8 @@ def main() -> None:
                 times = round_robin_ms(calls, a.reps)
                 med = {v: statistics.median(t) for v, t in times.items()}
                 steps = {"client's own": med["client"] - med["bare"], "servicer": med["bare"] - med["work"],
-                         "hit work": med["work"] - med["parsed"], "request parse": med["parsed"] - med["canned"],
-                         "request size": med["canned"] - med["floor+2"]}
+                         "thread hand-offs": med["work"] - med["inline"], "hit work": med["inline"] - med["parsed"],
+                         "request parse": med["parsed"] - med["canned"], "request size": med["canned"] - med["floor+2"]}
                 results[n] = {"median_ms": med, "steps_ms": steps, "request_bytes": len(request), "messages": len(sizes)}
                 print(f"n={n}: " + " | ".join(f"{v} {m:.2f}" for v, m in med.items()) + " ms; " +
                       " | ".join(f"{k} {v:.2f}" for k, v in steps.items()), flush=True)

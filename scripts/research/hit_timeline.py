@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
+from timeline import NOTES, timed_calls  # scripts/research/timeline.py (beside this script)
 from kvferry import paths
 from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix
 from kvferry.client import client as client_module
@@ -28,29 +29,15 @@ from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.stores import RedisStore
 
 
-# Run in the sidecar's process before the bench server's main(): notes (step, monotonic time) lines in LOG.
-SERVER_NOTES = '''
-import json, os, time
+SERVER_NOTES = NOTES + '''
 from kvferry.common import prefix_cache
 from kvferry.sidecar import flow, prefix_flow, servicer
-LOG = open(os.environ["KVFERRY_TIMELINE"], "a")
-def note(name):
-    LOG.write(json.dumps([name, time.perf_counter()]) + "\\n"); LOG.flush()
-def around(owner, name, is_async=False):
-    orig = getattr(owner, name)
-    if is_async:
-        async def wrapped(*a, **k):
-            note(name + ">"); r = await orig(*a, **k); note(name + "<"); return r
-    else:
-        def wrapped(*a, **k):
-            note(name + ">"); r = orig(*a, **k); note(name + "<"); return r
-    setattr(owner, name, wrapped)
-around(servicer.TranslateServicer, "Translate", True)
-around(servicer.TranslateServicer, "TranslateByKey", True)
-around(flow.TranslateFlow, "open", True)
+around(servicer.TranslateServicer, "Translate")
+around(servicer.TranslateServicer, "TranslateByKey")
+around(flow.TranslateFlow, "open")
 around(prefix_flow.PrefixService, "from_store")
 around(prefix_cache.PrefixCache, "lookup")
-around(servicer._Sender, "_write", True)
+around(servicer._Sender, "_write")
 from kvferry.bench import server
 server.main()
 '''
@@ -73,12 +60,12 @@ def phases(events: list[tuple[str, float]]) -> dict[str, float]:
 def main() -> None:
     a = hit_args(reps=31)
     ms, source, target = bench_pair()
-    arrivals: list[float] = []
+    marks: list[tuple[str, float]] = []
     take = client_module._Collector.take
 
     def noting_take(self, msg):
         take(self, msg)
-        arrivals.append(time.perf_counter())
+        marks.append(("msg", time.perf_counter()))
 
     client_module._Collector.take = noting_take
     log = Path(tempfile.mkdtemp()) / "timeline.jsonl"
@@ -93,17 +80,7 @@ def main() -> None:
                 _, _, kw = published_prefix(source, target, ms, raw, SECRET, n, BS)
                 first = client.translate(None, ms.name, ms.version, **kw)  # the miss
                 sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
-                calls = []
-                for _ in range(a.reps):
-                    log.write_text("")
-                    arrivals.clear()
-                    t0 = time.perf_counter()
-                    client.translate(None, ms.name, ms.version, **kw)
-                    t1 = time.perf_counter()
-                    time.sleep(0.01)  # the sidecar's last notes reach the file
-                    srv = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
-                    events = sorted(srv + [("msg", t) for t in arrivals] + [("return", t1)], key=lambda e: e[1])
-                    calls.append([(name, (t - t0) * 1e3) for name, t in events])
+                calls = timed_calls(lambda: client.translate(None, ms.name, ms.version, **kw), log, marks, a.reps)
                 per = [phases(c) for c in calls]
                 floor = sorted(_ms(lambda: sc.replay(sizes)) for _ in range(a.reps))
                 med = {k: statistics.median(p[k] for p in per) for k in per[0]}

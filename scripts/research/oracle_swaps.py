@@ -23,7 +23,7 @@ import torch
 from kvferry import paths
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import capture_kv, kv_slice, load_model, read_corpus, to_dynamic_cache, token_stream
+from kvferry.mappings.capture import capture_kv, load_model, read_corpus, to_dynamic_cache, token_stream
 from kvferry.mappings.capture import token_windows
 from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
 

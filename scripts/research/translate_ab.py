@@ -14,6 +14,8 @@ Variants:
   threads_1       the shipped sidecar mapping with one torch thread
   switch_0.5ms    the shipped sidecar with Python's GIL switch interval at 0.5 ms (default 5 ms): does the compute
                   thread wait for the GIL behind the event loop's thread after each torch op?
+  base            the sidecar as committed at --base (default HEAD), built into a temporary folder and run from it,
+                  against the working tree's ("in_place"): what an uncommitted change to the sidecar gains
   scan_on_io_thread the sidecar before session 11: maps loaded on an asyncio.to_thread worker, whose torch copies
                   gave that thread an OpenMP pool of its own (the compute thread's regions then ran at one core's speed)
 
@@ -26,12 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
+from kvferry import paths
 from kvferry.bench.harness import ServerProcess, long_ids
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.mappings.capture import capture_kv
@@ -58,7 +64,17 @@ SCAN_ON_IO_THREAD = ("import asyncio, kvferry.sidecar.server as srv\n"
                      "srv.Sidecar._scan = lambda self: asyncio.to_thread(self.registry.scan)\n"
                      "import kvferry.bench.server as s\ns.main()\n")
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-VARIANTS = {"protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY),
+def build_commit(rev: str) -> str:
+    """kvferry as committed at ``rev``, installed (not editable) into a temporary folder: put it first on PYTHONPATH."""
+    root = Path(tempfile.mkdtemp())
+    files = subprocess.run(["git", "archive", rev], check=True, capture_output=True, cwd=paths.repo_root()).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=files, check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(root / "site"), str(root)], check=True)
+    return str(root / "site")
+
+
+VARIANTS = {"base": {}, "protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY),
             "in_place+passive": dict(env={"OMP_WAIT_POLICY": "PASSIVE"}), "buffered": dict(code=BUFFERED),
             "threads_1": dict(threads=1), "switch_0.5ms": dict(code=SWITCH), "scan_on_io_thread": dict(code=SCAN_ON_IO_THREAD)}
 
@@ -69,7 +85,12 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--chunk-tokens", type=int, default=2048, help="as kvferry bench translate sends them")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--base", default="HEAD", help="the commit the variant 'base' runs")
     a = ap.parse_args()
+    a.maps_dir = a.maps_dir.resolve()  # the base variant runs in another folder
+    if "base" in a.variants:
+        site = build_commit(a.base)
+        VARIANTS["base"] = dict(env={"PYTHONPATH": site, "KVFERRY_HOME": str(paths.repo_root())}, cwd=site)
     source, target, ms, kw = load_pair(a)
     name = ms.name
     servers = {v: ServerProcess(a.maps_dir, VARIANTS[v].get("threads", a.threads),

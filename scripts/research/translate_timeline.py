@@ -9,8 +9,8 @@ the phase medians over ``--reps`` calls and the median call's events:
 
 Phases: call -> handler (gRPC call set-up and the header's trip); upload (the client's first chunk sent to the last
 one received by the sidecar); compute (the sum of the sidecar's map steps, ``TranslateFlow.add``); compute after
-upload (map work still running once the last chunk arrived); send (first write to the last); client tail (the last
-write to the call's return).
+upload (map work still running once the last chunk arrived); writes after compute (the last map step's end to the
+last write's end); client tail (the last write to the call's return).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from hit_setup import bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
+from timeline import NOTES, timed_calls  # scripts/research/timeline.py (beside this script)
 from kvferry import paths
 from kvferry.bench.harness import ServerProcess, long_ids
 from kvferry.client import client as client_module
@@ -31,17 +32,8 @@ from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.mappings.capture import capture_kv, load_model
 from kvferry.sidecar.registry import MapRegistry
 
-SERVER_NOTES = '''
-import json, os, time
+SERVER_NOTES = NOTES + '''
 from kvferry.sidecar import flow, servicer
-LOG = open(os.environ["KVFERRY_TIMELINE"], "a")
-def note(name):
-    LOG.write(json.dumps([name, time.perf_counter()]) + "\\n"); LOG.flush()
-def around(owner, name):
-    orig = getattr(owner, name)
-    async def wrapped(*a, **k):
-        note(name + ">"); r = await orig(*a, **k); note(name + "<"); return r
-    setattr(owner, name, wrapped)
 around(servicer.TranslateServicer, "Translate")
 around(flow.TranslateFlow, "open")
 around(flow.TranslateFlow, "add")
@@ -67,7 +59,7 @@ def phases(events: list[tuple[str, float]]) -> dict[str, float]:
         elif name == "add<":
             spans["add"] += t - opened.pop("add")
     return {"call->handler": first["Translate>"], "upload": last["chunk"] - first["sent"], "compute": spans["add"],
-            "compute after upload": max(0.0, last["add<"] - last["chunk"]), "send": last["_write<"] - first["_write>"],
+            "compute after upload": max(0.0, last["add<"] - last["chunk"]), "writes after compute": last["_write<"] - last["add<"],
             "client tail": last["return"] - last["_write<"], "total": last["return"]}
 
 
@@ -104,17 +96,7 @@ def main() -> None:
                 src = capture_kv(source.model, ids[:, : n - 16])
             kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
             client.translate(src, ms.name, ms.version, **kw)  # warm-up
-            calls = []
-            for _ in range(a.reps):
-                log.write_text("")
-                marks.clear()
-                t0 = time.perf_counter()
-                client.translate(src, ms.name, ms.version, **kw)
-                t1 = time.perf_counter()
-                time.sleep(0.02)  # the sidecar's last notes reach the file
-                srv = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
-                events = sorted(srv + marks + [("return", t1)], key=lambda e: e[1])
-                calls.append([(name, (t - t0) * 1e3) for name, t in events])
+            calls = timed_calls(lambda: client.translate(src, ms.name, ms.version, **kw), log, marks, a.reps)
             per = [phases(c) for c in calls]
             med = {k: statistics.median(p[k] for p in per) for k in per[0]}
             calls.sort(key=lambda c: c[-1][1])
