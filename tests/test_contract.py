@@ -6,7 +6,6 @@ import base64
 import json
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch

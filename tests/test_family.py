@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import read_corpus, token_windows
 from kvferry.mappings.gates import Gates, load_for_serving
 
