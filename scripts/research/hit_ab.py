@@ -14,6 +14,8 @@ Variants:
                   itself, blocking it: no thread hand-off at all (an upper bound on what the hand-offs cost)
   direct_writes   each response message written and awaited in turn (no task per write, no overlap of a write with
                   building the next message)
+  switch_0.5ms    the shipped sidecar with Python's GIL switch interval at 0.5 ms (default 5 ms): do the event loop and
+                  the store's I/O thread wait on each other for the GIL?
   no_get          not a lever: the sidecar answers a repeated MGET from memory (the same bytes objects), so the hit
                   costs everything but the store read; against the floor, what the sidecar and client add
 
@@ -69,6 +71,7 @@ VARIANTS = {
                       "    await self._write(msg)\n"
                       "sv._Sender.send = send\n"
                       "import kvferry.bench.server as s\ns.main()\n"),
+    "switch_0.5ms": "import sys\nsys.setswitchinterval(0.0005)\nimport kvferry.bench.server as s\ns.main()\n",
     "no_get": ("import kvferry.common.stores as st\n"
                "real_get, seen = st.RedisStore.get_many, {}\n"
                "def remembered(self, keys):\n"
