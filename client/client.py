@@ -284,8 +284,9 @@ class _Endpoints:
 
 SINGLE_THREADED_STREAMS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 """gRPC Python's option to receive a unary-stream call's messages (TranslateByKey) on the thread that iterates them,
-with no helper thread started per call to hand each message over: 0.15-0.5 ms less for small key-only hits here, no
-change at 8192 tokens (docs/benchmarks.md, session 17). Experimental in gRPC; a gRPC without it ignores it."""
+with no helper thread started per call to hand each message over: a thread start fewer per call, 0.15-0.3 ms less for
+a one-block hit here, no change beyond the noise for longer ones (docs/benchmarks.md, session 17). Experimental in
+gRPC; a gRPC without it ignores it."""
 
 
 def _sync_channel(addr, creds, args):
