@@ -27,6 +27,7 @@ from __future__ import annotations
 import statistics
 
 from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
+from translate_ab import SWITCH  # scripts/research/translate_ab.py (beside this script)
 from kvferry import paths
 from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, write_json
 from kvferry.client.client import ClientOptions, TranslateClient
@@ -71,7 +72,7 @@ VARIANTS = {
                       "    await self._write(msg)\n"
                       "sv._Sender.send = send\n"
                       "import kvferry.bench.server as s\ns.main()\n"),
-    "switch_0.5ms": "import sys\nsys.setswitchinterval(0.0005)\nimport kvferry.bench.server as s\ns.main()\n",
+    "switch_0.5ms": SWITCH,
     "no_get": ("import kvferry.common.stores as st\n"
                "real_get, seen = st.RedisStore.get_many, {}\n"
                "def remembered(self, keys):\n"

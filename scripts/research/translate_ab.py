@@ -64,9 +64,10 @@ SCAN_ON_IO_THREAD = ("import asyncio, kvferry.sidecar.server as srv\n"
                      "srv.Sidecar._scan = lambda self: asyncio.to_thread(self.registry.scan)\n"
                      "import kvferry.bench.server as s\ns.main()\n")
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-def build_commit(rev: str) -> str:
-    """kvferry as committed at ``rev``, installed (not editable) into a temporary folder: put it first on PYTHONPATH."""
-    root = Path(tempfile.mkdtemp())
+
+
+def build_commit(rev: str, root: Path) -> str:
+    """kvferry as committed at ``rev``, installed (not editable) under ``root``: the folder to put first on PYTHONPATH."""
     files = subprocess.run(["git", "archive", rev], check=True, capture_output=True, cwd=paths.repo_root()).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=files, check=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
@@ -88,8 +89,9 @@ def main() -> None:
     ap.add_argument("--base", default="HEAD", help="the commit the variant 'base' runs")
     a = ap.parse_args()
     a.maps_dir = a.maps_dir.resolve()  # the base variant runs in another folder
+    build = tempfile.TemporaryDirectory()  # the base variant's install, removed at the end
     if "base" in a.variants:
-        site = build_commit(a.base)
+        site = build_commit(a.base, Path(build.name))
         VARIANTS["base"] = dict(env={"PYTHONPATH": site, "KVFERRY_HOME": str(paths.repo_root())}, cwd=site)
     source, target, ms, kw = load_pair(a)
     name = ms.name
@@ -120,6 +122,7 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.close()
+        build.cleanup()
     print(f"\nmap {name} {ms.version}; Translate RPC ms, {a.reps} rounds, variants called in turn; chunks of {a.chunk_tokens} tokens\n")
     print("| n | variant | RPC median ms | RPC min ms | sidecar compute median ms |\n|---|---|---|---|---|")
     for r in rows:
