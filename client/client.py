@@ -186,7 +186,7 @@ class _Collector:
 
 
 def _direct_result(hit) -> TranslateResult:
-    return TranslateResult(hit.info, hit.blocks(), hit.stats, hit.stats.wall_seconds, attempts=0)
+    return TranslateResult(hit.info, hit.blocks, hit.stats, hit.stats.wall_seconds, attempts=0)
 
 
 def serving_mapping(listed, name: str, version: str = "") -> pb.MappingInfo | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -21,20 +22,34 @@ from kvferry.v1 import translate_pb2 as pb
 
 from kvferry.common.messages import CONTIGUOUS, Block, Stats, TargetInfo
 from kvferry.common.prefix import LayerKV, map_id, map_namespaces, model_key
-from kvferry.common.prefix_cache import PrefixCache
+from kvferry.common.prefix_cache import Lookup, PrefixCache
 
 from .client import serving_mapping
+from .importers import contiguous_layers
 
 
 @dataclass(frozen=True)
 class DirectHit:
     info: TargetInfo
-    layers: list[LayerKV]  # per target layer (K, V) [1, kv_heads, tokens, head_dim]
+    blocks: list[Block]  # contiguous blocks, layer by layer, each [kv_heads, tokens, head_dim]
     stats: Stats
 
-    def blocks(self) -> list[Block]:
-        """The hit as contiguous blocks, one per layer (what a sidecar answer holds)."""
-        return [Block(t, 0, self.info.num_tokens, 0, k[0], v[0]) for t, (k, v) in enumerate(self.layers)]
+    def layers(self) -> list[LayerKV]:
+        """Per target layer (K, V) [1, kv_heads, tokens, head_dim]: the blocks joined (one copy)."""
+        return contiguous_layers(self.blocks, self.info.layers, self.info.num_tokens)
+
+
+def _hit_blocks(look: Lookup) -> list[Block]:
+    """A full hit's contiguous blocks, layer by layer. In the stored dtype, one block per stored block and layer,
+    viewing the fetched bytes: nothing is joined, so an importer copies each block once, straight into its cache
+    (``TranslateResult.layers()`` joins them for one that wants whole layers). In another dtype, one block per layer,
+    joined and converted (a copy either way)."""
+    if not look.as_stored:
+        return [Block(i, 0, look.tokens, 0, k[0], v[0]) for i, (k, v) in enumerate(look.layers())]
+    views = [b.layers() for b in look.blocks]
+    starts = list(accumulate((b.shape[1] for b in look.blocks), initial=0))
+    return [Block(i, starts[j], starts[j + 1], j, *kv[i]) for i in range(len(views[0]) if views else 0)
+            for j, kv in enumerate(views)]
 
 
 class DirectReader:
@@ -86,12 +101,12 @@ class DirectReader:
         self.corrupt += look.corrupt
         if len(look.blocks) < blocks:
             return None
-        layers = look.layers()
+        out = _hit_blocks(look)
         n = len(tokens)
-        out_dtype = layers[0][0].dtype
+        out_dtype = out[0].key.dtype
         target = TargetInfo(info.name, info.version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
                             CONTIGUOUS, 0, out_dtype, n, 0)
-        nbytes = sum(2 * k.numel() * k.element_size() for k, _ in layers)
-        stats = Stats(tokens=n, bytes_out=nbytes, blocks=len(layers), cached_blocks=blocks,
+        nbytes = sum(2 * b.key.numel() * b.key.element_size() for b in out)
+        stats = Stats(tokens=n, bytes_out=nbytes, blocks=len(out), cached_blocks=blocks,
                       wall_seconds=time.perf_counter() - t0, extra={"path": "direct"})
-        return DirectHit(target, layers, stats)
+        return DirectHit(target, out, stats)

@@ -58,9 +58,7 @@ class Lookup:
         so each layer's K or V is a contiguous view of it. None when the blocks differ (the piece-by-piece join)."""
         first = self.blocks[0]
         size, tensors = first.nbytes, 2 * len(first.offsets)
-        slots = sorted(off for pair in first.offsets for off in pair)
-        if slots != list(range(0, tensors * size, size)) or any(
-                b.offsets != first.offsets or b.shape != first.shape or len(b.data) < tensors * size for b in self.blocks):
+        if not first.tiled or any(b.offsets != first.offsets or b.shape != first.shape or not b.tiled for b in self.blocks):
             return None
         heads, bs, _ = first.shape
         row = first.row_bytes

@@ -122,6 +122,28 @@ def test_join_of_blocks_laid_out_alike_or_not_gives_the_layers_back(dtype):
     assert cast[10][1].dtype == torch.float16 and torch.equal(cast[10][1], kv[10][1].to(torch.float16))
 
 
+def test_a_stored_block_gives_every_layer_as_views_of_its_bytes_laid_out_alike_or_not():
+    """StoredBlock.layers() splits a block whose tensors tile its payload (in any order: 11 layers put layer.10 before
+    layer.2) in one call, and views one laid out with gaps tensor by tensor: the same values, and no copy either way."""
+    import dataclasses
+
+    heads, dim, layers = 2, 8, 11
+    kv = make_kv(layers=layers, tokens=BS, heads=heads, head_dim=dim, seed=4, dtype=torch.bfloat16)
+    ids = list(range(3, 3 + BS))
+    pc, ns = PrefixCache(MemoryStore(), SECRET, BS), Namespace("acme", "m")
+    pc.publish(ns, ids, kv)
+    block = pc.lookup(ns, ids, layers, heads, dim).blocks[0]
+    size = block.nbytes
+    gapped = dataclasses.replace(block, data=memoryview(bytes(size) + bytes(block.data)),  # every tensor moved on by one
+                                 offsets=tuple((k + size, v + size) for k, v in block.offsets))
+    assert block.tiled and not gapped.tiled
+    for b in (block, gapped):
+        base = torch.frombuffer(b.data, dtype=torch.uint8).data_ptr()
+        for (k, v), (wk, wv), (ok, ov) in zip(b.layers(), kv, b.offsets):
+            assert torch.equal(k, wk[0]) and torch.equal(v, wv[0])
+            assert (k.data_ptr() - base, v.data_ptr() - base) == (ok, ov)  # views of the blob's bytes
+
+
 def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
     import hashlib
     import json
@@ -530,6 +552,17 @@ def test_direct_reads_serve_full_hits_without_the_sidecar(sidecar_factory, maps_
         assert (hit.info.num_tokens, hit.info.layers, hit.info.dtype) == (first.info.num_tokens, first.info.layers, first.info.dtype)
         for (k, v), (hk, hv) in zip(first.layers(), hit.layers()):
             assert torch.equal(k, hk) and torch.equal(v, hv)
+        # Nothing joined: a block per stored block and layer, layer by layer, viewing that block's fetched bytes.
+        assert [(b.layer, b.start, b.end, b.index) for b in hit.blocks] == [
+            (layer, j * BS, (j + 1) * BS, j) for layer in range(4) for j in range(4)]
+        storage = lambda b: b.key.untyped_storage().data_ptr()  # noqa: E731
+        assert len({storage(b) for b in hit.blocks}) == 4 and all(
+            storage(b) == storage(b2) and b.value.untyped_storage().data_ptr() == storage(b)
+            for b in hit.blocks for b2 in hit.blocks if b.index == b2.index)
+        cast = ask(target_dtype=torch.bfloat16)  # another dtype: converted, joined per layer
+        assert cast.attempts == 0 and [(b.layer, b.start, b.end) for b in cast.blocks] == [(l, 0, 64) for l in range(4)]
+        for (k, v), (ck, cv) in zip(first.layers(), cast.layers()):
+            assert torch.equal(k.to(torch.bfloat16), ck) and torch.equal(v.to(torch.bfloat16), cv)
         assert ask(layout="paged", block_size=8).attempts == 1  # pages come from the sidecar
 
         _flip_a_byte(redis_server.client, sorted(set(redis_server.client.keys("kvf:acme:*")) - source_keys)[2])

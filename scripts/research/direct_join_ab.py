@@ -1,6 +1,10 @@
-"""Issue 16, the direct read's join: a key-only hit read from Redis by the client itself (``DirectReader.read``), with
-the found blocks joined per layer in one numpy call (shipped) against the piece-by-piece join it replaced, and the raw
-MGET of the same blobs, called in turn (round robin) in one process against a real redis-server.
+"""Issue 16, the direct read's join: a key-only hit read from Redis by the client itself (``DirectReader.read``) three
+ways, and the raw MGET of the same blobs, called in turn (round robin) in one process against a real redis-server:
+
+  views           shipped (session 18): a block per stored block and layer, viewing the fetched bytes, nothing joined
+                  (an importer copies each block once, into its cache)
+  one_call        the found blocks joined per layer in one numpy call (shipped in sessions 15-17)
+  piece_by_piece  the join piece by piece (before session 15)
 
     .venv/bin/python scripts/research/direct_join_ab.py --sizes 2048 8192 --reps 41 --json runs/results/direct_join_ab.json
 """
@@ -13,9 +17,12 @@ import torch
 
 from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_setup.py (beside this script)
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, write_json
+from kvferry.bench.harness import (RedisServer, ServerProcess, paired_ratio, published_prefix, round_robin_ms, spread,
+                                   write_json)
 from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client import direct
 from kvferry.client.direct import DirectReader
+from kvferry.common.messages import Block
 from kvferry.common.prefix import map_id, map_namespaces, model_id
 from kvferry.common.prefix_cache import Lookup, PrefixCache
 from kvferry.common.stores import RedisStore
@@ -30,8 +37,10 @@ def main() -> None:
     registry.scan()
     info = next(mapping_info(e, "mapped_refresh") for e in registry.entries(ms.name) if e.maps.version == ms.version)
     redis_server, results = RedisServer(), {}
-    one_call = Lookup.layers
-    piece_by_piece = lambda look: look._join_pieces()  # noqa: E731 - the join before (for blocks in the stored dtype)
+    views = direct._hit_blocks
+    joined = lambda layers: [Block(i, 0, layers[0][0].shape[2], 0, k[0], v[0]) for i, (k, v) in enumerate(layers)]  # noqa: E731
+    joins = {"views": views, "one_call": lambda look: joined(Lookup.layers(look)),
+             "piece_by_piece": lambda look: joined(look._join_pieces())}
     try:
         store = RedisStore(redis_server.url)
         reader = DirectReader(store, SECRET, BS)
@@ -45,24 +54,26 @@ def main() -> None:
 
                 def read(join):
                     def call():
-                        Lookup.layers = join
+                        direct._hit_blocks = join
                         try:
                             hit = reader.read(info, prefix, key, "bench")
                         finally:
-                            Lookup.layers = one_call
+                            direct._hit_blocks = views
                         assert hit is not None and hit.stats.cached_blocks == len(keys)
                         return hit
                     return call
 
-                calls = {"one_call": read(one_call), "piece_by_piece": read(piece_by_piece), "raw_get": lambda: store.get_many(keys)}
-                want, got = calls["piece_by_piece"]().layers, calls["one_call"]().layers
-                assert all(torch.equal(x, y) for pw, pg in zip(want, got) for x, y in zip(pw, pg))
+                calls = {v: read(join) for v, join in joins.items()} | {"raw_get": lambda: store.get_many(keys)}
+                want = calls["piece_by_piece"]().layers()
+                for v in ("views", "one_call"):
+                    assert all(torch.equal(x, y) for pw, pg in zip(want, calls[v]().layers()) for x, y in zip(pw, pg))
                 times = round_robin_ms(calls, a.reps)
                 med = {v: statistics.median(t) for v, t in times.items()}
                 results[n] = {"median_ms": med, "min_ms": {v: min(t) for v, t in times.items()}, "reps": a.reps,
-                              "direct_vs_get": {v: med["raw_get"] / med[v] for v in ("one_call", "piece_by_piece")}}
+                              "direct_vs_get": {v: med["raw_get"] / med[v] for v in joins},
+                              "direct_vs_get_paired": {v: paired_ratio(times, ("raw_get",), (v,)) for v in joins}}
                 print(f"n={n}: " + " | ".join(f"{v} {m:.2f}" for v, m in med.items()) + f" ms (medians of {a.reps}, round robin); "
-                      f"GET/direct {med['raw_get'] / med['one_call']:.2f} (one call) vs {med['raw_get'] / med['piece_by_piece']:.2f}",
+                      "GET/direct per round " + ", ".join(f"{v} {spread(results[n]['direct_vs_get_paired'][v])}" for v in joins),
                       flush=True)
     finally:
         redis_server.stop()
