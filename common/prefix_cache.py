@@ -88,17 +88,17 @@ class Lookup:
     def pieces(self, layer: int, kind: int, start: int, stop: int) -> list[memoryview]:
         """Layer ``layer``'s K (kind 0) or V (kind 1) for found tokens [start, stop), as the stored bytes whose
         concatenation is that [kv_heads, stop - start, head_dim] tensor in C order: head by head, block by block.
-        Only for blocks stored in the asked dtype (``as_stored``)."""
-        spans, at = [], 0  # per block overlapping [start, stop): (its bytes, first row's offset, span bytes, head stride)
-        for b in self.blocks:
-            heads, n, _ = b.shape
-            row = b.row_bytes
-            lo, hi = max(start - at, 0), min(stop - at, n)
-            if lo < hi:
-                spans.append((b.data, b.offsets[layer][kind] + lo * row, (hi - lo) * row, n * row))
-            at += n
-        return [data[base + h * stride : base + h * stride + size] for h in range(heads if spans else 0)
-                for data, base, size, stride in spans]
+        Only for blocks stored in the asked dtype (``as_stored``), which one lookup reads in one shape."""
+        if not self.blocks or start >= stop:
+            return []
+        heads, n, _ = self.blocks[0].shape
+        row = self.blocks[0].row_bytes
+        stride = n * row  # one head's rows in a block
+        spans = []  # per block overlapping [start, stop): (its bytes, first row's offset, span bytes)
+        for j in range(start // n, min(-(-stop // n), len(self.blocks))):
+            b, lo, hi = self.blocks[j], max(start - j * n, 0), min(stop - j * n, n)
+            spans.append((b.data, b.offsets[layer][kind] + lo * row, (hi - lo) * row))
+        return [data[base + h * stride : base + h * stride + size] for h in range(heads) for data, base, size in spans]
 
 
 class PrefixCache:

@@ -6,6 +6,11 @@ code it replaced (medians of --reps calls, in one process):
   header ids      a TranslateHeader's 8k token ids as a tuple: tuple() over protobuf's field against numpy's one read
   client ids      make_spec's ids from a list of 8k ints: an int() per id against the C-speed type check
   message length  the length prefix of a hit's 8192-token message (93 pieces per tensor): a generator against map()
+  hit pieces      (session 18) every layer's K and V of a 31-block hit as stored-byte pieces (what a sidecar hit sends):
+                  the spans found block by block with per-block shapes (Lookup.pieces through session 17) against
+                  the blocks overlapping the range indexed directly, in the one shape a lookup reads
+  block views     (session 18) one stored block's 6 layers as tensors viewing its bytes: a view per tensor
+                  (StoredBlock.layer) against one view of the payload split in one call (StoredBlock.layers)
 
     .venv/bin/python scripts/research/small_costs.py --json runs/results/small_costs.json
 """
@@ -21,11 +26,26 @@ from kvferry.bench.harness import median_seconds, write_json
 from kvferry.client.client import _token_ids
 from kvferry.common import prefix, wire
 from kvferry.common.prefix import encode_block, read_block
+from kvferry.common.prefix_cache import Lookup
 from kvferry.v1 import translate_pb2 as pb
 
 
 def median_us(fn, reps: int) -> float:
     return median_seconds(fn, reps) * 1e6
+
+
+def pieces_before(look: Lookup, layer: int, kind: int, start: int, stop: int) -> list[memoryview]:
+    """Lookup.pieces as it was through session 17."""
+    spans, at = [], 0
+    for b in look.blocks:
+        heads, n, _ = b.shape
+        row = b.row_bytes
+        lo, hi = max(start - at, 0), min(stop - at, n)
+        if lo < hi:
+            spans.append((b.data, b.offsets[layer][kind] + lo * row, (hi - lo) * row, n * row))
+        at += n
+    return [data[base + h * stride : base + h * stride + size] for h in range(heads if spans else 0)
+            for data, base, size, stride in spans]
 
 
 def main() -> None:
@@ -45,12 +65,22 @@ def main() -> None:
     ids = list(range(1000, 1000 + 8192))
     header = pb.TranslateHeader(token_ids=ids)
     pieces = [memoryview(bytes(512))] * 93
+    hashes = [bytes([j]) * 32 for j in range(31)]
+    look = Lookup(hashes, 0, [read_block(encode_block(layers, hj, 256), hj, 6, (3, 256, 32)) for hj in hashes])
+    n = look.tokens
+    hit_pieces = lambda get: [get(t, kind, 0, n) for t in range(6) for kind in (0, 1)]  # noqa: E731
+    block = look.blocks[0]
     rows = {
         "read_block": (median_us(parsed_each_time, a.reps), median_us(lambda: read_block(blob, h, 6, (3, 256, 32)), a.reps)),
         "header ids": (median_us(lambda: tuple(header.token_ids), a.reps), median_us(lambda: wire._token_ids(header.token_ids), a.reps)),
         "client ids": (median_us(lambda: tuple(map(int, ids)), a.reps), median_us(lambda: _token_ids(ids), a.reps)),
         "message length": (median_us(lambda: sum(len(p) for p in pieces), a.reps), median_us(lambda: sum(map(len, pieces)), a.reps)),
+        "hit pieces": (median_us(lambda: hit_pieces(lambda *r: pieces_before(look, *r)), a.reps), median_us(lambda: hit_pieces(look.pieces), a.reps)),
+        "block views": (median_us(lambda: [block.layer(i) for i in range(6)], a.reps), median_us(block.layers, a.reps)),
     }
+    for r in [(0, 0, 0, n), (3, 1, 5, 300), (5, 0, 256, 512), (1, 1, n - 1, n), (2, 0, 700, 7000)]:
+        assert [bytes(p) for p in pieces_before(look, *r)] == [bytes(p) for p in look.pieces(*r)], r
+    assert all(torch.equal(x, y) for pair, want in zip(block.layers(), [block.layer(i) for i in range(6)]) for x, y in zip(pair, want))
     assert wire._token_ids(header.token_ids) == tuple(ids) == _token_ids(ids)
     print("| what | before us | now us |\n|---|---|---|")
     for what, (before, now) in rows.items():
