@@ -6,7 +6,12 @@ Variants:
                   the code before wire.decode_request read canonical chunks in place
   in_place        the shipped sidecar
   in_place+malloc the shipped sidecar with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_,
-                  MALLOC_TRIM_THRESHOLD_ raised): large buffers are then reused, not unmapped and faulted in again
+                  MALLOC_TRIM_THRESHOLD_ raised): large buffers are then reused, not unmapped and faulted in again.
+                  (Session 18: glibc ignores an mmap threshold above 32 MiB, so this variant only raised the trim
+                  threshold, which also turns glibc's self-raising mmap threshold off: it faulted more, not less)
+  malloc_keep     (session 18) glibc.malloc.mmap_threshold 32 MiB (its cap) and trim_threshold 1 GiB, as GLIBC_TUNABLES
+  malloc_thp      (session 18) glibc.malloc.hugetlb=1: malloc's memory in transparent huge pages (one fault per 2 MiB)
+  malloc_thp_keep (session 18) both
   in_place+passive the shipped sidecar with OMP_WAIT_POLICY=PASSIVE: torch's OpenMP workers sleep between
                   operations instead of spinning on cores the transfer needs
   buffered        the shipped sidecar, except that a request is received whole before any of it is mapped (no
@@ -64,6 +69,8 @@ SCAN_ON_IO_THREAD = ("import asyncio, kvferry.sidecar.server as srv\n"
                      "srv.Sidecar._scan = lambda self: asyncio.to_thread(self.registry.scan)\n"
                      "import kvferry.bench.server as s\ns.main()\n")
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+MALLOC_KEEP = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+MALLOC_THP = "glibc.malloc.hugetlb=1"
 
 
 def build_commit(rev: str, root: Path) -> str:
@@ -77,7 +84,9 @@ def build_commit(rev: str, root: Path) -> str:
 
 VARIANTS = {"base": {}, "protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY),
             "in_place+passive": dict(env={"OMP_WAIT_POLICY": "PASSIVE"}), "buffered": dict(code=BUFFERED),
-            "threads_1": dict(threads=1), "switch_0.5ms": dict(code=SWITCH), "scan_on_io_thread": dict(code=SCAN_ON_IO_THREAD)}
+            "threads_1": dict(threads=1), "switch_0.5ms": dict(code=SWITCH), "scan_on_io_thread": dict(code=SCAN_ON_IO_THREAD),
+            "malloc_keep": dict(env={"GLIBC_TUNABLES": MALLOC_KEEP}), "malloc_thp": dict(env={"GLIBC_TUNABLES": MALLOC_THP}),
+            "malloc_thp_keep": dict(env={"GLIBC_TUNABLES": f"{MALLOC_THP}:{MALLOC_KEEP}"})}
 
 
 def main() -> None:
