@@ -100,6 +100,10 @@ class ClientOptions:
 
 @dataclass
 class TranslateResult:
+    """A translation's answer. The blocks' tensors view the bytes they arrived in (a sidecar's messages, or a direct
+    hit's fetched blobs): read or copy them, never write them in place (``.clone()`` gives a writable copy); so may
+    ``layers()`` for a layer that arrived in one block."""
+
     info: TargetInfo
     blocks: list[Block]
     stats: Stats

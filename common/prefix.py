@@ -161,7 +161,7 @@ class StoredBlock:
 
     def layers(self) -> list[LayerKV]:
         """Every layer's (K, V), viewing the blob (no copy). When the tensors tile the payload's first bytes, as
-        encode_block writes them, the views come from one view of those bytes split in one call (a quarter of the
+        encode_block writes them, the views come from one view of those bytes split in one call (a third of the
         cost of a view per tensor, docs/benchmarks.md, session 18); else layer by layer."""
         if not self.tiled:
             return [self.layer(i) for i in range(len(self.offsets))]
