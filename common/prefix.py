@@ -165,9 +165,19 @@ class StoredBlock:
         cost of a view per tensor, docs/benchmarks.md, session 18); else layer by layer."""
         if not self.tiled:
             return [self.layer(i) for i in range(len(self.offsets))]
-        size, count = self.nbytes, 2 * len(self.offsets)
-        tensors = view_bytes(self.data[: count * size], self.dtype, (count, *self.shape), "block").unbind(0)
-        return [(tensors[k // size], tensors[v // size]) for k, v in self.offsets]
+        tensors = self.tiles().unbind(0)
+        return [(tensors[k], tensors[v]) for k, v in self.slots]
+
+    def tiles(self) -> torch.Tensor:
+        """A tiled block's tensors as one [2 * layers, *shape] tensor viewing the payload (no copy): layer i's K is
+        row ``slots[i][0]``, its V row ``slots[i][1]``."""
+        return view_bytes(self.data[: 2 * len(self.offsets) * self.nbytes], self.dtype, (2 * len(self.offsets), *self.shape), "block")
+
+    @property
+    def slots(self) -> tuple[tuple[int, int], ...]:
+        """Per layer, (K's, V's) row in ``tiles()``."""
+        n = self.nbytes
+        return tuple((k // n, v // n) for k, v in self.offsets)
 
     @property
     def tiled(self) -> bool:

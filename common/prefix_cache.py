@@ -42,15 +42,30 @@ class Lookup:
         (K, V) [1, kv_heads, tokens, head_dim]."""
         if not self.blocks:
             return []
-        stored = self.blocks[0].dtype
-        if any(b.dtype != stored for b in self.blocks):  # writers that asked for different dtypes: convert per block
-            want = self.dtype or stored
-            return [tuple(torch.cat([b.layer(i)[kind].to(want) for b in self.blocks], 1)[None] for kind in (0, 1))
-                    for i in range(len(self.blocks[0].offsets))]
-        joined = self._join_uniform() or self._join_pieces()
-        if self.dtype not in (None, stored):
-            joined = [(k.to(self.dtype), v.to(self.dtype)) for k, v in joined]
-        return joined
+        want = self.dtype or self.blocks[0].dtype
+        if self.as_stored:
+            return self._join_uniform() or self._join_pieces()
+        # another dtype than stored (asked for, or writers that asked for different ones): cast while joining
+        cast = self._join_cast(want)
+        if cast is not None:
+            return cast
+        return [tuple(torch.cat([b.layer(i)[kind].to(want) for b in self.blocks], 1)[None] for kind in (0, 1))
+                for i in range(len(self.blocks[0].offsets))]
+
+    def _join_cast(self, want: torch.dtype) -> list[LayerKV] | None:
+        """The join and the cast to ``want`` in one pass, a block at a time (each block's tensors copied into the
+        output in one call), when every block lays its tensors out alike (tiled, in the same order); else None."""
+        first = self.blocks[0]
+        if not all(b.tiled and b.slots == first.slots and b.shape == first.shape for b in self.blocks):
+            return None
+        heads, _, dim = first.shape
+        out = torch.empty((2 * len(first.offsets), heads, self.tokens, dim), dtype=want)
+        at = 0
+        for b in self.blocks:
+            n = b.shape[1]
+            out[:, :, at : at + n].copy_(b.tiles())
+            at += n
+        return [(out[k][None], out[v][None]) for k, v in first.slots]
 
     def _join_uniform(self) -> list[LayerKV] | None:
         """The join in one numpy call when every block lays its tensors out alike (the same offsets, tiling the

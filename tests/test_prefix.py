@@ -118,8 +118,13 @@ def test_join_of_blocks_laid_out_alike_or_not_gives_the_layers_back(dtype):
     other = Lookup(look.hashes, 0, [look.blocks[0], swapped, look.blocks[2]])
     for got, want in zip(other.layers(), kv):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    cast = Lookup(look.hashes, 0, look.blocks, dtype=torch.float16).layers()
-    assert cast[10][1].dtype == torch.float16 and torch.equal(cast[10][1], kv[10][1].to(torch.float16))
+    # Cast to another dtype while joining: in one pass for blocks laid out alike, block by block for the others.
+    for blocks, one_pass in ((look.blocks, True), (other.blocks, False)):
+        assert (Lookup(look.hashes, 0, blocks)._join_cast(torch.float16) is not None) == one_pass
+        cast = Lookup(look.hashes, 0, blocks, dtype=torch.float16).layers()
+        for got, want in zip(cast, kv):
+            assert got[0].dtype == torch.float16 and torch.equal(got[0], want[0].to(torch.float16))
+            assert torch.equal(got[1], want[1].to(torch.float16))
 
 
 def test_a_stored_block_gives_every_layer_as_views_of_its_bytes_laid_out_alike_or_not():

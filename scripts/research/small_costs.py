@@ -11,6 +11,8 @@ code it replaced (medians of --reps calls, in one process):
                   the blocks overlapping the range indexed directly, in the one shape a lookup reads
   block views     (session 18) one stored block's 6 layers as tensors viewing its bytes: a view per tensor
                   (StoredBlock.layer) against one view of the payload split in one call (StoredBlock.layers)
+  cast join       (session 18) a 31-block bf16 hit joined per layer as float32: joined, then each layer cast (through
+                  session 17) against the cast done while joining, a block at a time (Lookup._join_cast)
 
     .venv/bin/python scripts/research/small_costs.py --json runs/results/small_costs.json
 """
@@ -70,6 +72,7 @@ def main() -> None:
     n = look.tokens
     hit_pieces = lambda get: [get(t, kind, 0, n) for t in range(6) for kind in (0, 1)]  # noqa: E731
     block = look.blocks[0]
+    as_f32 = Lookup(hashes, 0, look.blocks, dtype=torch.float32)
     rows = {
         "read_block": (median_us(parsed_each_time, a.reps), median_us(lambda: read_block(blob, h, 6, (3, 256, 32)), a.reps)),
         "header ids": (median_us(lambda: tuple(header.token_ids), a.reps), median_us(lambda: wire._token_ids(header.token_ids), a.reps)),
@@ -77,7 +80,10 @@ def main() -> None:
         "message length": (median_us(lambda: sum(len(p) for p in pieces), a.reps), median_us(lambda: sum(map(len, pieces)), a.reps)),
         "hit pieces": (median_us(lambda: hit_pieces(lambda *r: pieces_before(look, *r)), a.reps), median_us(lambda: hit_pieces(look.pieces), a.reps)),
         "block views": (median_us(lambda: [block.layer(i) for i in range(6)], a.reps), median_us(block.layers, a.reps)),
+        "cast join": (median_us(lambda: [(k.to(torch.float32), v.to(torch.float32)) for k, v in look._join_uniform()], a.reps // 10),
+                      median_us(as_f32.layers, a.reps // 10)),
     }
+    assert all(torch.equal(x.float(), y) for pair, want in zip(look.layers(), as_f32.layers()) for x, y in zip(pair, want))
     for r in [(0, 0, 0, n), (3, 1, 5, 300), (5, 0, 256, 512), (1, 1, n - 1, n), (2, 0, 700, 7000)]:
         assert [bytes(p) for p in pieces_before(look, *r)] == [bytes(p) for p in look.pieces(*r)], r
     assert all(torch.equal(x, y) for pair, want in zip(block.layers(), [block.layer(i) for i in range(6)]) for x, y in zip(pair, want))
