@@ -45,6 +45,11 @@ class ConnectorConfig:
     """Consumer: deadline of one translation, seconds."""
     status_seconds: float = 5.0
     """Consumer: how long the scheduler trusts its last look at the map's status."""
+    direct_reads: bool = False
+    """Consumer: read a translation whose mapped blocks are all stored straight from the prefix store, without the
+    sidecar hop (kvferry.client.direct; the sidecar is still asked on a miss and for the map's status). No sidecar
+    checks the tenant on that path: the store's credentials and the prefix secret, which this engine holds anyway,
+    are the boundary."""
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -60,8 +65,18 @@ class ConnectorConfig:
         unknown = set(extra) - set(known)
         if unknown:
             raise InvalidInput(f"kvferry connector: unknown kv_connector_extra_config keys {sorted(unknown)}")
-        cast = {"int": int, "float": float}
+        cast = {"int": int, "float": float, "bool": _flag}
         return cls(**{k: cast.get(str(known[k].type), str)(v) for k, v in extra.items()})
 
     def secret(self) -> bytes:
         return (Path(self.prefix_secret_file).read_text().strip() if self.prefix_secret_file else self.prefix_secret).encode()
+
+
+def _flag(value: Any) -> bool:
+    """A boolean setting from JSON (true/false) or text ("true"/"false", "1"/"0")."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false", "1", "0"):
+        raise InvalidInput(f"kvferry connector: expected true or false, got {value!r}")
+    return text in ("true", "1")

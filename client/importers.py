@@ -40,6 +40,28 @@ def contiguous_layers(blocks: list[Block], layers: int, tokens: int | None = Non
     return out
 
 
+def write_pages(block: Block, k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int] | torch.Tensor,
+                from_token: int = 0) -> None:
+    """A contiguous block (key/value [kv_heads, tokens, head_dim], any token range) into paged K and V caches viewed
+    as [pages, kv_heads, page_size, head_dim] (vLLM's CPU cache, as its connector views it): token t goes to page
+    ``table[t // page_size]``, slot ``t % page_size``. Tokens before ``from_token`` are skipped (the engine has them
+    already). One indexed write per tensor, cast to the cache's dtype; the views may be strided."""
+    start = max(block.start, from_token)
+    if start >= block.end:
+        return
+    page, table = k_pages.shape[2], torch.as_tensor(table)
+    if (block.end - 1) // page >= len(table):
+        raise InvalidInput(f"tokens up to {block.end} need {(block.end - 1) // page + 1} pages of {page}; the block table "
+                           f"has {len(table)}")
+    tokens = torch.arange(start, block.end)
+    pages = table[tokens // page]
+    if int(pages.max()) >= k_pages.shape[0] or int(pages.min()) < 0:
+        raise InvalidInput(f"the block table names pages outside the cache ({k_pages.shape[0]} pages)")
+    slots = tokens % page
+    k_pages[pages, :, slots] = block.key[:, start - block.start :].transpose(0, 1).to(k_pages.dtype)
+    v_pages[pages, :, slots] = block.value[:, start - block.start :].transpose(0, 1).to(v_pages.dtype)
+
+
 @dataclass
 class PagedKVPool:
     """A vLLM-style paged KV pool: per layer a tensor [num_blocks, 2, block_size, kv_heads, head_dim]."""

@@ -10,8 +10,9 @@ Producer (the source engine): after a prompt's prefill, its source KV blocks go 
 (the same HMAC-keyed blocks as ``publish_source``). Consumer (the target engine): the scheduler asks
 the store how many leading blocks of the prompt are published (a side-effect-free probe) and, if the
 map is servable, reports them as matched tokens, minus the tail the target recomputes itself. The
-worker then asks the sidecar to translate that prefix by key (paged, in vLLM's block size) and writes
-the pages into vLLM's paged KV cache; vLLM computes only the uncovered tail. If the translation fails,
+worker then asks the sidecar to translate that prefix by key (contiguous: fewer, larger messages) and writes
+each token into vLLM's paged KV cache (or, with ``direct_reads``, reads a full hit from the store itself); vLLM
+computes only the uncovered tail. If the translation fails,
 the blocks are reported as load errors and vLLM recomputes them: a request never fails because of us.
 """
 
@@ -31,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvferry.mappings.errors import InvalidInput
 
 from .connector_config import ConnectorConfig
+from .importers import write_pages
 from .rollout import effective_refresh
 from kvferry.common.prefix import Namespace, block_hashes, model_key
 
@@ -109,8 +111,13 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._client is None:
             from .client import ClientOptions, TranslateClient
 
+            direct = None
+            if self.cfg.direct_reads:
+                from .direct import DirectReader
+
+                direct = DirectReader(self.store(), self._secret, self.cfg.prefix_block_size)
             self._client = TranslateClient(ClientOptions(target=self.cfg.sidecar, timeout=self.cfg.timeout, retries=1,
-                                                         auth_token=self.cfg.auth_token))
+                                                         auth_token=self.cfg.auth_token), direct=direct)
         return self._client
 
     def _source(self, version: str) -> tuple[str, str] | None:
@@ -266,19 +273,17 @@ class KvferryConnector(KVConnectorBase_V1):
         if source is None:
             raise RuntimeError("map not servable")
         key = block_hashes(self._secret, self._namespace(source), load.token_ids, self.cfg.prefix_block_size)[-1].hex()
+        # Contiguous blocks, paged here: a paged answer is one message per page (16 tokens), which made a 2048-token
+        # hit 14x slower than the same hit contiguous (docs/benchmarks.md, session 18).
         res = self.client().translate(None, self.cfg.map_name, load.version, token_ids=load.token_ids, prefix_key=key,
-                                      tenant=self.cfg.tenant, layout="paged", block_size=self.block_size,
-                                      source_geometry=source[0], tokenizer=source[1])
+                                      tenant=self.cfg.tenant, source_geometry=source[0], tokenizer=source[1])
         if res.info.num_tokens < len(load.token_ids):
             raise RuntimeError(f"the sidecar translated {res.info.num_tokens} of {len(load.token_ids)} tokens")
-        for b in res.blocks:  # pages of block_size tokens: [block_size, kv_heads, head_dim]
-            if b.end <= load.start:
-                continue
-            cache = layers[b.layer]
-            k_view, v_view = self._kv_views(cache, self.block_size)
-            dest = load.block_ids[b.start // self.block_size]
-            k_view[dest].copy_(b.key.transpose(0, 1).to(cache.dtype))
-            v_view[dest].copy_(b.value.transpose(0, 1).to(cache.dtype))
+        views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for b in res.blocks:  # [kv_heads, tokens, head_dim], cut anywhere: each token into its page and slot
+            if b.layer not in views:
+                views[b.layer] = self._kv_views(layers[b.layer], self.block_size)
+            write_pages(b, *views[b.layer], load.block_ids, load.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads synchronously

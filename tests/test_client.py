@@ -150,7 +150,12 @@ def test_vllm_connector_settings_are_validated_once():
 
     cfg = ConnectorConfig.from_extra({"redis_url": "redis://r:6379/0", "prefix_secret": "x" * 32, "prefix_block_size": "256",
                                       "refresh": 16, "sidecar": "s:1", "map_name": "S__T", "timeout": "5"})
-    assert cfg.prefix_block_size == 256 and cfg.timeout == 5.0 and cfg.secret() == b"x" * 32
+    assert cfg.prefix_block_size == 256 and cfg.timeout == 5.0 and cfg.secret() == b"x" * 32 and not cfg.direct_reads
+    base = {"redis_url": "redis://r", "prefix_secret": "x"}
+    assert [ConnectorConfig.from_extra({**base, "direct_reads": v}).direct_reads for v in (True, "true", "1", False, "False", "0")] \
+        == [True, True, True, False, False, False]
+    with pytest.raises(InvalidInput, match="expected true or false, got 'yes please'"):
+        ConnectorConfig.from_extra({**base, "direct_reads": "yes please"})
     for extra, needle in (({"prefix_secret": "x"}, "redis_url"), ({"redis_url": "redis://r"}, "prefix_secret"),
                           ({"redis_url": "redis://r", "prefix_secret": "x", "bogus": 1}, "unknown"),
                           ({"redis_url": "redis://r", "prefix_secret": "x", "refresh": 64, "min_tokens": 32}, "min_tokens")):

@@ -80,13 +80,21 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
 
         policy = tmp_path / "policy.toml"
         update_policy_file(policy, "S__S-self", enabled=True)
-        with EngineProcess(MODELS / "S", "kv_consumer", {**consumer(MODELS / "S", "S__S-self"), "policy_file": str(policy)}) as engine:
-            exact = engine.batch(prompts)
-            assert all(r["num_cached_tokens"] >= covered for r in exact)
-            for a, b in zip(source_out, exact):  # an exact map: the same tokens and logprobs as S's own prefill
-                assert a["tokens"] == b["tokens"]
-                for tok, lp in a["top_logprobs"].items():
-                    assert abs(b["top_logprobs"][tok] - lp) < 1e-3
+        with EngineProcess(MODELS / "S", "kv_consumer", {**consumer(MODELS / "S", "S__S-self"), "policy_file": str(policy),
+                                                         "direct_reads": True}) as engine:
+            served = lambda: sidecar.sidecar.metrics.tokens.labels("S__S-self@1.0.0")._value.get()  # noqa: E731
+            before = served()
+            exact = engine.batch(prompts)  # the sidecar maps the stored source blocks and stores the mapped ones
+            after = served()
+            assert after > before
+            direct = engine.batch(prompts)  # now every mapped block is stored: read from Redis, the sidecar not asked
+            assert served() == after
+            for run in (exact, direct):
+                assert all(r["num_cached_tokens"] >= covered for r in run)
+                for a, b in zip(source_out, run):  # an exact map: the same tokens and logprobs as S's own prefill
+                    assert a["tokens"] == b["tokens"]
+                    for tok, lp in a["top_logprobs"].items():
+                        assert abs(b["top_logprobs"][tok] - lp) < 1e-3
             same = [r["tokens"] for r in source_out]
             update_policy_file(policy, "S__S-self", enabled=False)  # the rollout kill switch
             time.sleep(1.1)
