@@ -1,13 +1,13 @@
-"""Issue 16, session 18: a key-only hit asked for in vLLM's paged layout (pages of 16 tokens: one message a page) against
-the same hit contiguous, and the two ways of writing it into a vLLM-shaped paged cache, called in turn (round robin),
-medians:
+"""Issue 16, session 18: a key-only hit asked for in vLLM's paged layout (one message a page; --page tokens a page: 16 is
+vLLM's default on GPUs, 128 its CPU build's) against the same hit contiguous, and the two ways of writing it into a
+vLLM-shaped paged cache, called in turn (round robin), medians:
 
   contiguous / paged in-process  the sidecar's key-only path without gRPC (store read, session, messages encoded)
   contiguous / paged rpc         TranslateClient.translate through a sidecar process
   import pages                   a paged answer written page by page (the vLLM connector through session 17)
   import contiguous              the contiguous answer written with importers.write_pages (one indexed write a block)
 
-    .venv/bin/python scripts/research/paged_hit.py --sizes 2048 8192 --reps 15 --json runs/results/paged_hit.json
+    .venv/bin/python scripts/research/paged_hit.py --sizes 2048 8192 --reps 15 --page 16 --json runs/results/paged_hit.json
 """
 
 from __future__ import annotations
@@ -28,18 +28,16 @@ from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.metrics import Metrics
 from kvferry.sidecar.prefix_flow import PrefixService
 
-PAGE = 16  # vLLM's CPU block size
-
-
-def vllm_like_cache(pages: int, heads: int, dim: int, dtype: torch.dtype):
-    """K and V views [pages, heads, PAGE, dim] laid out as vLLM's CPU cache layer is (K dims-major: a strided view)."""
-    layer = torch.zeros(pages, heads, PAGE, 2 * dim, dtype=dtype)
-    halves = layer.view(pages, heads, 2, PAGE * dim)
-    return halves[:, :, 0].view(pages, heads, dim, PAGE).transpose(2, 3), halves[:, :, 1].view(pages, heads, PAGE, dim)
+def vllm_like_cache(pages: int, page: int, heads: int, dim: int, dtype: torch.dtype):
+    """K and V views [pages, heads, page, dim] laid out as vLLM's CPU cache layer is (K dims-major: a strided view)."""
+    layer = torch.zeros(pages, heads, page, 2 * dim, dtype=dtype)
+    halves = layer.view(pages, heads, 2, page * dim)
+    return halves[:, :, 0].view(pages, heads, dim, page).transpose(2, 3), halves[:, :, 1].view(pages, heads, page, dim)
 
 
 def main() -> None:
-    a = hit_args(sizes=(2048, 8192), reps=15)
+    a = hit_args(sizes=(2048, 8192), reps=15, more=lambda ap: ap.add_argument("--page", type=int, default=16))
+    page = a.page
     ms, source, target = bench_pair()
     g = ms.target.geometry
     redis_server, results = RedisServer(), {}
@@ -52,7 +50,7 @@ def main() -> None:
             for n in a.sizes:
                 _, _, kw = published_prefix(source, target, ms, RedisStore(redis_server.url), SECRET, n, BS)
                 client.translate(None, ms.name, ms.version, **kw)  # the miss: maps and stores
-                layouts = {"contiguous": {}, "paged": {"layout": "paged", "block_size": PAGE}}
+                layouts = {"contiguous": {}, "paged": {"layout": "paged", "block_size": page}}
 
                 def in_process(extra):
                     spec = make_spec(None, ms.name, ms.version, **kw, **extra)
@@ -64,15 +62,15 @@ def main() -> None:
 
                 answers = {name: client.translate(None, ms.name, ms.version, **kw, **extra) for name, extra in layouts.items()}
                 tokens = answers["contiguous"].info.num_tokens
-                table = list(range(-(-tokens // PAGE)))[::-1]  # pages in reverse, so that order matters
-                caches = {name: [vllm_like_cache(len(table), g.kv_heads, g.head_dim, torch.bfloat16) for _ in range(g.layers)]
+                table = list(range(-(-tokens // page)))[::-1]  # pages in reverse, so that order matters
+                caches = {name: [vllm_like_cache(len(table), page, g.kv_heads, g.head_dim, torch.bfloat16) for _ in range(g.layers)]
                           for name in layouts}
 
                 def import_pages():  # the connector's loop through session 17
                     for b in answers["paged"].blocks:
                         k_view, v_view = caches["paged"][b.layer]
-                        k_view[table[b.start // PAGE]].copy_(b.key.transpose(0, 1).to(k_view.dtype))
-                        v_view[table[b.start // PAGE]].copy_(b.value.transpose(0, 1).to(v_view.dtype))
+                        k_view[table[b.start // page]].copy_(b.key.transpose(0, 1).to(k_view.dtype))
+                        v_view[table[b.start // page]].copy_(b.value.transpose(0, 1).to(v_view.dtype))
 
                 def import_contiguous():
                     for b in answers["contiguous"].blocks:
@@ -86,8 +84,9 @@ def main() -> None:
                 for (pk, pv), (ck, cv) in zip(caches["paged"], caches["contiguous"]):  # both imports wrote the same cache
                     assert torch.equal(pk, ck) and torch.equal(pv, cv)
                 med = {v: statistics.median(t) for v, t in times.items()}
-                results[n] = {"median_ms": med, "messages": {name: len(r.blocks) for name, r in answers.items()}, "reps": a.reps}
-                print(f"n={n}: " + " | ".join(f"{v} {m:.2f}" for v, m in med.items()) + f" ms (medians of {a.reps}); messages "
+                results[n] = {"median_ms": med, "messages": {name: len(r.blocks) for name, r in answers.items()}, "reps": a.reps,
+                              "page": page}
+                print(f"n={n}, pages of {page}: " + " | ".join(f"{v} {m:.2f}" for v, m in med.items()) + f" ms (medians of {a.reps}); messages "
                       + ", ".join(f"{name} {len(r.blocks)}" for name, r in answers.items()), flush=True)
     finally:
         redis_server.stop()
