@@ -1,4 +1,4 @@
-"""Engine importers: put translated target KV into an HF DynamicCache or a paged KV pool."""
+"""Engine importers: put translated target KV into an HF DynamicCache, a paged KV pool, or vLLM's CPU cache."""
 
 from __future__ import annotations
 
@@ -38,6 +38,18 @@ def contiguous_layers(blocks: list[Block], layers: int, tokens: int | None = Non
         else:
             out.append((torch.cat([b.key for b in parts], 1)[None], torch.cat([b.value for b in parts], 1)[None]))
     return out
+
+
+def vllm_cpu_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views [blocks, kv_heads, block_size, head_dim] of one layer of vLLM's CPU cache.
+
+    The layer is [blocks, kv_heads, block_size, 2 * head_dim]; per block and head its memory holds the keys
+    dims-major ([head_dim, block_size]: the kernel reads one dim across tokens) and then the values token-major
+    ([block_size, head_dim]), so the K view is strided. Checked against the HF model's own cache in tests/test_vllm.py."""
+    nb, heads, bs, width = kv_cache.shape
+    d = width // 2
+    halves = kv_cache.view(nb, heads, 2, bs * d)
+    return halves[:, :, 0].view(nb, heads, d, bs).transpose(2, 3), halves[:, :, 1].view(nb, heads, bs, d)
 
 
 def write_pages(block: Block, k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int] | torch.Tensor,

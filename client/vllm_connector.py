@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvferry.mappings.errors import InvalidInput
 
 from .connector_config import ConnectorConfig
-from .importers import write_pages
+from .importers import vllm_cpu_views, write_pages
 from .rollout import effective_refresh
 from kvferry.common.prefix import Namespace, block_hashes, model_key
 
@@ -232,18 +232,6 @@ class KvferryConnector(KVConnectorBase_V1):
         return False, None
 
     # ---- worker side ---------------------------------------------------------------------------
-    @staticmethod
-    def _kv_views(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views [blocks, kv_heads, block_size, head_dim] of vLLM's CPU cache layer.
-
-        The layer is [blocks, kv_heads, block_size, 2 * head_dim]; per block and head its memory holds the
-        keys dims-major ([head_dim, block_size]: the kernel reads one dim across tokens) and then the values
-        token-major ([block_size, head_dim]). Checked against the HF model's own cache in tests/test_vllm.py."""
-        nb, heads, bs, width = kv_cache.shape
-        d = width // 2
-        halves = kv_cache.view(nb, heads, 2, bs * d)
-        return halves[:, :, 0].view(nb, heads, d, bs).transpose(2, 3), halves[:, :, 1].view(nb, heads, bs, d)
-
     def _attention_layers(self, forward_context) -> dict[int, torch.Tensor]:
         out = {}
         for name, layer in forward_context.no_compile_layers.items():
@@ -283,7 +271,7 @@ class KvferryConnector(KVConnectorBase_V1):
         views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for b in res.blocks:  # [kv_heads, tokens, head_dim], cut anywhere: each token into its page and slot
             if b.layer not in views:
-                views[b.layer] = self._kv_views(layers[b.layer], self.block_size)
+                views[b.layer] = vllm_cpu_views(layers[b.layer])
             write_pages(b, *views[b.layer], load.block_ids, load.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -296,7 +284,7 @@ class KvferryConnector(KVConnectorBase_V1):
         m = _LAYER.search(layer_name)
         if m is None:
             return
-        k_view, v_view = self._kv_views(kv_layer, self.block_size)
+        k_view, v_view = vllm_cpu_views(kv_layer)
         for save in meta.saves:
             n, blocks = len(save.token_ids), torch.tensor(save.block_ids)
             k = k_view[blocks].permute(1, 0, 2, 3).reshape(k_view.shape[1], -1, k_view.shape[3])[:, :n]  # [H, n, D]

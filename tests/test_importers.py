@@ -3,16 +3,14 @@
 import pytest
 import torch
 
-from kvferry.client.importers import write_pages
+from kvferry.client.importers import vllm_cpu_views, write_pages
 from kvferry.common.messages import Block
 from kvferry.mappings.errors import InvalidInput
 
 
 def _vllm_like_views(pages: int, heads: int, page: int, dim: int):
-    """K and V views [pages, heads, page, dim] laid out as vLLM's CPU cache is: K dims-major (a strided view)."""
-    layer = torch.zeros(pages, heads, page, 2 * dim, dtype=torch.bfloat16)
-    halves = layer.view(pages, heads, 2, page * dim)
-    return halves[:, :, 0].view(pages, heads, dim, page).transpose(2, 3), halves[:, :, 1].view(pages, heads, page, dim)
+    """K and V views [pages, heads, page, dim] of a zeroed bf16 layer of vLLM's CPU cache."""
+    return vllm_cpu_views(torch.zeros(pages, heads, page, 2 * dim, dtype=torch.bfloat16))
 
 
 def test_blocks_cut_anywhere_land_in_their_pages_and_slots():

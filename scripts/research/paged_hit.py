@@ -21,7 +21,7 @@ from hit_setup import BS, SECRET, bench_pair, hit_args  # scripts/research/hit_s
 from kvferry import paths
 from kvferry.bench.harness import RedisServer, ServerProcess, published_prefix, round_robin_ms, write_json
 from kvferry.client.client import ClientOptions, TranslateClient, make_spec
-from kvferry.client.importers import write_pages
+from kvferry.client.importers import vllm_cpu_views, write_pages
 from kvferry.common import wire
 from kvferry.common.stores import RedisStore
 from kvferry.sidecar.config import SidecarConfig
@@ -29,10 +29,8 @@ from kvferry.sidecar.metrics import Metrics
 from kvferry.sidecar.prefix_flow import PrefixService
 
 def vllm_like_cache(pages: int, page: int, heads: int, dim: int, dtype: torch.dtype):
-    """K and V views [pages, heads, page, dim] laid out as vLLM's CPU cache layer is (K dims-major: a strided view)."""
-    layer = torch.zeros(pages, heads, page, 2 * dim, dtype=dtype)
-    halves = layer.view(pages, heads, 2, page * dim)
-    return halves[:, :, 0].view(pages, heads, dim, page).transpose(2, 3), halves[:, :, 1].view(pages, heads, page, dim)
+    """K and V views [pages, heads, page, dim] of a zeroed layer of vLLM's CPU cache (the K view strided)."""
+    return vllm_cpu_views(torch.zeros(pages, heads, page, 2 * dim, dtype=dtype))
 
 
 def main() -> None:
