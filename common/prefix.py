@@ -171,7 +171,8 @@ class StoredBlock:
     def tiles(self) -> torch.Tensor:
         """A tiled block's tensors as one [2 * layers, *shape] tensor viewing the payload (no copy): layer i's K is
         row ``slots[i][0]``, its V row ``slots[i][1]``."""
-        return view_bytes(self.data[: 2 * len(self.offsets) * self.nbytes], self.dtype, (2 * len(self.offsets), *self.shape), "block")
+        count = 2 * len(self.offsets)
+        return view_bytes(self.data[: count * self.nbytes], self.dtype, (count, *self.shape), "block")
 
     @property
     def slots(self) -> tuple[tuple[int, int], ...]:
