@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
@@ -47,8 +46,8 @@ def _hit_blocks(look: Lookup) -> list[Block]:
     if not look.as_stored:
         return [Block(i, 0, look.tokens, 0, k[0], v[0]) for i, (k, v) in enumerate(look.layers())]
     views = [b.layers() for b in look.blocks]
-    starts = list(accumulate((b.shape[1] for b in look.blocks), initial=0))
-    return [Block(i, starts[j], starts[j + 1], j, *kv[i]) for i in range(len(views[0]) if views else 0)
+    n = look.blocks[0].shape[1] if look.blocks else 0  # one lookup reads its blocks in one shape
+    return [Block(i, j * n, (j + 1) * n, j, *kv[i]) for i in range(len(views[0]) if views else 0)
             for j, kv in enumerate(views)]
 
 

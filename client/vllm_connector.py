@@ -269,10 +269,11 @@ class KvferryConnector(KVConnectorBase_V1):
         if res.info.num_tokens < len(load.token_ids):
             raise RuntimeError(f"the sidecar translated {res.info.num_tokens} of {len(load.token_ids)} tokens")
         views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        table = torch.as_tensor(load.block_ids)  # once, not per block
         for b in res.blocks:  # [kv_heads, tokens, head_dim], cut anywhere: each token into its page and slot
             if b.layer not in views:
                 views[b.layer] = vllm_cpu_views(layers[b.layer])
-            write_pages(b, *views[b.layer], load.block_ids, load.start)
+            write_pages(b, *views[b.layer], table, load.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads synchronously

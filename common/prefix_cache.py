@@ -52,12 +52,18 @@ class Lookup:
         return [tuple(torch.cat([b.layer(i)[kind].to(want) for b in self.blocks], 1)[None] for kind in (0, 1))
                 for i in range(len(self.blocks[0].offsets))]
 
+    def _laid_out_alike(self) -> bool:
+        """Whether every block's tensors tile its payload's start in the same order and shape (``StoredBlock.tiles``):
+        then the blocks join as whole arrays, in one call or one a block."""
+        first = self.blocks[0]
+        return all(b.tiled and b.slots == first.slots and b.shape == first.shape for b in self.blocks)
+
     def _join_cast(self, want: torch.dtype) -> list[LayerKV] | None:
         """The join and the cast to ``want`` in one pass, a block at a time (each block's tensors copied into the
-        output in one call), when every block lays its tensors out alike (tiled, in the same order); else None."""
-        first = self.blocks[0]
-        if not all(b.tiled and b.slots == first.slots and b.shape == first.shape for b in self.blocks):
+        output in one call), when the blocks are laid out alike; else None."""
+        if not self._laid_out_alike():
             return None
+        first = self.blocks[0]
         heads, _, dim = first.shape
         out = torch.empty((2 * len(first.offsets), heads, self.tokens, dim), dtype=want)
         at = 0
@@ -68,20 +74,20 @@ class Lookup:
         return [(out[k][None], out[v][None]) for k, v in first.slots]
 
     def _join_uniform(self) -> list[LayerKV] | None:
-        """The join in one numpy call when every block lays its tensors out alike (the same offsets, tiling the
-        payload's first bytes): one [tensors, kv_heads, tokens, row bytes] array whose rows are the layers' K and V,
-        so each layer's K or V is a contiguous view of it. None when the blocks differ (the piece-by-piece join)."""
+        """The join in one numpy call when the blocks (all in one dtype) are laid out alike: one [tensors, kv_heads,
+        tokens, row bytes] array whose rows are the layers' K and V, so each layer's K or V is a contiguous view of it.
+        None when the blocks differ (the piece-by-piece join)."""
+        if not self._laid_out_alike():
+            return None
         first = self.blocks[0]
         size, tensors = first.nbytes, 2 * len(first.offsets)
-        if not first.tiled or any(b.offsets != first.offsets or b.shape != first.shape or not b.tiled for b in self.blocks):
-            return None
         heads, bs, _ = first.shape
         row = first.row_bytes
         out = torch.empty((tensors, heads, self.tokens, row), dtype=torch.uint8)
         np.concatenate([np.frombuffer(b.data, np.uint8, tensors * size).reshape(tensors, heads, bs, row) for b in self.blocks],
                        axis=2, out=out.numpy())
         out = out.view(first.dtype)
-        return [(out[k // size][None], out[v // size][None]) for k, v in first.offsets]
+        return [(out[k][None], out[v][None]) for k, v in first.slots]
 
     def _join_pieces(self) -> list[LayerKV]:
         """The join piece by piece (head by head, block by block), for blocks whose layouts differ."""
