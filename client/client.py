@@ -27,7 +27,7 @@ from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from kvferry.common import wire
 from .importers import contiguous_layers
-from kvferry.common.messages import CONTIGUOUS, Block, Chunk, Stats, TargetInfo, TranslateSpec
+from kvferry.common.messages import ALL_PAGES, CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -140,13 +140,17 @@ def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: in
 def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
               start_position: int = 0, token_ids=(), layout: str = CONTIGUOUS, block_size: int = 16,
               target_dtype: torch.dtype | None = None, tenant: str = "", prefix_key: str = "",
-              source_dtype: torch.dtype | None = None) -> TranslateSpec:
+              source_dtype: torch.dtype | None = None, pages_per_block: int = ALL_PAGES) -> TranslateSpec:
+    """The request header for ``layers`` (or for a key-only request: ``token_ids``, ``source_dtype``). Paged answers
+    carry up to ``pages_per_block`` pages a message (the sidecar caps it to its message size; 0 asks for one page a
+    message), and reach the caller as [pages, block_size, kv_heads, head_dim] blocks either way."""
     if layers:
         n, dtype = int(layers[0][0].shape[-2]), layers[0][0].dtype
     else:  # key-only: the source KV is in the prefix store
         n, dtype = len(token_ids), source_dtype or torch.float32
     return TranslateSpec(map_name, version, source_geometry, tokenizer, n, start_position, _token_ids(token_ids),
-                         dtype, layout, block_size, target_dtype, prefix_key, tenant)
+                         dtype, layout, block_size, target_dtype, prefix_key, tenant,
+                         pages_per_block if layout == PAGED else 0)
 
 
 def _token_ids(token_ids) -> tuple[int, ...]:
@@ -169,19 +173,22 @@ class _Collector:
 
     def take(self, msg: pb.TranslateResponse | Block) -> None:
         if isinstance(msg, Block):  # decoded in place by wire.decode_response
-            if not self.blocks:
-                self.first_block = time.perf_counter() - self.t0
-            self.blocks.append(msg)
+            self._block(msg)
             return
         which = msg.WhichOneof("msg")
         if which == "header":
             self.info = wire.info_from_pb(msg.header)
         elif which == "block":
-            if not self.blocks:
-                self.first_block = time.perf_counter() - self.t0
-            self.blocks.append(wire.block_from_pb(msg.block))
+            self._block(wire.block_from_pb(msg.block))
         elif which == "trailer":
             self.stats = wire.stats_from_pb(msg.trailer)
+
+    def _block(self, b: Block) -> None:
+        if not self.blocks:
+            self.first_block = time.perf_counter() - self.t0
+        if self.info is not None and self.info.layout == PAGED and not self.info.pages_per_block:
+            b.key, b.value = b.key[None], b.value[None]  # one page a block, sent [block_size, H, D]: one page
+        self.blocks.append(b)
 
     def result(self, attempts: int) -> TranslateResult:
         if self.info is None or self.stats is None:

@@ -104,16 +104,19 @@ class PagedKVPool:
         self._free.extend(reversed(table))
 
     def write(self, blocks: list[Block], table: list[int]) -> None:
-        """Write paged blocks (block.index is logical) into the physical blocks of ``table``."""
+        """Write paged blocks ([pages, block_size, kv_heads, head_dim], block.index the first page's logical index)
+        into the physical blocks of ``table``: one indexed copy per block and tensor."""
+        page = (self.block_size, self.kv_heads, self.head_dim)
         for b in blocks:
-            if b.key.shape != (self.block_size, self.kv_heads, self.head_dim):
-                raise InvalidInput(f"block shape {tuple(b.key.shape)} does not fit pool blocks "
-                                   f"({self.block_size}, {self.kv_heads}, {self.head_dim}); request block_size={self.block_size}")
-            if not 0 <= b.index < len(table):
-                raise InvalidInput(f"block index {b.index} outside the block table ({len(table)} blocks)")
-            phys = table[b.index]
-            self.pools[b.layer][phys, 0].copy_(b.key)
-            self.pools[b.layer][phys, 1].copy_(b.value)
+            if b.key.dim() != 4 or tuple(b.key.shape[1:]) != page:
+                raise InvalidInput(f"block shape {tuple(b.key.shape)} is not [pages, {', '.join(map(str, page))}] of this "
+                                   f"pool; request block_size={self.block_size}")
+            if not 0 <= b.index <= b.index + b.key.shape[0] <= len(table):
+                raise InvalidInput(f"pages {b.index}..{b.index + b.key.shape[0] - 1} fall outside the block table "
+                                   f"({len(table)} blocks)")
+            phys = torch.as_tensor(table[b.index : b.index + b.key.shape[0]], device=self.device)
+            self.pools[b.layer][:, 0].index_copy_(0, phys, b.key.to(self.dtype))
+            self.pools[b.layer][:, 1].index_copy_(0, phys, b.value.to(self.dtype))
 
     def gather(self, table: list[int], tokens: int) -> list[LayerKV]:
         """Read the first ``tokens`` tokens back as per layer (K, V) [1, kv_heads, tokens, head_dim]."""

@@ -14,6 +14,8 @@ from kvferry.mappings.errors import InvalidInput
 
 CONTIGUOUS = "contiguous"
 PAGED = "paged"
+ALL_PAGES = 2**32 - 1
+"""TranslateSpec.pages_per_block asking for as many pages a block as fit one message (uint32's largest value)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class TranslateSpec:
     target_dtype: torch.dtype | None = None
     prefix_key: str = ""
     tenant: str = ""
+    pages_per_block: int = 0  # paged: the most pages a block may carry; 0: one page a block, three-dimensional
 
 
 @dataclass
@@ -50,8 +53,9 @@ class Chunk:
 class Block:
     """Target KV for one layer and token range.
 
-    Contiguous: key/value [kv_heads, tokens, head_dim]. Paged: [block_size, kv_heads, head_dim],
-    zero-padded past ``end``.
+    Contiguous: key/value [kv_heads, tokens, head_dim]. Paged: [pages, block_size, kv_heads, head_dim], ``index``
+    the first page's, zero-padded past ``end`` (on the wire, a sidecar asked for one page a block, or older than
+    pages_per_block, sends [block_size, kv_heads, head_dim]; the client reads that as one page).
     """
 
     layer: int
@@ -100,6 +104,8 @@ class TargetInfo:
     dtype: torch.dtype
     num_tokens: int
     start_position: int
+    pages_per_block: int = 0
+    """Paged: the most pages a block carries (0: one page a block, in the three-dimensional wire form)."""
 
 
 @dataclass

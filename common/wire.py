@@ -106,7 +106,7 @@ def spec_to_pb(s: TranslateSpec, message=pb.TranslateRequest):
         num_tokens=s.num_tokens, start_position=s.start_position, token_ids=list(s.token_ids),
         source_dtype=dtype_to_pb(s.source_dtype), layout=_LAYOUT_TO_PB[s.layout], block_size=s.block_size,
         target_dtype=dtype_to_pb(s.target_dtype) if s.target_dtype is not None else pb.DTYPE_UNSPECIFIED,
-        prefix_key=s.prefix_key, tenant=s.tenant,
+        prefix_key=s.prefix_key, tenant=s.tenant, pages_per_block=s.pages_per_block,
     )
     return message(header=h)
 
@@ -137,7 +137,7 @@ def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
         map_name=h.map.name, map_version=h.map.version if h.map.WhichOneof("selector") == "version" else "",
         source_geometry=h.source_geometry_fingerprint, tokenizer=h.tokenizer_fingerprint, num_tokens=h.num_tokens,
         start_position=h.start_position, token_ids=_token_ids(h.token_ids), source_dtype=dtype_from_pb(h.source_dtype),
-        layout=_LAYOUT_FROM_PB[h.layout], block_size=h.block_size,
+        layout=_LAYOUT_FROM_PB[h.layout], block_size=h.block_size, pages_per_block=h.pages_per_block,
         target_dtype=None if h.target_dtype == pb.DTYPE_UNSPECIFIED else dtype_from_pb(h.target_dtype),
         prefix_key=h.prefix_key, tenant=h.tenant,
     )
@@ -408,14 +408,15 @@ def info_to_pb(i: TargetInfo, rope_type: str = "", rope_theta: float = 0.0) -> p
                     fingerprint=i.geometry, rope_type=rope_type, rope_theta=rope_theta)
     return pb.TranslateResponse(header=pb.TranslateResponseHeader(
         map_name=i.map_name, map_version=i.map_version, target=g, layout=_LAYOUT_TO_PB[i.layout], block_size=i.block_size,
-        dtype=dtype_to_pb(i.dtype), num_tokens=i.num_tokens, start_position=i.start_position))
+        dtype=dtype_to_pb(i.dtype), num_tokens=i.num_tokens, start_position=i.start_position,
+        pages_per_block=i.pages_per_block))
 
 
 def info_from_pb(h: pb.TranslateResponseHeader) -> TargetInfo:
     g = h.target
     return TargetInfo(h.map_name, h.map_version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
                       _LAYOUT_FROM_PB.get(h.layout, CONTIGUOUS), h.block_size, dtype_from_pb(h.dtype), h.num_tokens,
-                      h.start_position)
+                      h.start_position, h.pages_per_block)
 
 
 def stats_to_pb(s: Stats) -> pb.TranslateResponse:

@@ -53,6 +53,15 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
 
 
+def pages_per_block(spec: TranslateSpec, limits: Limits, bytes_per_token: int) -> int:
+    """Paged: the most pages one block carries, the request's pages_per_block capped to what fits one message
+    (check_spec has made sure one page does); 0 for one page a block in the three-dimensional form, and for
+    the contiguous layout."""
+    if spec.layout != PAGED or not spec.pages_per_block:
+        return 0
+    return min(spec.pages_per_block, limits.tokens_per_message(bytes_per_token) // spec.block_size)
+
+
 def target_dtype(spec: TranslateSpec, ms: MapSet) -> torch.dtype:
     """The dtype of the returned (and stored) target KV: the request's, else the source dtype, or the map's when it
     is narrower (a bfloat16 map's output carries bfloat16 precision; wider bytes would carry no more information)."""
@@ -99,7 +108,7 @@ class TranslateSession:
                         if self.skip < n else None)
         layers = ms.target.geometry.layers
         self._next: dict[tuple[int, str], int] = {}
-        self._index = [0] * layers  # next block index per target layer
+        self._index = [0] * layers  # next contiguous block index per target layer
         self._page: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]  # pending paged tokens
         self._page_fill = [0] * layers
         self._page_start = [0] * layers
@@ -107,11 +116,13 @@ class TranslateSession:
         self._t0 = time.perf_counter()
         per_token = 2 * ms.target.geometry.kv_width * torch.empty((), dtype=self.out_dtype).element_size()
         self._block_tokens = limits.tokens_per_message(per_token)  # a contiguous block never outgrows a message
+        self._pages = pages_per_block(spec, limits, per_token)
 
     def info(self) -> TargetInfo:
         g = self.ms.target.geometry
         return TargetInfo(self.ms.name, self.ms.version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
-                          self.spec.layout, self.spec.block_size, self.out_dtype, self.spec.num_tokens, self.spec.start_position)
+                          self.spec.layout, self.spec.block_size, self.out_dtype, self.spec.num_tokens, self.spec.start_position,
+                          self._pages)
 
     def expected_shape(self, layer_tokens: int) -> tuple[int, int, int]:
         g = self.ms.source.geometry
@@ -122,8 +133,6 @@ class TranslateSession:
         out = self._emit_stored() if self.stored else []
         for t, (k, v) in enumerate(self.cached or []):
             out += self._emit(t, 0, self.skip, k.to(self.out_dtype), v.to(self.out_dtype))
-        if self.applier is None:
-            out += self._flush_pages()
         return out
 
     def check_chunk_header(self, layer: int, kind: str, start: int, end: int) -> None:
@@ -165,8 +174,6 @@ class TranslateSession:
         blocks = []
         for layer, a, b, k, v in self.applier.push(chunk.layer, chunk.kind, tensor, lo - self.skip):
             blocks += self._emit(layer, a + self.skip, b + self.skip, k, v)
-        if self.applier.done:
-            blocks += self._flush_pages()
         self.stats.compute_seconds += time.perf_counter() - t0
         return blocks
 
@@ -185,9 +192,11 @@ class TranslateSession:
         self._page[layer].append((k[0].transpose(0, 1), v[0].transpose(0, 1)))  # [tokens, H, D]
         self._page_fill[layer] += b - a
         out = []
-        bs = self.spec.block_size
-        while self._page_fill[layer] >= bs:
-            out.append(self._cut_page(layer, bs))
+        bs, most = self.spec.block_size, max(self._pages, 1)
+        last = b == self.spec.num_tokens  # the layer's last tokens: its partial page goes too
+        while self._page_fill[layer] >= bs or (last and self._page_fill[layer]):  # up to `most` pages a block
+            out.append(self._cut_pages(layer, min(self._page_fill[layer], most * bs) if last else
+                                       min(self._page_fill[layer] // bs, most) * bs))
         self._count(out)
         return out
 
@@ -203,7 +212,9 @@ class TranslateSession:
         self._count(out)
         return out
 
-    def _cut_page(self, layer: int, take: int) -> Block:
+    def _cut_pages(self, layer: int, take: int) -> Block:
+        """The layer's next ``take`` pending tokens as one block of whole pages, the last zero-padded:
+        [pages, block_size, H, D], or [block_size, H, D] when the request asked for one page a block."""
         bs = self.spec.block_size
         ks, vs, got = [], [], 0
         pending = self._page[layer]
@@ -219,22 +230,15 @@ class TranslateSession:
                 pending[0] = (k[need:], v[need:])
                 got = take
         kb, vb = torch.cat(ks), torch.cat(vs)
-        if take < bs:  # the last, partial page: zero-padded
-            pad = (0, 0, 0, 0, 0, bs - take)
+        pages = -(-take // bs)
+        if take < pages * bs:  # the layer's last, partial page: zero-padded
+            pad = (0, 0, 0, 0, 0, pages * bs - take)
             kb, vb = torch.nn.functional.pad(kb, pad), torch.nn.functional.pad(vb, pad)
+        shape = (pages, bs, *kb.shape[1:]) if self._pages else kb.shape
         start = self._page_start[layer]
         self._page_fill[layer] -= take
         self._page_start[layer] += take
-        block = Block(layer, start, start + take, self._index[layer], kb.contiguous(), vb.contiguous())
-        self._index[layer] += 1
-        return block
-
-    def _flush_pages(self) -> list[Block]:
-        if self.spec.layout != PAGED:
-            return []
-        out = [self._cut_page(t, self._page_fill[t]) for t in range(len(self._page)) if self._page_fill[t] > 0]
-        self._count(out)
-        return out
+        return Block(layer, start, start + take, start // bs, kb.reshape(shape), vb.reshape(shape))
 
     def _count(self, blocks: list[Block | BlockBytes]) -> None:
         for b in blocks:

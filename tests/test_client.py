@@ -35,8 +35,10 @@ def test_async_client(sidecar_factory, maps_dir):
         return results
 
     for res in asyncio.run(go()):
-        assert res.stats.blocks == 4 * 5 and res.blocks[0].key.shape == (8, 2, 32)
-        torch.testing.assert_close(res.blocks[0].value[:, 1], kv[0][1][0, 1, :8])
+        # chunks of 16 tokens complete two pages of 8 at a time: blocks of 2, 2 and 1 pages a layer
+        assert res.stats.blocks == 4 * 3 and [b.key.shape[0] for b in res.blocks if b.layer == 0] == [2, 2, 1]
+        assert res.blocks[0].key.shape == (2, 8, 2, 32) and [b.index for b in res.blocks if b.layer == 0] == [0, 2, 4]
+        torch.testing.assert_close(res.blocks[0].value[1, :, 1], kv[0][1][0, 1, 8:16])
 
 
 def test_source_chunks_default_to_about_two_mebibytes(sidecar_factory, maps_dir):
@@ -154,8 +156,10 @@ def test_vllm_connector_settings_are_validated_once():
     base = {"redis_url": "redis://r", "prefix_secret": "x"}
     assert [ConnectorConfig.from_extra({**base, "direct_reads": v}).direct_reads for v in (True, "true", "1", False, "False", "0")] \
         == [True, True, True, False, False, False]
-    with pytest.raises(InvalidInput, match="expected true or false, got 'yes please'"):
+    with pytest.raises(InvalidInput, match=r"kvferry connector: direct_reads: expected true or false .*got 'yes please'"):
         ConnectorConfig.from_extra({**base, "direct_reads": "yes please"})
+    with pytest.raises(InvalidInput, match="refresh: cannot read 'sixteen' as int"):  # was a bare ValueError
+        ConnectorConfig.from_extra({**base, "refresh": "sixteen"})
     for extra, needle in (({"prefix_secret": "x"}, "redis_url"), ({"redis_url": "redis://r"}, "prefix_secret"),
                           ({"redis_url": "redis://r", "prefix_secret": "x", "bogus": 1}, "unknown"),
                           ({"redis_url": "redis://r", "prefix_secret": "x", "refresh": 64, "min_tokens": 32}, "min_tokens")):

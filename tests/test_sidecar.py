@@ -6,6 +6,7 @@ import torch
 
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.client.importers import PagedKVPool, to_dynamic_cache
+from kvferry.common.messages import ALL_PAGES
 from kvferry.mappings.artifact import save
 from kvferry.mappings.capture import capture_kv
 from kvferry.mappings.fit import identity_mapset
@@ -57,18 +58,23 @@ def test_list_mappings(client):
     assert m.source.layers == 4 and m.target.kv_heads == 2
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_exact_map_end_to_end_matches_full_prefill(client, family, layout):
+@pytest.mark.parametrize("layout, pages", [("contiguous", 0), ("paged", 0), ("paged", 5), ("paged", ALL_PAGES)])
+def test_exact_map_end_to_end_matches_full_prefill(client, family, layout, pages):
     s = family["S"]
     ids = torch.randint(2, 4096, (1, 181))
     src = capture_kv(s.model, ids[:, :-1])
-    res = client.translate(src, "S__S-self", "1.0.0", layout=layout, block_size=16, token_ids=ids[0, :-1].tolist(), **_spec_kw(s))
+    res = client.translate(src, "S__S-self", "1.0.0", layout=layout, block_size=16, token_ids=ids[0, :-1].tolist(),
+                           pages_per_block=pages, **_spec_kw(s))
     assert res.info.map_version == "1.0.0" and res.stats.tokens == 180
     if layout == "paged":
         pool = PagedKVPool(layers=4, num_blocks=32, block_size=16, kv_heads=2, head_dim=32)
         table = pool.allocate(180)
         pool.write(res.blocks, table)
-        assert res.stats.blocks == 4 * len(table)
+        sizes = [b.key.shape[0] for b in res.blocks]  # pages a block, every block [pages, 16, 2, 32] in the result
+        assert sum(sizes) == 4 * len(table) and res.stats.blocks == len(res.blocks)
+        # a 64 MiB message holds 8,191 pages of 16 fp32 tokens here (512 bytes a token); chunks cut the pages too
+        assert res.info.pages_per_block == min(pages, 8191) and max(sizes) <= max(pages, 1)
+        assert (max(sizes) > 1) == (pages > 1) and len(res.blocks) < 4 * len(table) if pages > 1 else len(res.blocks) == 48
         layers = pool.gather(table, 180)
     else:
         layers = res.layers()
@@ -170,6 +176,30 @@ def test_chunks_in_any_protobuf_form_translate_alike(sidecar):
         assert torch.equal(k, other[key][0]) and torch.equal(v, other[key][1])
         layer, start = key
         torch.testing.assert_close(k, kv[layer][0][0, :, start : start + k.shape[1]])  # the identity map: the source's
+
+
+def test_paged_blocks_on_the_wire_one_page_or_several(sidecar):
+    """What a client built from the proto sees: without pages_per_block (a client older than the field) one page a
+    block, [block_size, H, D], block_index the page; with it, [pages, block_size, H, D] of consecutive pages,
+    block_index the first page's, the response header saying the cap, the last page zero-padded either way."""
+    from kvferry.v1 import translate_pb2_grpc as pb_grpc
+
+    kv = make_kv(layers=4, tokens=40, heads=2, head_dim=32)  # 5 pages of 8; the identity map returns the source
+    for asked, cap, sizes in ((0, 0, [1] * 5), (3, 3, [3, 2]), (ALL_PAGES, 16383, [5])):  # 64 MiB: 16,383 pages of 8 tokens of 512 B
+        spec = make_spec(kv, "S__S-self", "1.0.0", layout="paged", block_size=8, pages_per_block=asked)
+        with grpc.insecure_channel(sidecar.address) as ch:
+            answer = list(pb_grpc.TranslateServiceStub(ch).Translate(encode_requests(spec, kv, chunk_tokens=40), timeout=20))
+        assert answer[0].header.pages_per_block == cap and answer[0].header.block_size == 8
+        blocks = [m.block for m in answer if m.WhichOneof("msg") == "block" and m.block.layer == 1]
+        assert [b.block_index for b in blocks] == [sum(sizes[:i]) for i in range(len(sizes))]
+        for b, pages in zip(blocks, sizes):
+            shape = [8, 2, 32] if not asked else [pages, 8, 2, 32]
+            assert list(b.key.shape) == shape and list(b.value.shape) == shape
+            assert (b.token_start, b.token_end) == (8 * b.block_index, min(8 * (b.block_index + pages), 40))
+            got = torch.frombuffer(bytearray(b.value.data), dtype=torch.float32).view(pages, 8, 2, 32)
+            want = kv[1][1][0, :, b.token_start : b.token_end].transpose(0, 1)  # [tokens, H, D]
+            torch.testing.assert_close(got.reshape(-1, 2, 32)[: b.token_end - b.token_start], want)
+            assert not got.reshape(-1, 2, 32)[b.token_end - b.token_start :].any()  # zero-padded past token_end
 
 
 def test_stream_errors(sidecar):
@@ -586,6 +616,15 @@ def test_responses_are_cut_to_the_message_limit(sidecar_factory, family):
         res = c.translate(kv, "S__T64", "1.0.0", **kw)
         assert max(b.key.numel() * b.key.element_size() * 2 for b in res.blocks) <= limit
         for (k, v), (wk, wv) in zip(res.layers(), apply(ms, kv, 0)):
+            torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
+        # paged, as many pages a block as asked for: capped to the message (1,023 tokens of 1 KiB: 3 pages of 256)
+        paged = c.translate(kv, "S__T64", "1.0.0", layout="paged", block_size=256, **kw)
+        assert paged.info.pages_per_block == 3 and {b.key.shape[0] for b in paged.blocks} == {3, 2}  # 8 pages a layer
+        assert max(b.key.numel() * b.key.element_size() * 2 for b in paged.blocks) <= limit
+        i = paged.info
+        pool = PagedKVPool(i.layers, 8, 256, i.kv_heads, i.head_dim)
+        pool.write(paged.blocks, list(range(8)))
+        for (k, v), (wk, wv) in zip(pool.gather(list(range(8)), 2048), apply(ms, kv, 0)):
             torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
         with pytest.raises(grpc.RpcError) as e:
             c.translate(kv, "S__T64", "1.0.0", layout="paged", block_size=2048, **kw)

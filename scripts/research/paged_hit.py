@@ -1,10 +1,13 @@
-"""Issue 16, session 18: a key-only hit asked for in vLLM's paged layout (one message a page; --page tokens a page: 16 is
-vLLM's default on GPUs, 128 its CPU build's) against the same hit contiguous, and the two ways of writing it into a
-vLLM-shaped paged cache, called in turn (round robin), medians:
+"""Issue 16, sessions 18 and 19: a key-only hit asked for in vLLM's paged layout (--page tokens a page: 16 is vLLM's
+default on GPUs, 128 its CPU build's), one page a message and (session 19, pages_per_block) as many as fit one, against
+the same hit contiguous, and the ways of writing it into a vLLM-shaped paged cache, called in turn (round robin),
+medians:
 
-  contiguous / paged in-process  the sidecar's key-only path without gRPC (store read, session, messages encoded)
-  contiguous / paged rpc         TranslateClient.translate through a sidecar process
+  contiguous / paged / paged many in-process   the sidecar's key-only path without gRPC (store read, session,
+                                               messages encoded)
+  contiguous / paged / paged many rpc          TranslateClient.translate through a sidecar process
   import pages                   a paged answer written page by page (the vLLM connector through session 17)
+  import pages many              the many-pages answer written with one indexed write a block
   import contiguous              the contiguous answer written with importers.write_pages (one indexed write a block)
 
     .venv/bin/python scripts/research/paged_hit.py --sizes 2048 8192 --reps 15 --page 16 --json runs/results/paged_hit.json
@@ -48,7 +51,8 @@ def main() -> None:
             for n in a.sizes:
                 _, _, kw = published_prefix(source, target, ms, RedisStore(redis_server.url), SECRET, n, BS)
                 client.translate(None, ms.name, ms.version, **kw)  # the miss: maps and stores
-                layouts = {"contiguous": {}, "paged": {"layout": "paged", "block_size": page}}
+                layouts = {"contiguous": {}, "paged": {"layout": "paged", "block_size": page, "pages_per_block": 0},
+                           "paged many": {"layout": "paged", "block_size": page}}
 
                 def in_process(extra):
                     spec = make_spec(None, ms.name, ms.version, **kw, **extra)
@@ -65,10 +69,17 @@ def main() -> None:
                           for name in layouts}
 
                 def import_pages():  # the connector's loop through session 17
-                    for b in answers["paged"].blocks:
+                    for b in answers["paged"].blocks:  # [1, page, H, D] each
                         k_view, v_view = caches["paged"][b.layer]
-                        k_view[table[b.start // page]].copy_(b.key.transpose(0, 1).to(k_view.dtype))
-                        v_view[table[b.start // page]].copy_(b.value.transpose(0, 1).to(v_view.dtype))
+                        k_view[table[b.start // page]].copy_(b.key[0].transpose(0, 1).to(k_view.dtype))
+                        v_view[table[b.start // page]].copy_(b.value[0].transpose(0, 1).to(v_view.dtype))
+
+                def import_pages_many():  # [pages, page, H, D] each: one indexed write a block and tensor
+                    for b in answers["paged many"].blocks:
+                        k_view, v_view = caches["paged many"][b.layer]
+                        phys = torch.as_tensor(table[b.index : b.index + b.key.shape[0]])
+                        k_view[phys] = b.key.transpose(1, 2).to(k_view.dtype)
+                        v_view[phys] = b.value.transpose(1, 2).to(v_view.dtype)
 
                 def import_contiguous():
                     for b in answers["contiguous"].blocks:
@@ -77,10 +88,12 @@ def main() -> None:
                 calls = {**{f"{name} in-process": in_process(extra) for name, extra in layouts.items()},
                          **{f"{name} rpc": (lambda extra=extra: client.translate(None, ms.name, ms.version, **kw, **extra))
                             for name, extra in layouts.items()},
-                         "import pages": import_pages, "import contiguous": import_contiguous}
+                         "import pages": import_pages, "import pages many": import_pages_many,
+                         "import contiguous": import_contiguous}
                 times = round_robin_ms(calls, a.reps)
-                for (pk, pv), (ck, cv) in zip(caches["paged"], caches["contiguous"]):  # both imports wrote the same cache
-                    assert torch.equal(pk, ck) and torch.equal(pv, cv)
+                for name in ("paged", "paged many"):  # every import wrote the same cache
+                    for (pk, pv), (ck, cv) in zip(caches[name], caches["contiguous"]):
+                        assert torch.equal(pk, ck) and torch.equal(pv, cv)
                 med = {v: statistics.median(t) for v, t in times.items()}
                 results[n] = {"median_ms": med, "messages": {name: len(r.blocks) for name, r in answers.items()}, "reps": a.reps,
                               "page": page}

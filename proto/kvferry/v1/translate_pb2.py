@@ -24,49 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvferry/v1/translate.proto\x12\nkvferry.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.kvferry.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"G\n\x06MapRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\x07version\x18\x02 \x01(\tH\x00\x12\x10\n\x06latest\x18\x03 \x01(\x08H\x00\x42\n\n\x08selector\"\xe3\x02\n\x0fTranslateHeader\x12\x1f\n\x03map\x18\x01 \x01(\x0b\x32\x12.kvferry.v1.MapRef\x12#\n\x1bsource_geometry_fingerprint\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x16\n\x0estart_position\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\'\n\x0csource_dtype\x18\x07 \x01(\x0e\x32\x11.kvferry.v1.Dtype\x12\"\n\x06layout\x18\x08 \x01(\x0e\x32\x12.kvferry.v1.Layout\x12\x12\n\nblock_size\x18\t \x01(\r\x12\'\n\x0ctarget_dtype\x18\n \x01(\x0e\x32\x11.kvferry.v1.Dtype\x12\x12\n\nprefix_key\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\"D\n\x15TranslateByKeyRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvferry.v1.TranslateHeader\"\x8a\x01\n\x0bSourceChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.kvferry.v1.KVKind\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x11\n\ttoken_end\x18\x04 \x01(\r\x12\"\n\x06tensor\x18\x05 \x01(\x0b\x32\x12.kvferry.v1.Tensor\"r\n\x10TranslateRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvferry.v1.TranslateHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.SourceChunkH\x00\x42\x05\n\x03msg\"\x90\x01\n\x08Geometry\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x11\n\trope_type\x18\x06 \x01(\t\x12\x12\n\nrope_theta\x18\x07 \x01(\x01\"\xec\x01\n\x17TranslateResponseHeader\x12\x10\n\x08map_name\x18\x01 \x01(\t\x12\x13\n\x0bmap_version\x18\x02 \x01(\t\x12$\n\x06target\x18\x03 \x01(\x0b\x32\x14.kvferry.v1.Geometry\x12\"\n\x06layout\x18\x04 \x01(\x0e\x32\x12.kvferry.v1.Layout\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12 \n\x05\x64type\x18\x06 \x01(\x0e\x32\x11.kvferry.v1.Dtype\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x16\n\x0estart_position\x18\x08 \x01(\r\"\x9d\x01\n\x0bTargetBlock\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x11\n\ttoken_end\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\r\x12\x1f\n\x03key\x18\x05 \x01(\x0b\x32\x12.kvferry.v1.Tensor\x12!\n\x05value\x18\x06 \x01(\x0b\x32\x12.kvferry.v1.Tensor\"\x9d\x01\n\x10TranslateTrailer\x12\x0e\n\x06tokens\x18\x01 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x02 \x01(\x04\x12\x11\n\tbytes_out\x18\x03 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x15\n\rcached_blocks\x18\x07 \x01(\r\"\xac\x01\n\x11TranslateResponse\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32#.kvferry.v1.TranslateResponseHeaderH\x00\x12(\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.TargetBlockH\x00\x12/\n\x07trailer\x18\x03 \x01(\x0b\x32\x1c.kvferry.v1.TranslateTrailerH\x00\x42\x05\n\x03msg\"*\n\x13ListMappingsRequest\x12\x13\n\x0bname_prefix\x18\x01 \x01(\t\"\xa1\x01\n\x0bMapEvidence\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\x0c\n\x04top1\x18\x02 \x01(\x01\x12\r\n\x05top10\x18\x03 \x01(\x01\x12\n\n\x02kl\x18\x04 \x01(\x01\x12\x10\n\x08\x61ttn_cos\x18\x05 \x01(\x01\x12\x1b\n\x13recommended_refresh\x18\x06 \x01(\r\x12\x16\n\x0e\x64rift_attn_cos\x18\x07 \x01(\x01\x12\x15\n\rdrift_rel_err\x18\x08 \x01(\x01\"\x99\x02\n\x0bMappingInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12$\n\x06source\x18\x03 \x01(\x0b\x32\x14.kvferry.v1.Geometry\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.kvferry.v1.Geometry\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontent_sha256\x18\x06 \x01(\t\x12\x10\n\x08servable\x18\x07 \x01(\x08\x12\x13\n\x0bgate_reason\x18\x08 \x01(\t\x12)\n\x08\x65vidence\x18\t \x01(\x0b\x32\x17.kvferry.v1.MapEvidence\x12\x16\n\x0e\x63ontext_tokens\x18\n \x01(\r\"A\n\x14ListMappingsResponse\x12)\n\x08mappings\x18\x01 \x03(\x0b\x32\x17.kvferry.v1.MappingInfo*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*E\n\x06KVKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_KIND_KEY\x10\x01\x12\x11\n\rKV_KIND_VALUE\x10\x02*I\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x15\n\x11LAYOUT_CONTIGUOUS\x10\x01\x12\x10\n\x0cLAYOUT_PAGED\x10\x02\x32\x89\x02\n\x10TranslateService\x12L\n\tTranslate\x12\x1c.kvferry.v1.TranslateRequest\x1a\x1d.kvferry.v1.TranslateResponse(\x01\x30\x01\x12T\n\x0eTranslateByKey\x12!.kvferry.v1.TranslateByKeyRequest\x1a\x1d.kvferry.v1.TranslateResponse0\x01\x12Q\n\x0cListMappings\x12\x1f.kvferry.v1.ListMappingsRequest\x1a .kvferry.v1.ListMappingsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvferry/v1/translate.proto\x12\nkvferry.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.kvferry.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"G\n\x06MapRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\x07version\x18\x02 \x01(\tH\x00\x12\x10\n\x06latest\x18\x03 \x01(\x08H\x00\x42\n\n\x08selector\"\xfc\x02\n\x0fTranslateHeader\x12\x1f\n\x03map\x18\x01 \x01(\x0b\x32\x12.kvferry.v1.MapRef\x12#\n\x1bsource_geometry_fingerprint\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x16\n\x0estart_position\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\'\n\x0csource_dtype\x18\x07 \x01(\x0e\x32\x11.kvferry.v1.Dtype\x12\"\n\x06layout\x18\x08 \x01(\x0e\x32\x12.kvferry.v1.Layout\x12\x12\n\nblock_size\x18\t \x01(\r\x12\'\n\x0ctarget_dtype\x18\n \x01(\x0e\x32\x11.kvferry.v1.Dtype\x12\x12\n\nprefix_key\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\x12\x17\n\x0fpages_per_block\x18\r \x01(\r\"D\n\x15TranslateByKeyRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvferry.v1.TranslateHeader\"\x8a\x01\n\x0bSourceChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.kvferry.v1.KVKind\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x11\n\ttoken_end\x18\x04 \x01(\r\x12\"\n\x06tensor\x18\x05 \x01(\x0b\x32\x12.kvferry.v1.Tensor\"r\n\x10TranslateRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvferry.v1.TranslateHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.SourceChunkH\x00\x42\x05\n\x03msg\"\x90\x01\n\x08Geometry\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x11\n\trope_type\x18\x06 \x01(\t\x12\x12\n\nrope_theta\x18\x07 \x01(\x01\"\x85\x02\n\x17TranslateResponseHeader\x12\x10\n\x08map_name\x18\x01 \x01(\t\x12\x13\n\x0bmap_version\x18\x02 \x01(\t\x12$\n\x06target\x18\x03 \x01(\x0b\x32\x14.kvferry.v1.Geometry\x12\"\n\x06layout\x18\x04 \x01(\x0e\x32\x12.kvferry.v1.Layout\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12 \n\x05\x64type\x18\x06 \x01(\x0e\x32\x11.kvferry.v1.Dtype\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x16\n\x0estart_position\x18\x08 \x01(\r\x12\x17\n\x0fpages_per_block\x18\t \x01(\r\"\x9d\x01\n\x0bTargetBlock\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x11\n\ttoken_end\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\r\x12\x1f\n\x03key\x18\x05 \x01(\x0b\x32\x12.kvferry.v1.Tensor\x12!\n\x05value\x18\x06 \x01(\x0b\x32\x12.kvferry.v1.Tensor\"\x9d\x01\n\x10TranslateTrailer\x12\x0e\n\x06tokens\x18\x01 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x02 \x01(\x04\x12\x11\n\tbytes_out\x18\x03 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x15\n\rcached_blocks\x18\x07 \x01(\r\"\xac\x01\n\x11TranslateResponse\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32#.kvferry.v1.TranslateResponseHeaderH\x00\x12(\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.TargetBlockH\x00\x12/\n\x07trailer\x18\x03 \x01(\x0b\x32\x1c.kvferry.v1.TranslateTrailerH\x00\x42\x05\n\x03msg\"*\n\x13ListMappingsRequest\x12\x13\n\x0bname_prefix\x18\x01 \x01(\t\"\xa1\x01\n\x0bMapEvidence\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\x0c\n\x04top1\x18\x02 \x01(\x01\x12\r\n\x05top10\x18\x03 \x01(\x01\x12\n\n\x02kl\x18\x04 \x01(\x01\x12\x10\n\x08\x61ttn_cos\x18\x05 \x01(\x01\x12\x1b\n\x13recommended_refresh\x18\x06 \x01(\r\x12\x16\n\x0e\x64rift_attn_cos\x18\x07 \x01(\x01\x12\x15\n\rdrift_rel_err\x18\x08 \x01(\x01\"\x99\x02\n\x0bMappingInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12$\n\x06source\x18\x03 \x01(\x0b\x32\x14.kvferry.v1.Geometry\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.kvferry.v1.Geometry\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontent_sha256\x18\x06 \x01(\t\x12\x10\n\x08servable\x18\x07 \x01(\x08\x12\x13\n\x0bgate_reason\x18\x08 \x01(\t\x12)\n\x08\x65vidence\x18\t \x01(\x0b\x32\x17.kvferry.v1.MapEvidence\x12\x16\n\x0e\x63ontext_tokens\x18\n \x01(\r\"A\n\x14ListMappingsResponse\x12)\n\x08mappings\x18\x01 \x03(\x0b\x32\x17.kvferry.v1.MappingInfo*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*E\n\x06KVKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_KIND_KEY\x10\x01\x12\x11\n\rKV_KIND_VALUE\x10\x02*I\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x15\n\x11LAYOUT_CONTIGUOUS\x10\x01\x12\x10\n\x0cLAYOUT_PAGED\x10\x02\x32\x89\x02\n\x10TranslateService\x12L\n\tTranslate\x12\x1c.kvferry.v1.TranslateRequest\x1a\x1d.kvferry.v1.TranslateResponse(\x01\x30\x01\x12T\n\x0eTranslateByKey\x12!.kvferry.v1.TranslateByKeyRequest\x1a\x1d.kvferry.v1.TranslateResponse0\x01\x12Q\n\x0cListMappings\x12\x1f.kvferry.v1.ListMappingsRequest\x1a .kvferry.v1.ListMappingsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvferry.v1.translate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2313
-  _globals['_DTYPE']._serialized_end=2401
-  _globals['_KVKIND']._serialized_start=2403
-  _globals['_KVKIND']._serialized_end=2472
-  _globals['_LAYOUT']._serialized_start=2474
-  _globals['_LAYOUT']._serialized_end=2547
+  _globals['_DTYPE']._serialized_start=2363
+  _globals['_DTYPE']._serialized_end=2451
+  _globals['_KVKIND']._serialized_start=2453
+  _globals['_KVKIND']._serialized_end=2522
+  _globals['_LAYOUT']._serialized_start=2524
+  _globals['_LAYOUT']._serialized_end=2597
   _globals['_TENSOR']._serialized_start=42
   _globals['_TENSOR']._serialized_end=113
   _globals['_MAPREF']._serialized_start=115
   _globals['_MAPREF']._serialized_end=186
   _globals['_TRANSLATEHEADER']._serialized_start=189
-  _globals['_TRANSLATEHEADER']._serialized_end=544
-  _globals['_TRANSLATEBYKEYREQUEST']._serialized_start=546
-  _globals['_TRANSLATEBYKEYREQUEST']._serialized_end=614
-  _globals['_SOURCECHUNK']._serialized_start=617
-  _globals['_SOURCECHUNK']._serialized_end=755
-  _globals['_TRANSLATEREQUEST']._serialized_start=757
-  _globals['_TRANSLATEREQUEST']._serialized_end=871
-  _globals['_GEOMETRY']._serialized_start=874
-  _globals['_GEOMETRY']._serialized_end=1018
-  _globals['_TRANSLATERESPONSEHEADER']._serialized_start=1021
-  _globals['_TRANSLATERESPONSEHEADER']._serialized_end=1257
-  _globals['_TARGETBLOCK']._serialized_start=1260
-  _globals['_TARGETBLOCK']._serialized_end=1417
-  _globals['_TRANSLATETRAILER']._serialized_start=1420
-  _globals['_TRANSLATETRAILER']._serialized_end=1577
-  _globals['_TRANSLATERESPONSE']._serialized_start=1580
-  _globals['_TRANSLATERESPONSE']._serialized_end=1752
-  _globals['_LISTMAPPINGSREQUEST']._serialized_start=1754
-  _globals['_LISTMAPPINGSREQUEST']._serialized_end=1796
-  _globals['_MAPEVIDENCE']._serialized_start=1799
-  _globals['_MAPEVIDENCE']._serialized_end=1960
-  _globals['_MAPPINGINFO']._serialized_start=1963
-  _globals['_MAPPINGINFO']._serialized_end=2244
-  _globals['_LISTMAPPINGSRESPONSE']._serialized_start=2246
-  _globals['_LISTMAPPINGSRESPONSE']._serialized_end=2311
-  _globals['_TRANSLATESERVICE']._serialized_start=2550
-  _globals['_TRANSLATESERVICE']._serialized_end=2815
+  _globals['_TRANSLATEHEADER']._serialized_end=569
+  _globals['_TRANSLATEBYKEYREQUEST']._serialized_start=571
+  _globals['_TRANSLATEBYKEYREQUEST']._serialized_end=639
+  _globals['_SOURCECHUNK']._serialized_start=642
+  _globals['_SOURCECHUNK']._serialized_end=780
+  _globals['_TRANSLATEREQUEST']._serialized_start=782
+  _globals['_TRANSLATEREQUEST']._serialized_end=896
+  _globals['_GEOMETRY']._serialized_start=899
+  _globals['_GEOMETRY']._serialized_end=1043
+  _globals['_TRANSLATERESPONSEHEADER']._serialized_start=1046
+  _globals['_TRANSLATERESPONSEHEADER']._serialized_end=1307
+  _globals['_TARGETBLOCK']._serialized_start=1310
+  _globals['_TARGETBLOCK']._serialized_end=1467
+  _globals['_TRANSLATETRAILER']._serialized_start=1470
+  _globals['_TRANSLATETRAILER']._serialized_end=1627
+  _globals['_TRANSLATERESPONSE']._serialized_start=1630
+  _globals['_TRANSLATERESPONSE']._serialized_end=1802
+  _globals['_LISTMAPPINGSREQUEST']._serialized_start=1804
+  _globals['_LISTMAPPINGSREQUEST']._serialized_end=1846
+  _globals['_MAPEVIDENCE']._serialized_start=1849
+  _globals['_MAPEVIDENCE']._serialized_end=2010
+  _globals['_MAPPINGINFO']._serialized_start=2013
+  _globals['_MAPPINGINFO']._serialized_end=2294
+  _globals['_LISTMAPPINGSRESPONSE']._serialized_start=2296
+  _globals['_LISTMAPPINGSRESPONSE']._serialized_end=2361
+  _globals['_TRANSLATESERVICE']._serialized_start=2600
+  _globals['_TRANSLATESERVICE']._serialized_end=2865
 # @@protoc_insertion_point(module_scope)

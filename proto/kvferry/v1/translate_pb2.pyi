@@ -57,7 +57,7 @@ class MapRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., latest: _Optional[bool] = ...) -> None: ...
 
 class TranslateHeader(_message.Message):
-    __slots__ = ("map", "source_geometry_fingerprint", "tokenizer_fingerprint", "num_tokens", "start_position", "token_ids", "source_dtype", "layout", "block_size", "target_dtype", "prefix_key", "tenant")
+    __slots__ = ("map", "source_geometry_fingerprint", "tokenizer_fingerprint", "num_tokens", "start_position", "token_ids", "source_dtype", "layout", "block_size", "target_dtype", "prefix_key", "tenant", "pages_per_block")
     MAP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_GEOMETRY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class TranslateHeader(_message.Message):
     TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     map: MapRef
     source_geometry_fingerprint: str
     tokenizer_fingerprint: str
@@ -82,7 +83,8 @@ class TranslateHeader(_message.Message):
     target_dtype: Dtype
     prefix_key: str
     tenant: str
-    def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    pages_per_block: int
+    def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ..., tenant: _Optional[str] = ..., pages_per_block: _Optional[int] = ...) -> None: ...
 
 class TranslateByKeyRequest(_message.Message):
     __slots__ = ("header",)
@@ -131,7 +133,7 @@ class Geometry(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ..., rope_type: _Optional[str] = ..., rope_theta: _Optional[float] = ...) -> None: ...
 
 class TranslateResponseHeader(_message.Message):
-    __slots__ = ("map_name", "map_version", "target", "layout", "block_size", "dtype", "num_tokens", "start_position")
+    __slots__ = ("map_name", "map_version", "target", "layout", "block_size", "dtype", "num_tokens", "start_position", "pages_per_block")
     MAP_NAME_FIELD_NUMBER: _ClassVar[int]
     MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class TranslateResponseHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PAGES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     map_name: str
     map_version: str
     target: Geometry
@@ -148,7 +151,8 @@ class TranslateResponseHeader(_message.Message):
     dtype: Dtype
     num_tokens: int
     start_position: int
-    def __init__(self, map_name: _Optional[str] = ..., map_version: _Optional[str] = ..., target: _Optional[_Union[Geometry, _Mapping]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ...) -> None: ...
+    pages_per_block: int
+    def __init__(self, map_name: _Optional[str] = ..., map_version: _Optional[str] = ..., target: _Optional[_Union[Geometry, _Mapping]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., pages_per_block: _Optional[int] = ...) -> None: ...
 
 class TargetBlock(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "block_index", "key", "value")
