@@ -5,10 +5,11 @@ Kept apart from :mod:`kvferry.client.vllm_connector` so it can be checked withou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvferry.common.settings import read_settings
 from kvferry.mappings.errors import InvalidInput
 
 
@@ -61,22 +62,11 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":
-        known = {f.name: f for f in fields(cls)}
-        unknown = set(extra) - set(known)
-        if unknown:
-            raise InvalidInput(f"kvferry connector: unknown kv_connector_extra_config keys {sorted(unknown)}")
-        cast = {"int": int, "float": float, "bool": _flag}
-        return cls(**{k: cast.get(str(known[k].type), str)(v) for k, v in extra.items()})
+        try:
+            typed = read_settings(cls, extra, "kv_connector_extra_config keys")
+        except InvalidInput as e:
+            raise InvalidInput(f"kvferry connector: {e}") from None
+        return cls(**typed)
 
     def secret(self) -> bytes:
         return (Path(self.prefix_secret_file).read_text().strip() if self.prefix_secret_file else self.prefix_secret).encode()
-
-
-def _flag(value: Any) -> bool:
-    """A boolean setting from JSON (true/false) or text ("true"/"false", "1"/"0")."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text not in ("true", "false", "1", "0"):
-        raise InvalidInput(f"kvferry connector: expected true or false, got {value!r}")
-    return text in ("true", "1")

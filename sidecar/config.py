@@ -9,6 +9,7 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from kvferry.common.settings import read_settings
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.gates import Gates
 
@@ -168,20 +169,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
             ap.add_argument(_flag(f.name), type={"int": int, "float": float}.get(str(f.type), str), **kw)
 
 
-def _convert(f, raw):
-    t = str(f.type)
-    try:
-        if t == "bool":
-            return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
-        if t == "int":
-            return int(raw)
-        if t == "float":
-            return float(raw)
-        return str(raw)
-    except ValueError:
-        raise InvalidInput(f"{f.name}: cannot read {raw!r} as {t}") from None
-
-
 def from_sources(args: argparse.Namespace | None = None, env: dict | None = None) -> SidecarConfig:
     """Defaults < TOML file < environment < flags."""
     env = os.environ if env is None else env
@@ -203,8 +190,7 @@ def from_sources(args: argparse.Namespace | None = None, env: dict | None = None
             values[f.name] = env[f"KVFERRY_{f.name.upper()}"]
         if args is not None and getattr(args, f.name, None) is not None:
             values[f.name] = getattr(args, f.name)
-    by_name = {f.name: f for f in fields(SidecarConfig)}
-    return SidecarConfig(**{k: _convert(by_name[k], v) for k, v in values.items()})
+    return SidecarConfig(**read_settings(SidecarConfig, values, "sidecar settings"))
 
 
 def _field_docs() -> dict[str, str]:

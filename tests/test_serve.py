@@ -39,6 +39,26 @@ def test_config_precedence_and_validation(tmp_path):
         from_sources(argparse.Namespace(config=None), env={"KVFERRY_PORT": "eighty"})
 
 
+def test_settings_read_alike_in_the_sidecar_and_the_connector():
+    """One reader (kvferry.common.settings) for both: a boolean is true/false or an unambiguous word, and a typo is
+    refused instead of read as false (the sidecar read any unknown text as false)."""
+    import argparse
+
+    from kvferry.client.connector_config import ConnectorConfig
+    from kvferry.common.settings import read_setting
+
+    words = {"true": True, "ON": True, "yes": True, "1": True, "false": False, "Off": False, "no": False, "0": False}
+    for text, want in words.items():
+        assert from_sources(argparse.Namespace(config=None), env={"KVFERRY_FORCE_MAPS": text}).force_maps is want
+        extra = {"redis_url": "redis://r", "prefix_secret": "x", "direct_reads": text}
+        assert ConnectorConfig.from_extra(extra).direct_reads is want
+    with pytest.raises(InvalidInput, match="force_maps: expected true or false .*got 'flase'"):
+        from_sources(argparse.Namespace(config=None), env={"KVFERRY_FORCE_MAPS": "flase"})
+    with pytest.raises(InvalidInput, match="expected a number"):
+        read_setting("port", "int", True)
+    assert read_setting("timeout", "float", "2.5") == 2.5 and read_setting("tenant", "str", 7) == "7"
+
+
 def _serve(maps_dir, *flags: str) -> tuple[subprocess.Popen, int, int | None]:
     """`kvferry serve` in its own process: (the process, its gRPC port, its metrics port if it has one)."""
     proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--maps-dir", str(maps_dir), "--port", "0",
