@@ -55,12 +55,25 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(_SAME_SIZE_INT[t.element_size()]).numpy().tobytes()
 
 
-def _tensor_buffer(t: torch.Tensor):
-    """The tensor's bytes for a join: a view of a contiguous CPU tensor (no copy), else tensor_bytes."""
+MIN_PIECE = 16 << 10  # below this a slice costs the join more in Python than copying it twice does
+
+
+def _tensor_pieces(t: torch.Tensor) -> list:
+    """The tensor's bytes in C order, as pieces for one join: a view of a contiguous CPU tensor, or one view per
+    slice along the first dimension when each slice is contiguous (a token range of [heads, tokens, head_dim]: the
+    join is then the only copy), else tensor_bytes (a copy, then the join's)."""
     t = t.detach()
-    if t.device.type == "cpu" and t.is_contiguous():
-        return memoryview(t.view(_SAME_SIZE_INT[t.element_size()]).numpy()).cast("B")
-    return tensor_bytes(t)
+    if t.device.type != "cpu":
+        return [tensor_bytes(t)]
+    if t.is_contiguous():
+        return [_view(t)]
+    if t.dim() > 1 and t[0].is_contiguous() and t[0].nbytes >= MIN_PIECE:  # every slice has the first one's strides
+        return [_view(s) for s in t.unbind(0)]
+    return [tensor_bytes(t)]
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(_SAME_SIZE_INT[t.element_size()]).numpy()).cast("B")
 
 
 def encode_tensor(t: torch.Tensor) -> pb.Tensor:
@@ -178,8 +191,8 @@ def _scalar(field: int, value: int) -> list[bytes]:
 
 def _tensor_fields(t: torch.Tensor) -> list[bytes]:
     """The fields of a kvferry.v1.Tensor: dtype, packed shape, then the data, taken straight from the tensor."""
-    data = _tensor_buffer(t) if t.numel() else b""
-    return _data_fields(t.dtype, t.shape, [data], len(data))
+    pieces = _tensor_pieces(t) if t.numel() else []
+    return _data_fields(t.dtype, t.shape, pieces, sum(map(len, pieces)))
 
 
 def _data_fields(dtype: torch.dtype, shape, pieces: list, size: int) -> list[bytes]:

@@ -50,6 +50,20 @@ def test_chunk_request_fast_path_is_the_protobuf_encoding(layer, kind, start, n,
     assert torch.equal(back.tensor, c.tensor)
 
 
+@pytest.mark.parametrize("shape, cut", [((3, 8192, 64), (2730, 5460)), ((2, 4096, 16), (0, 4000)), ((5, 4, 4096, 8), (1, 3))])
+def test_slices_that_are_each_contiguous_encode_as_protobuf_does(shape, cut):
+    """A token range of [heads, tokens, head_dim] is no contiguous tensor, but each head's slice is: those slices are
+    joined into the message straight from the tensor (large enough ones; small ones are copied first)."""
+    full = torch.randn(*shape)
+    t = full[:, cut[0] : cut[1]] if full.dim() == 3 else full[:, cut[0] : cut[1]].transpose(0, 1)
+    assert not t.is_contiguous()
+    c = Chunk(1, "v", 0, t.shape[1], t)
+    assert wire.encode_chunk_request(c) == wire.chunk_to_pb(c).SerializeToString()
+    b = Block(2, 0, t.shape[1], 0, t, t)
+    assert wire.encode_block_response(b) == wire.block_to_pb(b).SerializeToString()
+    assert torch.equal(wire.decode_response(wire.encode_block_response(b)).value, t)
+
+
 def _as_frame(msg):
     return msg if isinstance(msg, wire.ChunkFrame) else wire.frame_from_pb(msg.chunk)  # protobuf's own parse
 

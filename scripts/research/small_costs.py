@@ -13,6 +13,9 @@ code it replaced (medians of --reps calls, in one process):
                   (StoredBlock.layer) against one view of the payload split in one call (StoredBlock.layers)
   cast join       (session 18) a 31-block bf16 hit joined per layer as float32: joined, then each layer cast (through
                   session 17) against the cast done while joining, a block at a time (Lookup._join_cast)
+  chunk encode    (session 19) one source chunk as the client sends it: 2,730 of 8,192 tokens of an l25 layer's K
+                  ([3, 2730, 64] fp32, a view): copied into bytes and then joined into the message (through session
+                  18) against the join straight from each head's contiguous slice (wire._tensor_pieces)
 
     .venv/bin/python scripts/research/small_costs.py --json runs/results/small_costs.json
 """
@@ -28,6 +31,7 @@ from kvferry.bench.harness import median_seconds, write_json
 from kvferry.client.client import _token_ids
 from kvferry.common import prefix, wire
 from kvferry.common.prefix import encode_block, read_block
+from kvferry.common.messages import Chunk
 from kvferry.common.prefix_cache import Lookup
 from kvferry.v1 import translate_pb2 as pb
 
@@ -48,6 +52,15 @@ def pieces_before(look: Lookup, layer: int, kind: int, start: int, stop: int) ->
         at += n
     return [data[base + h * stride : base + h * stride + size] for h in range(heads if spans else 0)
             for data, base, size, stride in spans]
+
+
+def chunk_before(c: Chunk) -> bytes:
+    """wire.encode_chunk_request as it was through session 18: a tensor not contiguous as a whole copied to bytes first."""
+    data = wire.tensor_bytes(c.tensor)
+    tensor = wire._data_fields(c.tensor.dtype, c.tensor.shape, [data], len(data))
+    body = (wire._scalar(1, c.layer) + wire._scalar(2, wire.KIND_TO_PB[c.kind]) + wire._scalar(3, c.start)
+            + wire._scalar(4, c.end) + wire._length_delimited(5, tensor))
+    return b"".join(wire._length_delimited(2, body))
 
 
 def main() -> None:
@@ -73,6 +86,7 @@ def main() -> None:
     hit_pieces = lambda get: [get(t, kind, 0, n) for t in range(6) for kind in (0, 1)]  # noqa: E731
     block = look.blocks[0]
     as_f32 = Lookup(hashes, 0, look.blocks, dtype=torch.float32)
+    chunk = Chunk(3, "k", 2730, 5460, torch.randn(3, 8192, 64, generator=g)[:, 2730:5460])
     rows = {
         "read_block": (median_us(parsed_each_time, a.reps), median_us(lambda: read_block(blob, h, 6, (3, 256, 32)), a.reps)),
         "header ids": (median_us(lambda: tuple(header.token_ids), a.reps), median_us(lambda: wire._token_ids(header.token_ids), a.reps)),
@@ -82,7 +96,9 @@ def main() -> None:
         "block views": (median_us(lambda: [block.layer(i) for i in range(6)], a.reps), median_us(block.layers, a.reps)),
         "cast join": (median_us(lambda: [(k.to(torch.float32), v.to(torch.float32)) for k, v in look._join_uniform()], a.reps // 10),
                       median_us(as_f32.layers, a.reps // 10)),
+        "chunk encode": (median_us(lambda: chunk_before(chunk), a.reps // 10), median_us(lambda: wire.encode_chunk_request(chunk), a.reps // 10)),
     }
+    assert chunk_before(chunk) == wire.encode_chunk_request(chunk) == wire.chunk_to_pb(chunk).SerializeToString()
     assert all(torch.equal(x.float(), y) for pair, want in zip(look.layers(), as_f32.layers()) for x, y in zip(pair, want))
     for r in [(0, 0, 0, n), (3, 1, 5, 300), (5, 0, 256, 512), (1, 1, n - 1, n), (2, 0, 700, 7000)]:
         assert [bytes(p) for p in pieces_before(look, *r)] == [bytes(p) for p in look.pieces(*r)], r
