@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.importers import PagedKVPool
 from kvferry.mappings.capture import capture_kv
 
 from conftest import ROOT
@@ -30,7 +31,10 @@ def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.contiguous().numpy().tobytes()).decode()
 
 
-def test_a_node_client_from_the_proto_gets_the_python_answer(sidecar_factory, s_to_t, family, tmp_path):
+@pytest.mark.parametrize("paged", [None, 0, 3], ids=["contiguous", "paged-one-a-block", "paged-three-a-block"])
+def test_a_node_client_from_the_proto_gets_the_python_answer(sidecar_factory, s_to_t, family, tmp_path, paged):
+    """Paged: the Node client checks every block's shape and index against the response header's pages_per_block and
+    unpages the answer; the Python client's own paged answer, read back from a paged pool, must match it too."""
     node = shutil.which("node")
     assert node, "node is not installed (make test needs node and npm for the contract test)"
     assert (NODE_MODULES / "@grpc" / "grpc-js").is_dir(), "run `make test` (it installs @grpc/grpc-js into .tools/node-contract)"
@@ -41,10 +45,18 @@ def test_a_node_client_from_the_proto_gets_the_python_answer(sidecar_factory, s_
     fingerprints = dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
     with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=16)) as c:
         py = c.translate(kv, "S__T", "1.0.0", **fingerprints)
+        if paged is not None:  # the Python client's paged answer, through a pool, is the contiguous one
+            pg = c.translate(kv, "S__T", "1.0.0", layout="paged", block_size=8, pages_per_block=paged, **fingerprints)
+            pool = PagedKVPool(pg.info.layers, 5, 8, pg.info.kv_heads, pg.info.head_dim)
+            pool.write(pg.blocks, list(range(5)))
+            for (k, v), (pk, pv) in zip(py.layers(), pool.gather(list(range(5)), 37)):
+                assert torch.equal(k, pk) and torch.equal(v, pv)
     g = s.identity.geometry
     header = {"map": {"name": "S__T", "version": "1.0.0"}, "source_geometry_fingerprint": fingerprints["source_geometry"],
               "tokenizer_fingerprint": fingerprints["tokenizer"], "num_tokens": 37, "source_dtype": "DTYPE_FLOAT32",
               "layout": "LAYOUT_CONTIGUOUS"}
+    if paged is not None:
+        header.update(layout="LAYOUT_PAGED", block_size=8, pages_per_block=paged)
     request = {"header": header, "chunk_tokens": 16,  # the same ranges as the Python client: the same arithmetic
                "tokens": 37, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
                "layers": [{"k": _b64(k[0]), "v": _b64(v[0])} for k, v in kv]}
@@ -57,6 +69,7 @@ def test_a_node_client_from_the_proto_gets_the_python_answer(sidecar_factory, s_
     assert "code" not in out, out
     assert out["header"]["map_version"] == "1.0.0" and out["header"]["target"]["layers"] == len(py.layers())
     assert int(out["trailer"]["tokens"]) == 37 and out["trailer"]["blocks"] > len(py.layers())  # several blocks a layer
+    assert out["header"]["pages_per_block"] == (paged or 0)
     for (k, v), got in zip(py.layers(), out["layers"]):
         assert base64.b64decode(got["k"]) == k[0].contiguous().numpy().tobytes()
         assert base64.b64decode(got["v"]) == v[0].contiguous().numpy().tobytes()

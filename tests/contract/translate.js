@@ -7,7 +7,8 @@
 // input.json: {header: TranslateHeader fields, chunk_tokens, tokens, kv_heads, head_dim,
 //              layers: [{k: base64 fp32 [kv_heads, tokens, head_dim], v: ...}, ...]}
 // output.json: {header, trailer, layers: [{k: base64, v: base64}]} (each target layer's blocks joined along
-//              tokens in block_index order), or {code, details} when the call fails.
+//              tokens in block_index order, [kv_heads, tokens, head_dim]; paged answers are unpaged into that
+//              form), or {code, details} when the call fails.
 'use strict';
 const fs = require('fs');
 const grpc = require('@grpc/grpc-js');
@@ -43,6 +44,10 @@ call.on('end', () => {
   const layers = [];
   for (let t = 0; t < header.target.layers; t++) {
     const mine = (byLayer.get(t) || []).sort((a, b) => a.block_index - b.block_index);
+    if (header.layout === 'LAYOUT_PAGED') {
+      layers.push(unpaged(mine, size));
+      continue;
+    }
     const joined = {};
     for (const kind of ['key', 'value']) {
       const heads = [];
@@ -59,6 +64,35 @@ call.on('end', () => {
   fs.writeFileSync(outPath, JSON.stringify({header, trailer, layers}));
   client.close();
 });
+
+// A paged layer's blocks as [kv_heads, tokens, head_dim]: each block holds whole pages of block_size tokens,
+// token-major ([block_size, kv_heads, head_dim] a page), one a block when the response header's pages_per_block is
+// 0, else [pages, block_size, kv_heads, head_dim] with pages <= pages_per_block; block_index is the first page's.
+function unpaged(blocks, size) {
+  const {block_size: bs, pages_per_block: most, num_tokens: n} = header;
+  const {kv_heads: H, head_dim: D} = header.target;
+  const row = D * size;
+  let page = 0;
+  for (const b of blocks) {
+    const pages = most === 0 ? 1 : b.key.shape[0];
+    const want = most === 0 ? [bs, H, D] : [pages, bs, H, D];
+    if (JSON.stringify(b.key.shape) !== JSON.stringify(want) || pages > Math.max(most, 1) || b.block_index !== page ||
+        b.token_start !== page * bs) {
+      throw new Error(`block ${JSON.stringify([b.block_index, b.token_start, b.key.shape])} is not page ${page} of ${JSON.stringify(want)}`);
+    }
+    page += pages;
+  }
+  const out = {};
+  for (const kind of ['key', 'value']) {
+    const tokenMajor = Buffer.concat(blocks.map((b) => b[kind].data));  // [pages * block_size, H, D]
+    const heads = [];
+    for (let h = 0; h < H; h++) {
+      for (let i = 0; i < n; i++) heads.push(tokenMajor.subarray((i * H + h) * row, (i * H + h + 1) * row));
+    }
+    out[kind === 'key' ? 'k' : 'v'] = Buffer.concat(heads).toString('base64');
+  }
+  return out;
+}
 
 call.write({header: input.header});
 const {tokens, kv_heads: H, head_dim: D, chunk_tokens: step} = input;
