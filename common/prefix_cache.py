@@ -37,12 +37,15 @@ class Lookup:
         want = self.dtype or (self.blocks[0].dtype if self.blocks else None)
         return all(b.dtype == want for b in self.blocks)
 
-    def layers(self) -> list[LayerKV]:
+    def layers(self, token_major: bool = False) -> list[LayerKV]:
         """The found blocks joined per layer (one copy, straight from the blobs' bytes), in the asked dtype:
-        (K, V) [1, kv_heads, tokens, head_dim]."""
+        (K, V) [1, kv_heads, tokens, head_dim]. ``token_major``: the same tensors viewing memory laid out
+        [tokens, kv_heads, head_dim], as paged caches hold them (the transpose done in the join's one pass)."""
         if not self.blocks:
             return []
         want = self.dtype or self.blocks[0].dtype
+        if token_major:
+            return self._join_token_major(want)
         if self.as_stored:
             return self._join_uniform() or self._join_pieces()
         # another dtype than stored (asked for, or writers that asked for different ones): cast while joining
@@ -72,6 +75,26 @@ class Lookup:
             out[:, :, at : at + n].copy_(b.tiles())
             at += n
         return [(out[k][None], out[v][None]) for k, v in first.slots]
+
+    def _join_token_major(self, want: torch.dtype) -> list[LayerKV]:
+        """The join, the cast to ``want`` and the transpose to token-major memory in one pass: a block at a time when
+        the blocks are laid out alike, else layer by layer."""
+        first = self.blocks[0]
+        heads, _, dim = first.shape
+        alike = self._laid_out_alike()
+        rows = first.slots if alike else tuple((2 * i, 2 * i + 1) for i in range(len(first.offsets)))
+        out = torch.empty((2 * len(rows), self.tokens, heads, dim), dtype=want)
+        at = 0
+        for b in self.blocks:
+            n = b.shape[1]
+            if alike:
+                out[:, at : at + n].copy_(b.tiles().transpose(1, 2))
+            else:
+                for (k, v), (rk, rv) in zip(b.layers(), rows):
+                    out[rk, at : at + n].copy_(k.transpose(0, 1))
+                    out[rv, at : at + n].copy_(v.transpose(0, 1))
+            at += n
+        return [(out[k].transpose(0, 1)[None], out[v].transpose(0, 1)[None]) for k, v in rows]
 
     def _join_uniform(self) -> list[LayerKV] | None:
         """The join in one numpy call when the blocks (all in one dtype) are laid out alike: one [tensors, kv_heads,

@@ -91,8 +91,8 @@ class TranslateSession:
         if isinstance(cached, Lookup):
             if cached.blocks and cached.as_stored and spec.layout != PAGED and not keep_output:
                 self.stored, cached = cached, None
-            else:
-                cached = cached.layers()
+            else:  # paged: joined token-major, so that its pages are views of the join
+                cached = cached.layers(token_major=spec.layout == PAGED)
         self.cached = cached or None
         self.skip = self.stored.tokens if self.stored else int(cached[0][0].shape[2]) if cached else 0
         self.expect_chunks = expect_chunks
@@ -229,7 +229,7 @@ class TranslateSession:
                 ks.append(k[:need]), vs.append(v[:need])
                 pending[0] = (k[need:], v[need:])
                 got = take
-        kb, vb = torch.cat(ks), torch.cat(vs)
+        kb, vb = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))  # one piece: a view, no copy
         pages = -(-take // bs)
         if take < pages * bs:  # the layer's last, partial page: zero-padded
             pad = (0, 0, 0, 0, 0, pages * bs - take)

@@ -125,6 +125,13 @@ def test_join_of_blocks_laid_out_alike_or_not_gives_the_layers_back(dtype):
         for got, want in zip(cast, kv):
             assert got[0].dtype == torch.float16 and torch.equal(got[0], want[0].to(torch.float16))
             assert torch.equal(got[1], want[1].to(torch.float16))
+    # Token-major (what the paged layout sends): the same values, memory laid out [tokens, kv_heads, head_dim]
+    for blocks in (look.blocks, other.blocks):
+        for asked in (None, torch.float16):
+            for got, want in zip(Lookup(look.hashes, 0, blocks, dtype=asked).layers(token_major=True), kv):
+                for g, w in zip(got, want):
+                    assert g.dtype == (asked or dtype) and torch.equal(g, w.to(asked or dtype))
+                    assert g[0].transpose(0, 1).is_contiguous()
 
 
 def test_a_stored_block_gives_every_layer_as_views_of_its_bytes_laid_out_alike_or_not():
