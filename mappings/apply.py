@@ -17,6 +17,7 @@ from .capture import LayerKV
 from .errors import InvalidInput
 from .features import from_features, to_features
 from .precision import matmul_dtype
+from .split import TokenSplit
 
 
 def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.Tensor, dim: int) -> None:
@@ -27,6 +28,10 @@ def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.
     while len(pieces) > 1 and pieces[-2][1].shape[dim] <= pieces[-1][1].shape[dim]:
         (s0, a), (_, b) = pieces[-2], pieces[-1]
         pieces[-2:] = [(s0, torch.cat([a, b], dim=dim))]
+
+
+def _whole(n: int, fn) -> None:
+    fn(0, n)
 
 
 class StreamingApplier:
@@ -46,7 +51,7 @@ class StreamingApplier:
     """
 
     def __init__(self, ms: MapSet, positions: int = 0, out_dtype: torch.dtype | None = None, tokens: int | None = None,
-                 context: int = 0):
+                 context: int = 0, split: TokenSplit | None = None):
         if not isinstance(positions, int):
             raise InvalidInput("positions must be the absolute position (int) of the first token")
         if context != min(ms.context, positions):
@@ -59,6 +64,7 @@ class StreamingApplier:
         self.context = context
         self.out_dtype = out_dtype
         self.tokens = tokens  # total tokens, when known: completion is then checkable
+        self._run = split.run if split is not None else _whole  # per-token work: in slices on threads, or at once
         self._groups = ms.fused_groups(matmul_dtype(ms.dtype, ms.device))  # maps reading the same source features share one matmul
         self._done = [0] * len(self._groups)  # tokens mapped per group
         self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind); starts at -context
@@ -94,7 +100,9 @@ class StreamingApplier:
         if self.out_dtype is None:
             self.out_dtype = tensor.dtype
         pos = range(self.start_position + start, self.start_position + start + n)
-        feats = to_features(tensor, sg.rope if kind == "k" else None, pos, self.ms.dtype)
+        rope = sg.rope if kind == "k" else None
+        feats = torch.empty(tensor.shape[0], n, sg.kv_width, dtype=self.ms.dtype, device=tensor.device)
+        self._run(n, lambda a, b: to_features(tensor[:, :, a:b], rope, pos[a:b], self.ms.dtype, feats[:, a:b]))
         _append_merged(self._feats.setdefault(key, []), start, feats, dim=1)
         self._next[key] = start + n
         yield from self._advance()
@@ -117,23 +125,18 @@ class StreamingApplier:
 
     def _advance(self):
         tg = self.ms.target.geometry
-        width = tg.kv_width
         for gi, (group, keys, _, _) in enumerate(self._groups):
             sources, inputs, _ = group
             ready = min(self._next.get((s, c), -self.context) for s in sources for c in inputs)
             a = self._done[gi]
             if ready <= a:
                 continue
-            x = self._inputs(group, a, ready)
-            compute = matmul_dtype(self.ms.dtype, x.device)
-            _, _, w, b = self.ms.fused_groups(compute)[gi]
-            rows = x.reshape(-1, x.shape[-1]).to(compute)  # features already carry the stored dtype's rounding
-            y = torch.addmm(b.to(x.device), rows, w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
-            pos = range(self.start_position + a, self.start_position + ready)
-            for i, (t, kind) in enumerate(keys):
-                out = from_features(y[..., i * width : (i + 1) * width], tg.kv_heads, tg.rope if kind == "k" else None, pos)
-                # a bf16 map's output carries bf16 precision: round to it, so the evidence holds for bf16 on the wire too
-                _append_merged(self._out[(t, kind)], a, out.to(self.ms.dtype).to(self.out_dtype), dim=2)
+            f = self._feats[(sources[0], inputs[0])][0][1]
+            outs = [torch.empty(f.shape[0], tg.kv_heads, ready - a, tg.head_dim, dtype=self.out_dtype, device=f.device)
+                    for _ in keys]
+            self._run(ready - a, lambda i, j: self._map_rows(gi, a + i, a + j, [o[:, :, i:j] for o in outs]))
+            for (t, kind), out in zip(keys, outs):
+                _append_merged(self._out[(t, kind)], a, out, dim=2)
                 self._produced[(t, kind)] = ready
             self._done[gi] = ready
         self._trim()
@@ -145,6 +148,23 @@ class StreamingApplier:
                 v = self._take((t, "v"), a, upto)
                 self._emitted[t] = upto
                 yield t, a, upto, k, v
+
+    def _map_rows(self, gi: int, a: int, b: int, outs: list[torch.Tensor]) -> None:
+        """Group ``gi``'s map for tokens [a, b), written into ``outs`` (one [B, H, b - a, D] view per target (layer,
+        kind) the group feeds). Reads features, writes only ``outs``: slices of a step may run on several threads."""
+        tg = self.ms.target.geometry
+        group, keys, _, _ = self._groups[gi]
+        x = self._inputs(group, a, b)
+        compute = matmul_dtype(self.ms.dtype, x.device)
+        _, _, w, bias = self.ms.fused_groups(compute)[gi]
+        rows = x.reshape(-1, x.shape[-1]).to(compute)  # features already carry the stored dtype's rounding
+        y = torch.addmm(bias.to(x.device), rows, w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)
+        pos = range(self.start_position + a, self.start_position + b)
+        width = tg.kv_width
+        for i, ((_, kind), out) in enumerate(zip(keys, outs)):
+            kv = from_features(y[..., i * width : (i + 1) * width], tg.kv_heads, tg.rope if kind == "k" else None, pos)
+            # a bf16 map's output carries bf16 precision: round to it, so the evidence holds for bf16 on the wire too
+            out.copy_(kv if self.out_dtype == self.ms.dtype else kv.to(self.ms.dtype))
 
     def _take(self, key, a: int, b: int) -> torch.Tensor:
         parts = self._out[key]
@@ -169,12 +189,14 @@ class StreamingApplier:
 
 
 @torch.no_grad()
-def apply(ms: MapSet, source_kv: list[LayerKV], positions: int = 0, context: int = 0) -> list[LayerKV]:
+def apply(ms: MapSet, source_kv: list[LayerKV], positions: int = 0, context: int = 0,
+          split: TokenSplit | None = None) -> list[LayerKV]:
     """Map a whole source cache whose first mapped token sits at absolute position ``positions``. ``context``: for a
-    windowed map starting past position 0, the cache's first tokens are the ``context`` before it (read, not mapped)."""
+    windowed map starting past position 0, the cache's first tokens are the ``context`` before it (read, not mapped).
+    ``split``: run the per-token work in token slices on its threads (split.py)."""
     if len(source_kv) != ms.source.geometry.layers:
         raise InvalidInput(f"source cache has {len(source_kv)} layers; the map expects {ms.source.geometry.layers}")
-    applier = StreamingApplier(ms, positions or 0, context=context)
+    applier = StreamingApplier(ms, positions or 0, context=context, split=split)
     out: dict[int, LayerKV] = {}
     for layer, (k, v) in enumerate(source_kv):
         for kind, tensor in (("k", k), ("v", v)):

@@ -10,15 +10,16 @@ from .rope import RopeSpec, rotate, unrotate
 
 
 def to_features(kv: torch.Tensor, spec: RopeSpec | None, positions: torch.Tensor | range,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[B, H, T, D] cache tensor -> [B, T, H*D] in ``dtype``; keys (spec given) are un-rotated first, in float32.
+                dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H, T, D] cache tensor -> [B, T, H*D] in ``dtype`` (written into ``out`` when given, a [B, T, H*D] tensor or
+    view); keys (spec given) are un-rotated first, in float32.
 
     The head/token transpose and the cast happen in one pass."""
     x = unrotate(kv, spec, positions) if spec is not None else kv
     b, h, t, d = x.shape
-    out = torch.empty(b, t, h, d, dtype=dtype, device=x.device)
-    out.copy_(x.transpose(1, 2))
-    return out.view(b, t, h * d)
+    out = torch.empty(b, t, h * d, dtype=dtype, device=x.device) if out is None else out
+    out.view(b, t, h, d).copy_(x.transpose(1, 2))
+    return out
 
 
 def from_features(x: torch.Tensor, heads: int, spec: RopeSpec | None, positions: torch.Tensor | range) -> torch.Tensor:

@@ -6,6 +6,11 @@ map, casting or joining stored blocks), the compute thread's pool waits on futex
 ran at about one core's speed: 13.9 ms against 7.7 ms for the tiny family at n = 2048 on 2 cores
 (docs/benchmarks.md, session 11). Views of received bytes, slicing, numpy's copy of a tensor's data into a message,
 and stored bytes sent as they are may run anywhere: they start no torch parallel region.
+
+With ``map_threads`` > 1 (the default on a multi-core CPU) the compute thread runs torch on one core, and each map
+step's tokens are cut into that many slices, the others on helper threads that also run torch on one core
+(mappings/split.py says why that beats torch's own pool while transfers share the cores). The compute thread still
+orders all the work: helpers only ever run slices of the step it is in.
 """
 
 from __future__ import annotations
@@ -13,12 +18,19 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+from kvferry.mappings.split import TokenSplit, one_torch_thread
+
 THREAD_NAME = "kvferry-compute"
 
 
-def compute_executor() -> ThreadPoolExecutor:
-    """The executor of the one compute thread (one per sidecar)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+class ComputeThread(ThreadPoolExecutor):
+    """The executor of the one compute thread (one per sidecar), with the token split its map steps use (None: the
+    thread's own torch pool does the parallel work)."""
+
+    def __init__(self, map_threads: int = 1):
+        split = map_threads > 1
+        super().__init__(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=one_torch_thread if split else None)
+        self.split = TokenSplit(map_threads) if split else None
 
 
 async def on_compute(compute: Executor, fn, *args):

@@ -57,6 +57,10 @@ class SidecarConfig:
     """Torch device the maps run on ("cpu", "cuda", "cuda:1")."""
     threads: int = 0
     """Torch CPU threads; 0 leaves torch's default."""
+    map_threads: int = 0
+    """Threads a map step's tokens are cut across, each running torch on one core (compute.py); 0: as many as torch
+    has CPU threads (``threads`` or torch's default); 1: the compute thread alone, on torch's intra-op pool. Slices
+    stall less than torch's pool while transfers share the cores (docs/benchmarks.md, session 20). Off a CPU, 1."""
     tls_cert: str = ""
     """PEM server certificate; with tls_key, serve TLS."""
     tls_key: str = ""
@@ -102,6 +106,8 @@ class SidecarConfig:
             raise InvalidInput("port must be in [0, 65535] and metrics_port in [-1, 65535]")
         if self.max_message_bytes < 1 << 20:
             raise InvalidInput("max_message_bytes must be at least 1 MiB")
+        if self.threads < 0 or self.map_threads < 0:
+            raise InvalidInput("threads and map_threads must be >= 0 (0: torch's CPU thread count)")
         if self.max_streams < 1:
             raise InvalidInput("max_streams must be >= 1")
         if self.reload_seconds < 0 or self.drain_seconds < 0 or self.drain_notice_seconds < 0:
@@ -123,6 +129,16 @@ class SidecarConfig:
             raise InvalidInput("prefix_block_size, prefix_ttl_seconds and prefix_memory_bytes must be positive")
         self.gates  # validates the gate fields
         self.limits
+
+    def resolved_map_threads(self) -> int:
+        """How many token slices a map step runs in: map_threads, or (0) torch's CPU threads; 1 off a CPU."""
+        if self.device != "cpu":
+            return 1
+        if self.map_threads:
+            return self.map_threads
+        import torch
+
+        return self.threads or torch.get_num_threads()
 
     def secret(self, name: str) -> str:
         """A secret's value: from ``<name>_file`` when set (surrounding whitespace stripped), else ``<name>``."""

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from kvferry.common.errors import Unsupported
 from kvferry.common.messages import Block, Chunk, Stats, TranslateSpec
 from kvferry.mappings.artifact import MapSet
 
-from .compute import on_compute
+from .compute import ComputeThread, on_compute
 from .limits import Limits
 from .pipeline import TranslateSession, start_session
 
@@ -34,7 +33,7 @@ class Opened:
 class TranslateFlow:
     """The sidecar's translation logic. ``compute`` is the one thread all tensor work runs on (compute.py)."""
 
-    def __init__(self, registry, limits: Limits, metrics, prefix, compute: Executor):
+    def __init__(self, registry, limits: Limits, metrics, prefix, compute: ComputeThread):
         self.registry, self.limits, self.metrics, self.prefix, self.compute = registry, limits, metrics, prefix, compute
         self._background: set[asyncio.Task] = set()
 
@@ -50,7 +49,8 @@ class TranslateFlow:
         plan = await asyncio.to_thread(self.prefix.plan, spec, ms) if self.prefix is not None and spec.token_ids else None
         cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed
-        session, initial = await on_compute(self.compute, start_session, spec, ms, self.limits, cached, True, write_back)
+        session, initial = await on_compute(self.compute, start_session, spec, ms, self.limits, cached, True, write_back,
+                                            self.compute.split)
         return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0, initial)
 
     async def add(self, opened: Opened, chunk: Chunk, encode) -> list:

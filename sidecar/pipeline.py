@@ -15,6 +15,7 @@ from kvferry.common.prefix_cache import Lookup
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import Incompatible, InvalidInput
+from kvferry.mappings.split import TokenSplit
 
 from .limits import Limits
 
@@ -79,11 +80,12 @@ class TranslateSession:
     ``cached``: target KV for the first tokens, found in the prefix store: a Lookup (its blocks' bytes are
     sent as stored when the layout is contiguous and the dtype matches: one copy, into the messages), or
     per target layer (K, V) [1, kv_heads, m, head_dim]; those tokens are not mapped again. ``expect_chunks=False`` for requests whose
-    source KV came from the store. ``keep_output`` retains the target KV (for write-back).
+    source KV came from the store. ``keep_output`` retains the target KV (for write-back). ``split``: map steps run in token
+slices on its threads (compute.py).
     """
 
     def __init__(self, spec: TranslateSpec, ms: MapSet, limits: Limits, cached: Lookup | list | None = None,
-                 expect_chunks: bool = True, keep_output: bool = False):
+                 expect_chunks: bool = True, keep_output: bool = False, split: TokenSplit | None = None):
         check_spec(spec, ms, limits)
         self.spec, self.ms = spec, ms
         self.out_dtype = target_dtype(spec, ms)
@@ -104,8 +106,8 @@ class TranslateSession:
             raise InvalidInput(f"map {ms.name} {ms.version} reads the {ms.context} source tokens before each token, and this "
                                f"request starts at position {spec.start_position} without them: send the sequence from "
                                "position 0 (its cached prefix is not mapped again), or use a per-token map")
-        self.applier = (StreamingApplier(ms, spec.start_position + self.skip, self.out_dtype, n - self.skip, self.context)
-                        if self.skip < n else None)
+        self.applier = (StreamingApplier(ms, spec.start_position + self.skip, self.out_dtype, n - self.skip, self.context,
+                                         split) if self.skip < n else None)
         layers = ms.target.geometry.layers
         self._next: dict[tuple[int, str], int] = {}
         self._index = [0] * layers  # next contiguous block index per target layer

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +19,10 @@ from kvferry.common.stores import StoreUnavailable, open_store
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.split import TokenSplit
 from kvferry.common.errors import NotFound
 
+from .compute import ComputeThread
 from .pipeline import TranslateSession, start_session, target_dtype
 
 log = logging.getLogger("kvferry.prefix")
@@ -73,7 +74,7 @@ class PrefixService:
         self._count(look, len(look.hashes))
         return Plan(tgt_ns, look)
 
-    def write_back(self, plan: Plan, session: TranslateSession, compute: Executor) -> int:
+    def write_back(self, plan: Plan, session: TranslateSession, compute: ComputeThread) -> int:
         """Store the newly mapped full blocks of a finished streamed request (off the critical path); returns blocks
         written. Runs on an I/O thread: joining and encoding the session's kept target KV runs on ``compute``."""
         look = plan.lookup
@@ -91,7 +92,7 @@ class PrefixService:
         self.metrics.prefix_writes.inc(n)
         return n
 
-    def from_store(self, spec, ms: MapSet, limits, compute: Executor) -> tuple[TranslateSession, list, int]:
+    def from_store(self, spec, ms: MapSet, limits, compute: ComputeThread) -> tuple[TranslateSession, list, int]:
         """A key-only request: stored target blocks, then stored source blocks mapped now and written back. Runs on an
         I/O thread; the mapping itself runs on ``compute`` (the sidecar's one compute thread).
 
@@ -126,7 +127,7 @@ class PrefixService:
         cached = tgt  # all stored: sent from the blobs' bytes
         if covered > tgt.end_block:
             cached, items = compute.submit(_map_stored, self.cache, ms, src, tgt, tgt_ns, context_blocks * bs - context,
-                                           covered, dtype, context).result()
+                                           covered, dtype, context, compute.split).result()
             self._put(items)
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
         return (*compute.submit(start_session, spec2, ms, limits, cached, False).result(), tgt.end_block)
@@ -135,12 +136,12 @@ class PrefixService:
 # The functions below touch tensor data, so they run on the compute thread (compute.py).
 
 def _map_stored(cache: PrefixCache, ms: MapSet, src: Lookup, tgt: Lookup, tgt_ns: Namespace, drop: int, covered: int,
-                dtype: torch.dtype, context: int):
+                dtype: torch.dtype, context: int, split: TokenSplit | None):
     """Map the stored source blocks past the stored target ones: (the target KV of every covered token, the mapped
     blocks encoded for the store)."""
     bs = cache.block_size
     layers = [(k[:, :, drop:], v[:, :, drop:]) for k, v in src.layers()]
-    mapped = [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, tgt.end_block * bs, context)]
+    mapped = [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, tgt.end_block * bs, context, split)]
     items = cache.encode_blocks(tgt_ns, tgt.hashes, mapped, tgt.end_block, covered, token_offset=tgt.end_block * bs)
     stored = tgt.layers()
     joined = mapped if not stored else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(stored, mapped)]

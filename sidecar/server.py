@@ -67,16 +67,17 @@ def enable_reflection(services: tuple[str, ...], server) -> None:
             response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}),))
 
 
-def warm(ms, tokens: int = 32) -> None:
+def warm(ms, split=None) -> None:
     """One small translation through ``ms`` (zeros), so that kernel set-up, RoPE tables and weight casts happen
-    before the sidecar reports SERVING rather than in the first caller's request."""
+    before the sidecar reports SERVING rather than in the first caller's request: on every thread of ``split``."""
     import torch
 
     from kvferry.mappings.apply import apply
+    from kvferry.mappings.split import MIN_SLICE
 
     g = ms.source.geometry
-    zeros = torch.zeros(1, g.kv_heads, tokens, g.head_dim)
-    apply(ms, [(zeros, zeros) for _ in range(g.layers)], 0)
+    zeros = torch.zeros(1, g.kv_heads, MIN_SLICE * split.parts if split else 32, g.head_dim)
+    apply(ms, [(zeros, zeros) for _ in range(g.layers)], 0, split=split)
 
 
 class Sidecar:
@@ -93,7 +94,7 @@ class Sidecar:
         self.prefix = PrefixService(config, self.metrics) if config.prefix_cache else None
         self.authenticator = config.authenticator()
         self.servicer = TranslateServicer(self.registry, config.limits, self.metrics, config.max_streams, config.gate_arm,
-                                          self.prefix, config.max_stream_seconds)
+                                          self.prefix, config.max_stream_seconds, config.resolved_map_threads())
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
@@ -154,7 +155,7 @@ class Sidecar:
             key = (e.maps.name, e.maps.version)
             if e.servable and key not in self.warmed:
                 try:
-                    await on_compute(self.servicer.compute, warm, e.maps)
+                    await on_compute(self.servicer.compute, warm, e.maps, self.servicer.compute.split)
                 except Exception:  # noqa: BLE001 - a map that cannot warm up will fail its requests with a status
                     log.exception("warming map %s %s failed", *key)
                 self.warmed.add(key)

@@ -15,7 +15,7 @@ from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from .auth import tenant_for
-from .compute import compute_executor
+from .compute import ComputeThread
 from .flow import TranslateFlow
 from .limits import OversizedHeader, UndecodableRequest
 
@@ -117,7 +117,7 @@ class _Sender:
 
 class TranslateServicer(pb_grpc.TranslateServiceServicer):
     def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None,
-                 max_stream_seconds: float = 300.0):
+                 max_stream_seconds: float = 300.0, map_threads: int = 1):
         self.registry, self.limits, self.metrics = registry, limits, metrics
         self.max_stream_seconds = max_stream_seconds
         self.prefix = prefix  # PrefixService or None
@@ -125,7 +125,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         self.active = 0
         self.draining = False
         self.sessions: weakref.WeakSet = weakref.WeakSet()  # live request state (tests check none outlives its call)
-        self.compute = compute_executor()  # all tensor work runs on this one thread (compute.py says why)
+        self.compute = ComputeThread(map_threads)  # all tensor work runs on this one thread (compute.py says why)
         self.flow = TranslateFlow(registry, limits, metrics, prefix, self.compute)
 
     async def ListMappings(self, request, context):

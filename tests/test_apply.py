@@ -145,6 +145,74 @@ def test_one_token_chunks_layer_by_layer_stay_linear_and_exact(family):
         torch.testing.assert_close(torch.cat(got[(tl, "v")], 2), wv, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("map_dtype", [torch.float32, torch.bfloat16])
+def test_token_slices_on_threads_give_the_whole_steps_cache(map_dtype, out_dtype):
+    """The sidecar maps each step in token slices, one per thread (mappings/split.py). Through a real cross-model map
+    (4 -> 6 layers, 2 -> 3 kv heads), a batch of two, a late start and uneven chunks, the cache is the one the whole
+    step gives, in the dtype asked for and rounded as the map's dtype says."""
+    from kvferry.mappings.artifact import load
+    from kvferry.mappings.split import TokenSplit
+
+    ms = load(ROOT / "maps" / "S__T" / "1.0.0").to(dtype=map_dtype)
+    g = ms.source.geometry
+    n = 90
+    src = make_kv(layers=g.layers, tokens=n, heads=g.kv_heads, head_dim=g.head_dim, batch=2, seed=6, dtype=out_dtype)
+    want = apply(ms, src, 37)
+    split = TokenSplit(3, min_slice=8)
+    assert [len(x) for x in _slices(split, n)] == [30, 30, 30] and _slices(split, 20) == [range(0, 10), range(10, 20)]
+    app = StreamingApplier(ms, 37, split=split)
+    got: dict[int, list] = {}
+    for s, e in ((0, 5), (5, 41), (41, 90)):
+        for layer, (k, v) in enumerate(src):
+            for kind, t in (("k", k), ("v", v)):
+                for tl, a, b, tk, tv in app.push(layer, kind, t[:, :, s:e], s):
+                    got.setdefault(tl, []).append((tk, tv))
+    for tl, (wk, wv) in enumerate(want):
+        k, v = torch.cat([k for k, _ in got[tl]], 2), torch.cat([v for _, v in got[tl]], 2)
+        assert k.dtype == v.dtype == out_dtype and k.shape == wk.shape
+        if map_dtype == torch.bfloat16:
+            torch.testing.assert_close(k, k.bfloat16().to(out_dtype), rtol=0, atol=0)  # carries the map's precision
+        tol = 0 if out_dtype == torch.float32 and map_dtype == torch.float32 else 2 ** -7  # else: one bf16 rounding
+        torch.testing.assert_close(k, wk, rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * float(wk.abs().max()))
+        torch.testing.assert_close(v, wv, rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * float(wv.abs().max()))
+
+
+def _slices(split, n: int) -> list[range]:
+    seen = []
+    split.run(n, lambda a, b: seen.append(range(a, b)))
+    return sorted(seen, key=lambda r: r.start)
+
+
+def test_a_token_split_runs_its_slices_at_once_and_waits_for_all_of_them():
+    """The first slice runs on the calling thread, the others on helper threads that run torch on one core; a
+    helper's error reaches the caller, but only once every slice has stopped writing."""
+    import threading
+    import time
+
+    from kvferry.mappings.split import TokenSplit
+
+    split = TokenSplit(2, min_slice=4)
+    seen, finished = [], []
+
+    def work(a, b):
+        seen.append((a, b, threading.current_thread().name, torch.get_num_threads()))
+        if a == 0:
+            time.sleep(0.2)  # the caller's slice outlasts the helper's
+            finished.append(a)
+        else:
+            raise RuntimeError("helper failed")
+
+    with pytest.raises(RuntimeError, match="helper failed"):
+        split.run(8, work)
+    assert finished == [0]
+    assert sorted(seen)[0][:3] == (0, 4, threading.current_thread().name)
+    assert sorted(seen)[1][:2] == (4, 8) and sorted(seen)[1][2].startswith("kvferry-split") and sorted(seen)[1][3] == 1
+    assert _slices(split, 7) == [range(0, 7)]  # below two slices' worth: no hand-off
+    with pytest.raises(ValueError, match="at least one part"):
+        TokenSplit(0)
+
+
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
 def test_a_bfloat16_map_gives_the_same_cache_whichever_dtype_multiplies_it(family, monkeypatch, compute):
     """CPUs without AVX-512 multiply bf16 matrices 40-70x slower than fp32 ones, so there a bf16 map is multiplied in

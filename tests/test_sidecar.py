@@ -503,6 +503,37 @@ def test_size_limits_carry_no_retry_hint(sidecar_factory, maps_dir):
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_hint(e.value) is None
 
 
+def test_map_steps_cut_across_threads_answer_as_the_whole_map_does(sidecar_factory, family):
+    """map_threads > 1 (the default on a multi-core CPU): each map step runs in token slices, the compute thread's
+    and its helpers', all running torch on one core. Through a real cross-model map (4 -> 6 layers, 2 -> 3 kv heads)
+    the answer is the whole-cache apply's, with three slices or none."""
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.artifact import load
+    from kvferry.mappings.errors import InvalidInput
+    from kvferry.sidecar.config import SidecarConfig
+    from conftest import ROOT
+
+    ms = load(ROOT / "maps" / "S__T" / "1.0.0")
+    g = ms.source.geometry
+    kv = make_kv(layers=g.layers, tokens=600, heads=g.kv_heads, head_dim=g.head_dim, seed=11)
+    want = apply(ms, kv, 0)
+    s = family["S"].identity
+    kw = dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer)
+    for threads in (3, 1):
+        sc = sidecar_factory(maps_dir=str(ROOT / "maps"), map_threads=threads, force_maps=True)
+        compute = sc.sidecar.servicer.compute
+        assert (compute.split.parts if compute.split else 1) == threads
+        if threads > 1:
+            assert compute.submit(torch.get_num_threads).result() == 1  # the compute thread runs torch on one core
+        with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:  # whole layers: 600-token steps
+            for (k, v), (wk, wv) in zip(c.translate(kv, "S__T", "1.0.0", **kw).layers(), want):
+                torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4), torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4)
+    assert SidecarConfig(map_threads=0, threads=3).resolved_map_threads() == 3
+    assert SidecarConfig(map_threads=4, device="cuda").resolved_map_threads() == 1  # a GPU step is one kernel launch
+    with pytest.raises(InvalidInput, match="map_threads must be >= 0"):
+        SidecarConfig(map_threads=-1)
+
+
 def test_maps_are_warmed_on_the_compute_thread_before_readiness(sidecar_factory, maps_dir, monkeypatch):
     """The first request used to pay ~1.5 s of one-off set-up (and could miss a short --max-stream-seconds):
     each servable map now runs once on the compute thread before health reports SERVING."""
@@ -512,8 +543,8 @@ def test_maps_are_warmed_on_the_compute_thread_before_readiness(sidecar_factory,
 
     seen = []
     real = server.warm
-    monkeypatch.setattr(server, "warm", lambda ms: (seen.append((ms.name, ms.version, threading.current_thread().name)),
-                                                     real(ms)))
+    monkeypatch.setattr(server, "warm", lambda ms, split: (seen.append((ms.name, ms.version, threading.current_thread().name)),
+                                                            real(ms, split)))
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     assert [(n, v) for n, v, _ in seen] == [("S__S-self", "1.0.0")]
     assert seen[0][2].startswith("kvferry-compute")

@@ -47,10 +47,10 @@ def source(per_token):
     return make_kv(layers=g.layers, tokens=50, heads=g.kv_heads, head_dim=g.head_dim, seed=5)
 
 
-def _stream(ms, kv, chunk, positions=0, context=0):
+def _stream(ms, kv, chunk, positions=0, context=0, split=None):
     """Push ``kv`` token range by token range (every layer per range); the first ``context`` tokens are context."""
     n = kv[0][0].shape[2]
-    app = StreamingApplier(ms, positions, tokens=n - context, context=context)
+    app = StreamingApplier(ms, positions, tokens=n - context, context=context, split=split)
     out: dict[int, list] = {}
     for s in range(0, n, chunk):
         for layer, (k, v) in enumerate(kv):
@@ -98,6 +98,21 @@ def test_a_later_start_needs_the_tokens_before_it(per_token, source):
         torch.testing.assert_close(k, wk[:, :, 2:], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(v, wv[:, :, 2:], rtol=1e-4, atol=1e-4)
     StreamingApplier(per_token, positions=10)  # per-token maps need no context
+
+
+@pytest.mark.parametrize("chunk", [9, 50])
+def test_token_slices_on_threads_read_the_tokens_before_them(per_token, source, chunk):
+    """A map step cut into token slices on several threads (mappings/split.py): each slice's window reaches back into
+    the slice before it, and into the chunk before; the answer is the one step's, through a real cross-model map."""
+    from kvferry.mappings.split import TokenSplit
+
+    win = windowed(per_token, 3, 1)
+    split = TokenSplit(3, min_slice=2)
+    whole = _stream(win, source, 50)
+    for got in (_stream(win, source, chunk, split=split), _stream(win, source, chunk, positions=2, context=2, split=split)):
+        for (k, v), (wk, wv) in zip(got, whole):
+            torch.testing.assert_close(k, wk[:, :, -k.shape[2]:], rtol=1e-4, atol=1e-4)  # matmuls of other row counts
+            torch.testing.assert_close(v, wv[:, :, -v.shape[2]:], rtol=1e-4, atol=1e-4)
 
 
 def test_artifact_keeps_the_window_and_says_format_2(per_token, tmp_path):

@@ -50,7 +50,7 @@ def echo_handler():
 async def _main(a: argparse.Namespace) -> None:
     cfg = SidecarConfig(maps_dir=a.maps_dir, port=0, reload_seconds=0, force_maps=True, redis_url=a.redis_url,
                         prefix_secret=a.prefix_secret, prefix_block_size=a.prefix_block_size, threads=a.threads,
-                        max_streams=a.max_streams)
+                        max_streams=a.max_streams, map_threads=a.map_threads)
     sc = Sidecar(cfg, extra_handlers=(echo_handler(),))
     port = await sc.start()
     print(f"listening on 127.0.0.1:{port}", flush=True)
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--prefix-secret", default="")
     ap.add_argument("--prefix-block-size", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--map-threads", type=int, default=0)
     ap.add_argument("--max-streams", type=int, default=64)
     asyncio.run(_main(ap.parse_args()))
 

@@ -16,6 +16,8 @@ Variants:
                   building the next message)
   switch_0.5ms    the shipped sidecar with Python's GIL switch interval at 0.5 ms (default 5 ms): do the event loop and
                   the store's I/O thread wait on each other for the GIL?
+  map_threads_1   (session 20) the sidecar as before session 20: the compute thread on torch's two-thread pool, no
+                  token slices (map_threads = 1); "shipped" cuts map steps across two single-threaded threads
   no_get          not a lever: the sidecar answers a repeated MGET from memory (the same bytes objects), so the hit
                   costs everything but the store read; against the floor, what the sidecar and client add
 
@@ -35,8 +37,10 @@ from kvferry.common.stores import RedisStore
 
 KEEP_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 ENV = {"keep_memory": KEEP_MEMORY}
+FLAGS = {"map_threads_1": {"map_threads": 1}}  # bench server flags of a variant
 VARIANTS = {
     "shipped": "",
+    "map_threads_1": "",
     "keep_memory": "",
     "no_compute_hop": ("import concurrent.futures as cf, kvferry.sidecar.prefix_flow as pf\n"
                        "class Inline:\n"
@@ -93,7 +97,7 @@ def main() -> None:
     try:
         for v in a.variants:
             servers[v] = ServerProcess(paths.maps_dir(), code=VARIANTS[v], env=ENV.get(v), redis_url=redis_server.url,
-                                       prefix_secret=SECRET.decode(), prefix_block_size=BS)
+                                       prefix_secret=SECRET.decode(), prefix_block_size=BS, **FLAGS.get(v, {}))
         clients = {v: TranslateClient(ClientOptions(target=sc.address, timeout=300)) for v, sc in servers.items()}
         store = RedisStore(redis_server.url)
         for n in a.sizes:

@@ -37,7 +37,11 @@ def vllm_like_cache(pages: int, page: int, heads: int, dim: int, dtype: torch.dt
 
 
 def main() -> None:
-    a = hit_args(sizes=(2048, 8192), reps=15, more=lambda ap: ap.add_argument("--page", type=int, default=16))
+    def more(ap):
+        ap.add_argument("--page", type=int, default=16)
+        ap.add_argument("--map-threads", type=int, default=0, help="the sidecar's map_threads (1: as before session 20)")
+
+    a = hit_args(sizes=(2048, 8192), reps=15, more=more)
     page = a.page
     ms, source, target = bench_pair()
     g = ms.target.geometry
@@ -46,7 +50,8 @@ def main() -> None:
         cfg = SidecarConfig(maps_dir=str(paths.maps_dir()), redis_url=redis_server.url, prefix_secret=SECRET.decode(),
                             prefix_block_size=BS)
         service, compute = PrefixService(cfg, Metrics()), ThreadPoolExecutor(1)
-        with ServerProcess(paths.maps_dir(), redis_url=redis_server.url, prefix_secret=SECRET.decode(), prefix_block_size=BS) as sc, \
+        with ServerProcess(paths.maps_dir(), redis_url=redis_server.url, prefix_secret=SECRET.decode(), prefix_block_size=BS,
+                           map_threads=a.map_threads) as sc, \
                 TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
             for n in a.sizes:
                 _, _, kw = published_prefix(source, target, ms, RedisStore(redis_server.url), SECRET, n, BS)

@@ -17,6 +17,8 @@ Variants:
   buffered        the shipped sidecar, except that a request is received whole before any of it is mapped (no
                   overlap of the upload with the map: what the serial bound assumes)
   threads_1       the shipped sidecar mapping with one torch thread
+  map_threads_1   (session 20) the sidecar as before session 20: the compute thread on torch's own pool, no token
+                  slices (map_threads = 1); "in_place" cuts each map step across single-threaded threads
   switch_0.5ms    the shipped sidecar with Python's GIL switch interval at 0.5 ms (default 5 ms): does the compute
                   thread wait for the GIL behind the event loop's thread after each torch op?
   base            the sidecar as committed at --base (default HEAD), built into a temporary folder and run from it,
@@ -84,7 +86,7 @@ def build_commit(rev: str, root: Path) -> str:
 
 VARIANTS = {"base": {}, "protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place": {}, "in_place+malloc": dict(env=KEEP_MEMORY),
             "in_place+passive": dict(env={"OMP_WAIT_POLICY": "PASSIVE"}), "buffered": dict(code=BUFFERED),
-            "threads_1": dict(threads=1), "switch_0.5ms": dict(code=SWITCH), "scan_on_io_thread": dict(code=SCAN_ON_IO_THREAD),
+            "threads_1": dict(threads=1), "map_threads_1": dict(map_threads=1), "switch_0.5ms": dict(code=SWITCH), "scan_on_io_thread": dict(code=SCAN_ON_IO_THREAD),
             "malloc_keep": dict(env={"GLIBC_TUNABLES": MALLOC_KEEP}), "malloc_thp": dict(env={"GLIBC_TUNABLES": MALLOC_THP}),
             "malloc_thp_keep": dict(env={"GLIBC_TUNABLES": f"{MALLOC_THP}:{MALLOC_KEEP}"})}
 
