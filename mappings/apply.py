@@ -8,7 +8,7 @@ is rounded to bfloat16 before any cast to the output dtype either way.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -17,7 +17,9 @@ from .capture import LayerKV
 from .errors import InvalidInput
 from .features import from_features, to_features
 from .precision import matmul_dtype
-from .split import TokenSplit
+
+if TYPE_CHECKING:
+    from .lanes import Lanes
 
 
 def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.Tensor, dim: int) -> None:
@@ -30,8 +32,23 @@ def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.
         pieces[-2:] = [(s0, torch.cat([a, b], dim=dim))]
 
 
-def _whole(n: int, fn) -> None:
-    fn(0, n)
+def check_push(ms: MapSet, layer: int, kind: str, tensor: torch.Tensor, start: int, expect: int,
+               tokens: int | None) -> None:
+    """Refuse a source chunk that is not the next one of its (layer, kind): ``expect`` is the next token it must start
+    at, ``tokens`` the declared total (None: open-ended)."""
+    sg = ms.source.geometry
+    if kind not in KINDS:
+        raise InvalidInput(f"kind must be 'k' or 'v', got {kind!r}")
+    if not 0 <= layer < sg.layers:
+        raise InvalidInput(f"source layer {layer} out of range 0..{sg.layers - 1}")
+    if tensor.dim() != 4 or tensor.shape[1] != sg.kv_heads or tensor.shape[3] != sg.head_dim:
+        raise InvalidInput(f"source layer {layer} {kind.upper()} has shape {tuple(tensor.shape)}; expected "
+                           f"[batch, {sg.kv_heads}, tokens, {sg.head_dim}]")
+    if start != expect:
+        raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens must arrive in order; expected start "
+                           f"{expect}, got {start}" + (" (sent twice?)" if start < expect else ""))
+    if tokens is not None and start + tensor.shape[2] > tokens:
+        raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens past the declared {tokens}")
 
 
 class StreamingApplier:
@@ -51,7 +68,7 @@ class StreamingApplier:
     """
 
     def __init__(self, ms: MapSet, positions: int = 0, out_dtype: torch.dtype | None = None, tokens: int | None = None,
-                 context: int = 0, split: TokenSplit | None = None):
+                 context: int = 0):
         if not isinstance(positions, int):
             raise InvalidInput("positions must be the absolute position (int) of the first token")
         if context != min(ms.context, positions):
@@ -64,7 +81,6 @@ class StreamingApplier:
         self.context = context
         self.out_dtype = out_dtype
         self.tokens = tokens  # total tokens, when known: completion is then checkable
-        self._run = split.run if split is not None else _whole  # per-token work: in slices on threads, or at once
         self._groups = ms.fused_groups(matmul_dtype(ms.dtype, ms.device))  # maps reading the same source features share one matmul
         self._done = [0] * len(self._groups)  # tokens mapped per group
         self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind); starts at -context
@@ -82,27 +98,15 @@ class StreamingApplier:
     def push(self, layer: int, kind: str, tensor: torch.Tensor, start: int = 0) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
         """Add source ``layer``'s K ("k") or V ("v") for tokens [start, start + T): tensor [B, H, T, D]."""
         sg = self.ms.source.geometry
-        if kind not in KINDS:
-            raise InvalidInput(f"kind must be 'k' or 'v', got {kind!r}")
-        if not 0 <= layer < sg.layers:
-            raise InvalidInput(f"source layer {layer} out of range 0..{sg.layers - 1}")
-        if tensor.dim() != 4 or tensor.shape[1] != sg.kv_heads or tensor.shape[3] != sg.head_dim:
-            raise InvalidInput(f"source layer {layer} {kind.upper()} has shape {tuple(tensor.shape)}; expected "
-                               f"[batch, {sg.kv_heads}, tokens, {sg.head_dim}]")
         key = (layer, kind)
-        expect = self._next.get(key, -self.context)
-        if start != expect:
-            raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens must arrive in order; expected start "
-                               f"{expect}, got {start}" + (" (sent twice?)" if start < expect else ""))
+        check_push(self.ms, layer, kind, tensor, start, self._next.get(key, -self.context), self.tokens)
         n = tensor.shape[2]
-        if self.tokens is not None and start + n > self.tokens:
-            raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens past the declared {self.tokens}")
         if self.out_dtype is None:
             self.out_dtype = tensor.dtype
         pos = range(self.start_position + start, self.start_position + start + n)
         rope = sg.rope if kind == "k" else None
         feats = torch.empty(tensor.shape[0], n, sg.kv_width, dtype=self.ms.dtype, device=tensor.device)
-        self._run(n, lambda a, b: to_features(tensor[:, :, a:b], rope, pos[a:b], self.ms.dtype, feats[:, a:b]))
+        to_features(tensor, rope, pos, self.ms.dtype, feats)
         _append_merged(self._feats.setdefault(key, []), start, feats, dim=1)
         self._next[key] = start + n
         yield from self._advance()
@@ -134,7 +138,7 @@ class StreamingApplier:
             f = self._feats[(sources[0], inputs[0])][0][1]
             outs = [torch.empty(f.shape[0], tg.kv_heads, ready - a, tg.head_dim, dtype=self.out_dtype, device=f.device)
                     for _ in keys]
-            self._run(ready - a, lambda i, j: self._map_rows(gi, a + i, a + j, [o[:, :, i:j] for o in outs]))
+            self._map_rows(gi, a, ready, outs)
             for (t, kind), out in zip(keys, outs):
                 _append_merged(self._out[(t, kind)], a, out, dim=2)
                 self._produced[(t, kind)] = ready
@@ -150,8 +154,8 @@ class StreamingApplier:
                 yield t, a, upto, k, v
 
     def _map_rows(self, gi: int, a: int, b: int, outs: list[torch.Tensor]) -> None:
-        """Group ``gi``'s map for tokens [a, b), written into ``outs`` (one [B, H, b - a, D] view per target (layer,
-        kind) the group feeds). Reads features, writes only ``outs``: slices of a step may run on several threads."""
+        """Group ``gi``'s map for tokens [a, b), written into ``outs`` (one [B, H, b - a, D] tensor per target (layer,
+        kind) the group feeds)."""
         tg = self.ms.target.geometry
         group, keys, _, _ = self._groups[gi]
         x = self._inputs(group, a, b)
@@ -178,6 +182,25 @@ class StreamingApplier:
             if key in self._feats:
                 self._feats[key] = [(s, f) for s, f in self._feats[key] if s + f.shape[1] > low]
 
+    maps_off_thread = False  # push yields everything its chunk completes; nothing is finished later
+
+    def poll(self) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+        """Output finished since the last push: none here (``push`` yields it all)."""
+        return iter(())
+
+    def drain(self) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+        """What pushed chunks completed and ``push`` has not yet yielded: nothing here (``push`` yields it all; a
+        LanedApplier may hold some back)."""
+        return iter(())
+
+    def close(self) -> None:
+        """Drop work not yet done (nothing to drop here: ``push`` does its work before it returns)."""
+
+    @property
+    def lane_seconds(self) -> float:
+        """Map time spent off the calling thread: none here."""
+        return 0.0
+
     @property
     def emitted(self) -> int:
         """Tokens emitted for every target layer."""
@@ -190,16 +213,27 @@ class StreamingApplier:
 
 @torch.no_grad()
 def apply(ms: MapSet, source_kv: list[LayerKV], positions: int = 0, context: int = 0,
-          split: TokenSplit | None = None) -> list[LayerKV]:
+          lanes: Lanes | None = None) -> list[LayerKV]:
     """Map a whole source cache whose first mapped token sits at absolute position ``positions``. ``context``: for a
     windowed map starting past position 0, the cache's first tokens are the ``context`` before it (read, not mapped).
-    ``split``: run the per-token work in token slices on its threads (split.py)."""
+    ``lanes``: map token ranges on those threads at once (lanes.py)."""
     if len(source_kv) != ms.source.geometry.layers:
         raise InvalidInput(f"source cache has {len(source_kv)} layers; the map expects {ms.source.geometry.layers}")
-    applier = StreamingApplier(ms, positions or 0, context=context, split=split)
-    out: dict[int, LayerKV] = {}
+    n = int(source_kv[0][0].shape[2]) - context
+    applier = (lanes.applier(ms, positions or 0, None, n, context) if lanes is not None else
+               StreamingApplier(ms, positions or 0, context=context))
+    out: dict[int, list[LayerKV]] = {}
     for layer, (k, v) in enumerate(source_kv):
         for kind, tensor in (("k", k), ("v", v)):
             for t, a, b, tk, tv in applier.push(layer, kind, tensor, -context):
-                out[t] = (tk, tv)  # whole layers here: each target layer is emitted once
-    return [out[t] for t in range(ms.target.geometry.layers)]
+                out.setdefault(t, []).append((tk, tv))
+    for t, a, b, tk, tv in applier.drain():
+        out.setdefault(t, []).append((tk, tv))
+    return [_joined(out[t]) for t in range(ms.target.geometry.layers)]
+
+
+def _joined(pieces: list[LayerKV]) -> LayerKV:
+    """A target layer's pieces in token order, as one (K, V): the piece itself when there is one."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat([k for k, _ in pieces], 2), torch.cat([v for _, v in pieces], 2)

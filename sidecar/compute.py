@@ -7,10 +7,11 @@ ran at about one core's speed: 13.9 ms against 7.7 ms for the tiny family at n =
 (docs/benchmarks.md, session 11). Views of received bytes, slicing, numpy's copy of a tensor's data into a message,
 and stored bytes sent as they are may run anywhere: they start no torch parallel region.
 
-With ``map_threads`` > 1 (the default on a multi-core CPU) the compute thread runs torch on one core, and each map
-step's tokens are cut into that many slices, the others on helper threads that also run torch on one core
-(mappings/split.py says why that beats torch's own pool while transfers share the cores). The compute thread still
-orders all the work: helpers only ever run slices of the step it is in.
+With ``map_threads`` > 1 (the default on a multi-core CPU) the compute thread runs torch on one core and a
+translation's tokens are cut into that many lanes, each mapped through every layer on a lane thread of its own that
+runs torch on one core (mappings/lanes.py says why that beats torch's own pool while transfers share the cores). The
+compute thread still orders all the work: it validates each chunk, hands each lane its part and sends what they
+finished, without waiting for them.
 """
 
 from __future__ import annotations
@@ -18,19 +19,24 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from kvferry.mappings.split import TokenSplit, one_torch_thread
+from kvferry.mappings.lanes import Lanes, one_torch_thread
 
 THREAD_NAME = "kvferry-compute"
 
 
 class ComputeThread(ThreadPoolExecutor):
-    """The executor of the one compute thread (one per sidecar), with the token split its map steps use (None: the
-    thread's own torch pool does the parallel work)."""
+    """The executor of the one compute thread (one per sidecar), with the lanes its translations are mapped on (None:
+    the thread's own torch pool does the parallel work)."""
 
     def __init__(self, map_threads: int = 1):
-        split = map_threads > 1
-        super().__init__(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=one_torch_thread if split else None)
-        self.split = TokenSplit(map_threads) if split else None
+        laned = map_threads > 1
+        super().__init__(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=one_torch_thread if laned else None)
+        self.lanes = Lanes(map_threads) if laned else None
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait, cancel_futures=cancel_futures)
+        if self.lanes is not None:
+            self.lanes.shutdown()
 
 
 async def on_compute(compute: Executor, fn, *args):

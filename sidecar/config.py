@@ -58,9 +58,10 @@ class SidecarConfig:
     threads: int = 0
     """Torch CPU threads; 0 leaves torch's default."""
     map_threads: int = 0
-    """Threads a map step's tokens are cut across, each running torch on one core (compute.py); 0: as many as torch
-    has CPU threads (``threads`` or torch's default); 1: the compute thread alone, on torch's intra-op pool. Slices
-    stall less than torch's pool while transfers share the cores (docs/benchmarks.md, session 20). Off a CPU, 1."""
+    """Token lanes a translation is mapped in, each a thread running torch on one core (compute.py, lanes.py); 0: as
+    many as torch has CPU threads (``threads`` or torch's default); 1: the compute thread alone, on torch's intra-op
+    pool. Lanes stall less than torch's pool while transfers share the cores (docs/benchmarks.md, sessions 20-21).
+    Off a CPU, 1."""
     tls_cert: str = ""
     """PEM server certificate; with tls_key, serve TLS."""
     tls_key: str = ""
@@ -131,7 +132,7 @@ class SidecarConfig:
         self.limits
 
     def resolved_map_threads(self) -> int:
-        """How many token slices a map step runs in: map_threads, or (0) torch's CPU threads; 1 off a CPU."""
+        """How many token lanes a translation is mapped in: map_threads, or (0) torch's CPU threads; 1 off a CPU."""
         if self.device != "cpu":
             return 1
         if self.map_threads:

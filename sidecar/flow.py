@@ -50,12 +50,33 @@ class TranslateFlow:
         cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed
         session, initial = await on_compute(self.compute, start_session, spec, ms, self.limits, cached, True, write_back,
-                                            self.compute.split)
+                                            self.compute.lanes)
         return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0, initial)
 
     async def add(self, opened: Opened, chunk: Chunk, encode) -> list:
         """Map what ``chunk`` completes on the compute thread, and ``encode`` each block there too."""
         return await on_compute(self.compute, _add, opened.session, chunk, encode)
+
+    def wake_event(self, opened: Opened) -> asyncio.Event | None:
+        """An event set whenever the session's map finishes output between chunks (lanes), for ``poll``; None when
+        its output always comes back from ``add``."""
+        loop, wake = asyncio.get_running_loop(), asyncio.Event()
+
+        def on_output() -> None:  # on a lane's thread
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop has closed: nobody is waiting
+                pass
+
+        return wake if opened.session.wake_on_output(on_output) else None
+
+    async def poll(self, opened: Opened, encode) -> list:
+        """What the session's map finished since: encoded on the compute thread."""
+        return await on_compute(self.compute, _poll, opened.session, encode)
+
+    async def drain(self, opened: Opened, encode) -> list:
+        """End of the request stream: wait for the map's last work, and ``encode`` the blocks it completed."""
+        return await on_compute(self.compute, _drain, opened.session, encode)
 
     def finish(self, opened: Opened) -> Stats:
         """End of the request stream: the stats, the metrics, and (off the critical path) the write-back."""
@@ -84,3 +105,11 @@ class TranslateFlow:
 def _add(session: TranslateSession, chunk: Chunk, encode) -> list:
     blocks: list[Block] = session.add(chunk)
     return [encode(b) for b in blocks]
+
+
+def _poll(session: TranslateSession, encode) -> list:
+    return [encode(b) for b in session.poll()]
+
+
+def _drain(session: TranslateSession, encode) -> list:
+    return [encode(b) for b in session.drain()]

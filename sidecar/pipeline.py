@@ -15,7 +15,7 @@ from kvferry.common.prefix_cache import Lookup
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import Incompatible, InvalidInput
-from kvferry.mappings.split import TokenSplit
+from kvferry.mappings.lanes import Lanes
 
 from .limits import Limits
 
@@ -80,12 +80,12 @@ class TranslateSession:
     ``cached``: target KV for the first tokens, found in the prefix store: a Lookup (its blocks' bytes are
     sent as stored when the layout is contiguous and the dtype matches: one copy, into the messages), or
     per target layer (K, V) [1, kv_heads, m, head_dim]; those tokens are not mapped again. ``expect_chunks=False`` for requests whose
-    source KV came from the store. ``keep_output`` retains the target KV (for write-back). ``split``: map steps run in token
-slices on its threads (compute.py).
+    source KV came from the store. ``keep_output`` retains the target KV (for write-back). ``lanes``: the tokens are mapped in
+lanes on those threads (compute.py); then blocks may leave only at ``drain``.
     """
 
     def __init__(self, spec: TranslateSpec, ms: MapSet, limits: Limits, cached: Lookup | list | None = None,
-                 expect_chunks: bool = True, keep_output: bool = False, split: TokenSplit | None = None):
+                 expect_chunks: bool = True, keep_output: bool = False, lanes: Lanes | None = None):
         check_spec(spec, ms, limits)
         self.spec, self.ms = spec, ms
         self.out_dtype = target_dtype(spec, ms)
@@ -106,8 +106,8 @@ slices on its threads (compute.py).
             raise InvalidInput(f"map {ms.name} {ms.version} reads the {ms.context} source tokens before each token, and this "
                                f"request starts at position {spec.start_position} without them: send the sequence from "
                                "position 0 (its cached prefix is not mapped again), or use a per-token map")
-        self.applier = (StreamingApplier(ms, spec.start_position + self.skip, self.out_dtype, n - self.skip, self.context,
-                                         split) if self.skip < n else None)
+        args = (ms, spec.start_position + self.skip, self.out_dtype, n - self.skip, self.context)
+        self.applier = (None if self.skip >= n else lanes.applier(*args) if lanes is not None else StreamingApplier(*args))
         layers = ms.target.geometry.layers
         self._next: dict[tuple[int, str], int] = {}
         self._index = [0] * layers  # next contiguous block index per target layer
@@ -173,14 +173,50 @@ slices on its threads (compute.py).
         lo = max(chunk.start, first)
         tensor = chunk.tensor[:, lo - chunk.start :][None]
         t0 = time.perf_counter()
-        blocks = []
-        for layer, a, b, k, v in self.applier.push(chunk.layer, chunk.kind, tensor, lo - self.skip):
-            blocks += self._emit(layer, a + self.skip, b + self.skip, k, v)
+        blocks = self._emit_all(self.applier.push(chunk.layer, chunk.kind, tensor, lo - self.skip))
         self.stats.compute_seconds += time.perf_counter() - t0
         return blocks
 
-    def _emit(self, layer: int, a: int, b: int, k: torch.Tensor, v: torch.Tensor) -> list[Block]:
-        """k, v: [1, kv_heads, b - a, head_dim] for target tokens [a, b)."""
+    def drain(self) -> list[Block]:
+        """After the last chunk: the blocks whose map was still running (lanes), once it has finished. Refuses a
+        truncated stream first (nothing to wait for)."""
+        self._check_complete()
+        if self.applier is None:
+            return []
+        blocks = self._emit_all(self.applier.drain())
+        self.stats.compute_seconds += self.applier.lane_seconds
+        return blocks
+
+    def poll(self) -> list[Block]:
+        """The blocks whose map finished after ``add`` returned (lanes: see ``wake_on_output``)."""
+        return self._emit_all(self.applier.poll()) if self.applier is not None else []
+
+    def wake_on_output(self, wake) -> bool:
+        """Have ``wake()`` called (from another thread) whenever the map finishes output after ``add`` returned;
+        False when it never does (its output always comes back from ``add``)."""
+        if self.applier is None or not self.applier.maps_off_thread:
+            return False
+        self.applier.on_output = wake
+        return True
+
+    def close(self) -> None:
+        """The request ended (answered or not): work still queued for it is dropped."""
+        if self.applier is not None:
+            self.applier.close()
+
+    def _emit_all(self, mapped) -> list[Block]:
+        """Blocks of the mapped pieces (target layer, start, end, K, V), paged ones cut once every piece of a layer
+        is in (lanes hand a layer over in several pieces at once: its pages are cut across them)."""
+        blocks, paged = [], []
+        for layer, a, b, k, v in mapped:
+            blocks += self._emit(layer, a + self.skip, b + self.skip, k, v, cut=False)
+            paged += [layer] if self.spec.layout == PAGED and layer not in paged else []
+        for layer in paged:
+            blocks += self._cut(layer)
+        return blocks
+
+    def _emit(self, layer: int, a: int, b: int, k: torch.Tensor, v: torch.Tensor, cut: bool = True) -> list[Block]:
+        """k, v: [1, kv_heads, b - a, head_dim] for target tokens [a, b). Paged with ``cut=False``: kept for ``_cut``."""
         if self.outputs is not None:
             self.outputs.setdefault(layer, []).append((k, v))
         if self.spec.layout != PAGED:
@@ -193,9 +229,13 @@ slices on its threads (compute.py).
             return out
         self._page[layer].append((k[0].transpose(0, 1), v[0].transpose(0, 1)))  # [tokens, H, D]
         self._page_fill[layer] += b - a
+        return self._cut(layer) if cut else []
+
+    def _cut(self, layer: int) -> list[Block]:
+        """The layer's pending tokens as blocks of whole pages; its last, partial page once every token is in."""
         out = []
         bs, most = self.spec.block_size, max(self._pages, 1)
-        last = b == self.spec.num_tokens  # the layer's last tokens: its partial page goes too
+        last = self._page_start[layer] + self._page_fill[layer] == self.spec.num_tokens
         while self._page_fill[layer] >= bs or (last and self._page_fill[layer]):  # up to `most` pages a block
             out.append(self._cut_pages(layer, min(self._page_fill[layer], most * bs) if last else
                                        min(self._page_fill[layer] // bs, most) * bs))
@@ -253,14 +293,17 @@ slices on its threads (compute.py).
                 for t in sorted(self.outputs or {})]
 
     def finish(self) -> Stats:
-        """Call when the request stream ends; raises if any layer is incomplete."""
+        """Call when the request stream ends (after ``drain``); raises if any layer is incomplete."""
+        self._check_complete()
+        self.stats.wall_seconds = time.perf_counter() - self._t0
+        return self.stats
+
+    def _check_complete(self) -> None:
         g = self.ms.source.geometry
         missing = [f"{l}{k.upper()}" for l in range(g.layers) for k in "kv" if self._next.get((l, k), 0) < self.spec.num_tokens]
         if self.expect_chunks and missing:
             raise InvalidInput(f"truncated stream: source layers {', '.join(missing[:8])}{'…' if len(missing) > 8 else ''} "
                                f"did not receive all {self.spec.num_tokens} tokens")
-        self.stats.wall_seconds = time.perf_counter() - self._t0
-        return self.stats
 
 
 def start_session(*args, **kw) -> tuple[TranslateSession, list[Block | BlockBytes]]:

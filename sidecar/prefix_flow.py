@@ -19,7 +19,7 @@ from kvferry.common.stores import StoreUnavailable, open_store
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.split import TokenSplit
+from kvferry.mappings.lanes import Lanes
 from kvferry.common.errors import NotFound
 
 from .compute import ComputeThread
@@ -127,7 +127,7 @@ class PrefixService:
         cached = tgt  # all stored: sent from the blobs' bytes
         if covered > tgt.end_block:
             cached, items = compute.submit(_map_stored, self.cache, ms, src, tgt, tgt_ns, context_blocks * bs - context,
-                                           covered, dtype, context, compute.split).result()
+                                           covered, dtype, context, compute.lanes).result()
             self._put(items)
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
         return (*compute.submit(start_session, spec2, ms, limits, cached, False).result(), tgt.end_block)
@@ -136,12 +136,12 @@ class PrefixService:
 # The functions below touch tensor data, so they run on the compute thread (compute.py).
 
 def _map_stored(cache: PrefixCache, ms: MapSet, src: Lookup, tgt: Lookup, tgt_ns: Namespace, drop: int, covered: int,
-                dtype: torch.dtype, context: int, split: TokenSplit | None):
+                dtype: torch.dtype, context: int, lanes: Lanes | None):
     """Map the stored source blocks past the stored target ones: (the target KV of every covered token, the mapped
     blocks encoded for the store)."""
     bs = cache.block_size
     layers = [(k[:, :, drop:], v[:, :, drop:]) for k, v in src.layers()]
-    mapped = [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, tgt.end_block * bs, context, split)]
+    mapped = [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, tgt.end_block * bs, context, lanes)]
     items = cache.encode_blocks(tgt_ns, tgt.hashes, mapped, tgt.end_block, covered, token_offset=tgt.end_block * bs)
     stored = tgt.layers()
     joined = mapped if not stored else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(stored, mapped)]

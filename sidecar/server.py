@@ -67,17 +67,17 @@ def enable_reflection(services: tuple[str, ...], server) -> None:
             response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}),))
 
 
-def warm(ms, split=None) -> None:
+def warm(ms, lanes=None) -> None:
     """One small translation through ``ms`` (zeros), so that kernel set-up, RoPE tables and weight casts happen
-    before the sidecar reports SERVING rather than in the first caller's request: on every thread of ``split``."""
+    before the sidecar reports SERVING rather than in the first caller's request: on every thread of ``lanes``."""
     import torch
 
     from kvferry.mappings.apply import apply
-    from kvferry.mappings.split import MIN_SLICE
+    from kvferry.mappings.lanes import MIN_SLICE
 
     g = ms.source.geometry
-    zeros = torch.zeros(1, g.kv_heads, MIN_SLICE * split.parts if split else 32, g.head_dim)
-    apply(ms, [(zeros, zeros) for _ in range(g.layers)], 0, split=split)
+    zeros = torch.zeros(1, g.kv_heads, MIN_SLICE * lanes.parts if lanes else 32, g.head_dim)
+    apply(ms, [(zeros, zeros) for _ in range(g.layers)], 0, lanes=lanes)
 
 
 class Sidecar:
@@ -155,7 +155,7 @@ class Sidecar:
             key = (e.maps.name, e.maps.version)
             if e.servable and key not in self.warmed:
                 try:
-                    await on_compute(self.servicer.compute, warm, e.maps, self.servicer.compute.split)
+                    await on_compute(self.servicer.compute, warm, e.maps, self.servicer.compute.lanes)
                 except Exception:  # noqa: BLE001 - a map that cannot warm up will fail its requests with a status
                     log.exception("warming map %s %s failed", *key)
                 self.warmed.add(key)

@@ -66,6 +66,40 @@ async def _before(requests, deadline: float):
         yield msg
 
 
+WAKE, _END = object(), object()
+
+
+async def _with_wakes(requests, wake: asyncio.Event | None):
+    """The requests, with WAKE in between whenever ``wake`` is set: a map running on lanes finished output while the
+    stream waited for the caller's next message (a caller may wait for the first target layer before sending the
+    rest). The next request is read while the current one is handled."""
+    if wake is None:
+        async for req in requests:
+            yield req
+        return
+    reader = asyncio.ensure_future(anext(requests, _END))
+    try:
+        while True:
+            if not reader.done() and not wake.is_set():
+                waiter = asyncio.ensure_future(wake.wait())
+                try:
+                    await asyncio.wait((reader, waiter), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+            if wake.is_set():
+                wake.clear()
+                yield WAKE
+            if reader.done():
+                req = reader.result()  # the request stream's own errors (its deadline, a bad message) are raised here
+                if req is _END:
+                    return
+                reader = asyncio.ensure_future(anext(requests, _END))
+                yield req
+    finally:
+        reader.cancel()  # a read still waiting; then its outcome is taken, so the stream is never closed mid-read
+        await asyncio.gather(reader, return_exceptions=True)
+
+
 async def _no_chunks():
     """The request stream of a TranslateByKey call after its header: nothing."""
     return
@@ -186,18 +220,34 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         opened = await self.flow.open(spec)
         session = opened.session
         self.sessions.add(session)
+        try:
+            async for out in self._answer(spec, opened, requests):
+                yield out
+        finally:
+            session.close()  # a failed or cancelled stream: its map work still queued is dropped
+
+    async def _answer(self, spec, opened, requests):
+        session = opened.session
         g = opened.ms.target.geometry
         yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
         for block in opened.initial:  # encoded as sent (numpy copies the data out: no torch parallel region)
             yield wire.encode_block_response(block)
-        async for req in requests:
-            if not isinstance(req, wire.ChunkFrame):  # the request decoder makes every chunk a frame
-                raise InvalidInput("after the header, a Translate stream carries only chunks")
-            session.check_chunk_header(req.layer, wire.chunk_kind(req), req.start, req.end)  # before the bytes are viewed
-            chunk = wire.chunk_from_frame(req, session.expected_shape(req.end - req.start), spec.source_dtype)
-            for encoded in await self.flow.add(opened, chunk, wire.encode_block_response):
-                yield encoded
+        wake = self.flow.wake_event(opened)
+        # closed here, before the caller closes the request stream: its read-ahead must end first
+        async with contextlib.aclosing(_with_wakes(requests, wake)) as stream:
+            async for req in stream:
+                if req is WAKE:  # the map finished output between chunks: send it now, not at the next chunk
+                    for encoded in await self.flow.poll(opened, wire.encode_block_response):
+                        yield encoded
+                    continue
+                if not isinstance(req, wire.ChunkFrame):  # the request decoder makes every chunk a frame
+                    raise InvalidInput("after the header, a Translate stream carries only chunks")
+                session.check_chunk_header(req.layer, wire.chunk_kind(req), req.start, req.end)  # before the bytes are viewed
+                chunk = wire.chunk_from_frame(req, session.expected_shape(req.end - req.start), spec.source_dtype)
+                for encoded in await self.flow.add(opened, chunk, wire.encode_block_response):
+                    yield encoded
         try:
+            last = await self.flow.drain(opened, wire.encode_block_response)  # refuses a truncated stream first
             stats = self.flow.finish(opened)
         except InvalidInput:
             # A caller's cancel reaches the handler as a plain end of stream, one event-loop turn before gRPC's
@@ -206,4 +256,6 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
             # INVALID_ARGUMENT this much later.
             await asyncio.sleep(CANCEL_NOTICE_SECONDS)
             raise
+        for encoded in last:
+            yield encoded
         yield wire.stats_to_pb(stats)

@@ -147,70 +147,101 @@ def test_one_token_chunks_layer_by_layer_stay_linear_and_exact(family):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("map_dtype", [torch.float32, torch.bfloat16])
-def test_token_slices_on_threads_give_the_whole_steps_cache(map_dtype, out_dtype):
-    """The sidecar maps each step in token slices, one per thread (mappings/split.py). Through a real cross-model map
-    (4 -> 6 layers, 2 -> 3 kv heads), a batch of two, a late start and uneven chunks, the cache is the one the whole
-    step gives, in the dtype asked for and rounded as the map's dtype says."""
+def test_token_lanes_on_threads_give_the_whole_maps_cache_in_token_order(map_dtype, out_dtype):
+    """The sidecar maps a translation's tokens in lanes, one thread each (mappings/lanes.py). Through a real
+    cross-model map (4 -> 6 layers, 2 -> 3 kv heads), a batch of two, a late start and chunks that straddle the lanes,
+    each target layer leaves in token order and the cache is the one the whole map gives, in the dtype asked for and
+    rounded as the map's dtype says."""
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.split import TokenSplit
+    from kvferry.mappings.lanes import Lanes
 
     ms = load(ROOT / "maps" / "S__T" / "1.0.0").to(dtype=map_dtype)
     g = ms.source.geometry
     n = 90
     src = make_kv(layers=g.layers, tokens=n, heads=g.kv_heads, head_dim=g.head_dim, batch=2, seed=6, dtype=out_dtype)
     want = apply(ms, src, 37)
-    split = TokenSplit(3, min_slice=8)
-    assert [len(x) for x in _slices(split, n)] == [30, 30, 30] and _slices(split, 20) == [range(0, 10), range(10, 20)]
-    app = StreamingApplier(ms, 37, split=split)
+    lanes = Lanes(3, min_slice=8)
+    app = lanes.applier(ms, 37, None, n, 0)
+    assert app.cuts == [0, 30, 60, 90] and lanes.applier(ms, 37, None, 20, 0).cuts == [0, 10, 20]
     got: dict[int, list] = {}
     for s, e in ((0, 5), (5, 41), (41, 90)):
         for layer, (k, v) in enumerate(src):
             for kind, t in (("k", k), ("v", v)):
                 for tl, a, b, tk, tv in app.push(layer, kind, t[:, :, s:e], s):
-                    got.setdefault(tl, []).append((tk, tv))
+                    got.setdefault(tl, []).append((a, b, tk, tv))
+    for tl, a, b, tk, tv in app.drain():
+        got.setdefault(tl, []).append((a, b, tk, tv))
+    assert app.done and app.lane_seconds > 0
     for tl, (wk, wv) in enumerate(want):
-        k, v = torch.cat([k for k, _ in got[tl]], 2), torch.cat([v for _, v in got[tl]], 2)
+        assert [a for a, *_ in got[tl]] == [0] + [b for _, b, *_ in got[tl]][:-1]  # token order, nothing missing
+        k, v = torch.cat([k for *_, k, _ in got[tl]], 2), torch.cat([v for *_, v in got[tl]], 2)
         assert k.dtype == v.dtype == out_dtype and k.shape == wk.shape
         if map_dtype == torch.bfloat16:
             torch.testing.assert_close(k, k.bfloat16().to(out_dtype), rtol=0, atol=0)  # carries the map's precision
         tol = 0 if out_dtype == torch.float32 and map_dtype == torch.float32 else 2 ** -7  # else: one bf16 rounding
         torch.testing.assert_close(k, wk, rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * float(wk.abs().max()))
         torch.testing.assert_close(v, wv, rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * float(wv.abs().max()))
+    assert torch.equal(apply(ms, src, 37, lanes=lanes)[5][0], torch.cat([k for *_, k, _ in got[5]], 2))
 
 
-def _slices(split, n: int) -> list[range]:
-    seen = []
-    split.run(n, lambda a, b: seen.append(range(a, b)))
-    return sorted(seen, key=lambda r: r.start)
-
-
-def test_a_token_split_runs_its_slices_at_once_and_waits_for_all_of_them():
-    """The first slice runs on the calling thread, the others on helper threads that run torch on one core; a
-    helper's error reaches the caller, but only once every slice has stopped writing."""
+def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(monkeypatch):
+    """Each lane is a thread running torch on one core; ``push`` hands the lanes their parts and returns without
+    waiting; a lane that finishes output calls ``on_output``; ``poll`` yields what is finished, ``drain`` waits for
+    the rest and raises a lane's error; ``close`` drops work still queued. Through a real cross-model map."""
     import threading
     import time
 
-    from kvferry.mappings.split import TokenSplit
+    from kvferry.mappings import lanes as lanes_module
+    from kvferry.mappings.artifact import load
 
-    split = TokenSplit(2, min_slice=4)
-    seen, finished = [], []
+    ms = load(ROOT / "maps" / "S__T" / "1.0.0")
+    g = ms.source.geometry
+    src = make_kv(layers=g.layers, tokens=16, heads=g.kv_heads, head_dim=g.head_dim, seed=2)
+    lanes = lanes_module.Lanes(2, min_slice=4)
+    gate, seen = threading.Event(), []
+    real = lanes_module.StreamingApplier.push
 
-    def work(a, b):
-        seen.append((a, b, threading.current_thread().name, torch.get_num_threads()))
-        if a == 0:
-            time.sleep(0.2)  # the caller's slice outlasts the helper's
-            finished.append(a)
-        else:
-            raise RuntimeError("helper failed")
+    def held(self, layer, kind, tensor, start=0):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        assert gate.wait(10)
+        yield from real(self, layer, kind, tensor, start)
 
-    with pytest.raises(RuntimeError, match="helper failed"):
-        split.run(8, work)
-    assert finished == [0]
-    assert sorted(seen)[0][:3] == (0, 4, threading.current_thread().name)
-    assert sorted(seen)[1][:2] == (4, 8) and sorted(seen)[1][2].startswith("kvferry-split") and sorted(seen)[1][3] == 1
-    assert _slices(split, 7) == [range(0, 7)]  # below two slices' worth: no hand-off
+    monkeypatch.setattr(lanes_module.StreamingApplier, "push", held)
+    app = lanes.applier(ms, 0, None, 16, 0)
+    woken = threading.Event()
+    app.on_output = woken.set
+    for layer, (k, v) in enumerate(src):
+        for kind, t in (("k", k), ("v", v)):
+            assert list(app.push(layer, kind, t, 0)) == []  # the lanes are held, and push did not wait for them
+    assert list(app.poll()) == [] and not woken.is_set()
+    gate.set()
+    assert woken.wait(10)  # a lane finished output: the caller is told, and can poll for it
+    out = list(app.poll()) + list(app.drain())
+    for layer in range(6):  # each target layer in token order (layers may interleave)
+        assert [(a, b) for t, a, b, *_ in out if t == layer] == [(0, 8), (8, 16)]
+    assert len(out) == 12
+    assert {t for t, _ in seen} == {"kvferry-lane0_0", "kvferry-lane1_0"} and {c for _, c in seen} == {1}
+    broken = lanes.applier(ms, 0, None, 16, 0)
+    monkeypatch.setattr(lanes_module.StreamingApplier, "push", lambda *a: iter([1 / 0]))
+    with pytest.raises(ZeroDivisionError):  # at the push that finds it, or at the drain
+        list(broken.push(0, "k", src[0][0], 0))
+        list(broken.drain())
+    gate.clear()
+    monkeypatch.setattr(lanes_module.StreamingApplier, "push", held)
+    closed = lanes.applier(ms, 0, None, 16, 0)
+    list(closed.push(0, "k", src[0][0], 0))  # held on the lanes
+    list(closed.push(0, "v", src[0][1], 0))  # queued behind
+    held_at = 2 * g.layers * 2 + 2
+    for _ in range(1000):  # until both lanes hold their first step
+        if len(seen) == held_at:
+            break
+        time.sleep(0.01)
+    closed.close()
+    gate.set()
+    assert list(closed.drain()) == [] and len(seen) == held_at  # the queued steps never ran
     with pytest.raises(ValueError, match="at least one part"):
-        TokenSplit(0)
+        lanes_module.Lanes(0)
+    lanes.shutdown()
 
 
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])

@@ -247,14 +247,19 @@ def test_gated_map_is_refused(sidecar_factory, maps_dir):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "passes the serving gates" in msg
 
 
-def test_pipelining_first_block_before_last_chunk(sidecar, family):
-    """Target layer 0 reads only source layer 0, so it must come back while later layers are unsent."""
+@pytest.mark.parametrize("tokens, map_threads", [(64, 1), (512, 2)])
+def test_pipelining_first_block_before_last_chunk(sidecar_factory, maps_dir, tokens, map_threads):
+    """Target layer 0 reads only source layer 0, so it must come back while later layers are unsent: on the compute
+    thread's own pool, and with the tokens mapped in two lanes (a chunk that completes a target layer waits for
+    the lanes)."""
     import threading
 
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-    kv = make_kv(layers=4, tokens=64, heads=2, head_dim=32)
-    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=64))  # header + 8 chunks
+    sidecar = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, map_threads=map_threads)
+    assert (sidecar.sidecar.servicer.compute.lanes is not None) == (map_threads > 1)
+    kv = make_kv(layers=4, tokens=tokens, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=tokens))  # header + 8 chunks
     first_block = threading.Event()
     sent_after_first_block = []
 
@@ -271,7 +276,7 @@ def test_pipelining_first_block_before_last_chunk(sidecar, family):
             kinds.append(msg.WhichOneof("msg"))
             if kinds[-1] == "block":
                 first_block.set()
-    assert kinds[0] == "header" and kinds[-1] == "trailer" and kinds.count("block") == 4
+    assert kinds[0] == "header" and kinds[-1] == "trailer" and kinds.count("block") == 4 * map_threads
     assert len(sent_after_first_block) == 6
 
 
@@ -503,10 +508,10 @@ def test_size_limits_carry_no_retry_hint(sidecar_factory, maps_dir):
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_hint(e.value) is None
 
 
-def test_map_steps_cut_across_threads_answer_as_the_whole_map_does(sidecar_factory, family):
-    """map_threads > 1 (the default on a multi-core CPU): each map step runs in token slices, the compute thread's
-    and its helpers', all running torch on one core. Through a real cross-model map (4 -> 6 layers, 2 -> 3 kv heads)
-    the answer is the whole-cache apply's, with three slices or none."""
+def test_maps_run_in_token_lanes_answer_as_the_whole_map_does(sidecar_factory, family):
+    """map_threads > 1 (the default on a multi-core CPU): a translation's tokens are mapped in lanes, each on a thread
+    of its own running torch on one core, fed by the compute thread (one core too). Through a real cross-model map
+    (4 -> 6 layers, 2 -> 3 kv heads) the answer is the whole-cache apply's, with three lanes or none."""
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
     from kvferry.mappings.errors import InvalidInput
@@ -522,7 +527,7 @@ def test_map_steps_cut_across_threads_answer_as_the_whole_map_does(sidecar_facto
     for threads in (3, 1):
         sc = sidecar_factory(maps_dir=str(ROOT / "maps"), map_threads=threads, force_maps=True)
         compute = sc.sidecar.servicer.compute
-        assert (compute.split.parts if compute.split else 1) == threads
+        assert (compute.lanes.parts if compute.lanes else 1) == threads
         if threads > 1:
             assert compute.submit(torch.get_num_threads).result() == 1  # the compute thread runs torch on one core
         with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:  # whole layers: 600-token steps
@@ -543,8 +548,8 @@ def test_maps_are_warmed_on_the_compute_thread_before_readiness(sidecar_factory,
 
     seen = []
     real = server.warm
-    monkeypatch.setattr(server, "warm", lambda ms, split: (seen.append((ms.name, ms.version, threading.current_thread().name)),
-                                                            real(ms, split)))
+    monkeypatch.setattr(server, "warm", lambda ms, lanes: (seen.append((ms.name, ms.version, threading.current_thread().name)),
+                                                            real(ms, lanes)))
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     assert [(n, v) for n, v, _ in seen] == [("S__S-self", "1.0.0")]
     assert seen[0][2].startswith("kvferry-compute")

@@ -47,16 +47,19 @@ def source(per_token):
     return make_kv(layers=g.layers, tokens=50, heads=g.kv_heads, head_dim=g.head_dim, seed=5)
 
 
-def _stream(ms, kv, chunk, positions=0, context=0, split=None):
+def _stream(ms, kv, chunk, positions=0, context=0, lanes=None):
     """Push ``kv`` token range by token range (every layer per range); the first ``context`` tokens are context."""
     n = kv[0][0].shape[2]
-    app = StreamingApplier(ms, positions, tokens=n - context, context=context, split=split)
+    app = (lanes.applier(ms, positions, None, n - context, context) if lanes else
+           StreamingApplier(ms, positions, tokens=n - context, context=context))
     out: dict[int, list] = {}
     for s in range(0, n, chunk):
         for layer, (k, v) in enumerate(kv):
             for kind, t in (("k", k), ("v", v)):
                 for tl, a, b, tk, tv in app.push(layer, kind, t[:, :, s : s + chunk], s - context):
                     out.setdefault(tl, []).append((a, tk, tv))
+    for tl, a, b, tk, tv in app.drain():
+        out.setdefault(tl, []).append((a, tk, tv))
     assert app.done
     return [(torch.cat([k for _, k, _ in sorted(out[t], key=lambda x: x[0])], 2),
              torch.cat([v for _, _, v in sorted(out[t], key=lambda x: x[0])], 2)) for t in sorted(out)]
@@ -101,15 +104,16 @@ def test_a_later_start_needs_the_tokens_before_it(per_token, source):
 
 
 @pytest.mark.parametrize("chunk", [9, 50])
-def test_token_slices_on_threads_read_the_tokens_before_them(per_token, source, chunk):
-    """A map step cut into token slices on several threads (mappings/split.py): each slice's window reaches back into
-    the slice before it, and into the chunk before; the answer is the one step's, through a real cross-model map."""
-    from kvferry.mappings.split import TokenSplit
+def test_token_lanes_read_the_tokens_before_them(per_token, source, chunk):
+    """A translation's tokens mapped in lanes on several threads (mappings/lanes.py): each lane's window reaches back
+    into the lane before it, and into the chunk before; the answer is the whole map's, through a real cross-model
+    map, from position 0 and from a later start with its context."""
+    from kvferry.mappings.lanes import Lanes
 
     win = windowed(per_token, 3, 1)
-    split = TokenSplit(3, min_slice=2)
+    lanes = Lanes(3, min_slice=2)
     whole = _stream(win, source, 50)
-    for got in (_stream(win, source, chunk, split=split), _stream(win, source, chunk, positions=2, context=2, split=split)):
+    for got in (_stream(win, source, chunk, lanes=lanes), _stream(win, source, chunk, positions=2, context=2, lanes=lanes)):
         for (k, v), (wk, wv) in zip(got, whole):
             torch.testing.assert_close(k, wk[:, :, -k.shape[2]:], rtol=1e-4, atol=1e-4)  # matmuls of other row counts
             torch.testing.assert_close(v, wv[:, :, -v.shape[2]:], rtol=1e-4, atol=1e-4)

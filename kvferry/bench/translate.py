@@ -48,7 +48,7 @@ def run(a: argparse.Namespace) -> int:
     registry = MapRegistry(a.maps_dir, force=True)
     registry.scan()
     ms: MapSet = registry.resolve(name, a.version)
-    slices = ComputeThread(a.map_threads or torch.get_num_threads())  # the sidecar's default: as many as torch's threads
+    laned = ComputeThread(a.map_threads or torch.get_num_threads())  # the sidecar's default: as many as torch's threads
     with ServerProcess(a.maps_dir, a.threads or 0, map_threads=a.map_threads) as echo:
         with TranslateClient(ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client:
             for n in a.sizes:
@@ -77,28 +77,28 @@ def run(a: argparse.Namespace) -> int:
                 def in_process():
                     return apply(ms, src, 0)
 
-                def in_slices():  # as the sidecar maps: on a one-core thread, each step cut across map_threads threads
-                    return slices.submit(torch.no_grad()(apply), ms, src, 0, 0, slices.split).result()
+                def in_lanes():  # as the sidecar maps: fed from a one-core thread, in map_threads token lanes
+                    return laned.submit(torch.no_grad()(apply), ms, src, 0, 0, laned.lanes).result()
 
                 wire_src = src if wire == torch.float32 else [(k.to(wire), v.to(wire)) for k, v in src]
                 payloads = [m.SerializeToString() for m in encode_requests(make_spec(wire_src, ms.name, ms.version, **kw), wire_src,
                                                                           chunk_tokens_for(client.options, wire_src))]
-                full(), translate_path(), in_process(), in_slices(), echo.roundtrip(payloads)  # warm-up
+                full(), translate_path(), in_process(), in_lanes(), echo.roundtrip(payloads)  # warm-up
                 t_full = median_seconds(full, a.reps)
                 t_path = median_seconds(translate_path, a.reps)
                 st = state["res"].stats
                 req_bytes = sum(len(p) for p in payloads)
                 # taken in turn within each round, so the machine's drift hits the RPC and its bound alike
-                times = round_robin_ms({"apply_pool": in_process, "apply_slices": in_slices,
+                times = round_robin_ms({"apply_pool": in_process, "apply_lanes": in_lanes,
                                         "echo": lambda: echo.roundtrip(payloads),
                                         "rpc": lambda: client.translate(wire_src, ms.name, ms.version, **kw)}, a.reps)
-                # the bound's map: the faster of torch's own pool and the sidecar's slices, in each round
-                times["apply"] = [min(p, q) for p, q in zip(times["apply_pool"], times["apply_slices"])]
-                t_pool, t_slices, t_echo, t_rpc, t_apply = (statistics.median(t) / 1e3 for t in times.values())
+                # the bound's map: the faster of torch's own pool and the sidecar's lanes, in each round
+                times["apply"] = [min(p, q) for p, q in zip(times["apply_pool"], times["apply_lanes"])]
+                t_pool, t_lanes, t_echo, t_rpc, t_apply = (statistics.median(t) / 1e3 for t in times.values())
                 row = {
                     "n": n, "refresh": r, "full_prefill_ms": t_full * 1e3, "translate_path_ttft_ms": t_path * 1e3,
-                    "speedup": t_full / t_path, "apply_in_process_ms": min(t_pool, t_slices) * 1e3,
-                    "apply_torch_pool_ms": t_pool * 1e3, "apply_slices_ms": t_slices * 1e3, "translate_rpc_ms": t_rpc * 1e3,
+                    "speedup": t_full / t_path, "apply_in_process_ms": min(t_pool, t_lanes) * 1e3,
+                    "apply_torch_pool_ms": t_pool * 1e3, "apply_lanes_ms": t_lanes * 1e3, "translate_rpc_ms": t_rpc * 1e3,
                     "echo_ms": t_echo * 1e3, "sidecar_compute_ms": st.compute_seconds * 1e3, "bytes_in": st.bytes_in, "bytes_out": st.bytes_out,
                     "translate_MiB_s": (st.bytes_in + st.bytes_out) / t_rpc / 2**20,
                     "echo_MiB_s": 2 * req_bytes / t_echo / 2**20,
@@ -110,18 +110,18 @@ def run(a: argparse.Namespace) -> int:
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     table = [
-        f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; map_threads {slices.split.parts if slices.split else 1}; medians of {a.reps} "
+        f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; map_threads {laned.lanes.parts if laned.lanes else 1}; medians of {a.reps} "
         f"(both applies, echo and RPC taken in turn each round); r={r}; wire {a.wire_dtype}; "
-        f"target attention {target.model.config._attn_implementation}; (c) is the faster of torch's pool and the sidecar's slices",
+        f"target attention {target.model.config._attn_implementation}; (c) is the faster of torch's pool and the sidecar's lanes",
         "",
-        "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms: torch pool / slices | translate RPC ms | (d) echo ms | "
+        "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms: torch pool / lanes | translate RPC ms | (d) echo ms | "
         "RPC serial bound (c)+(d) ms | bound/RPC | per round: median [quartiles] | (e) sidecar compute ms | translate MiB/s | "
         "echo MiB/s | translate/echo |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in rows:
         table.append(f"| {w['n']} | {w['full_prefill_ms']:.1f} | {w['translate_path_ttft_ms']:.1f} | {w['speedup']:.2f}x | "
-                     f"{w['apply_torch_pool_ms']:.1f} / {w['apply_slices_ms']:.1f} | {w['translate_rpc_ms']:.1f} | {w['echo_ms']:.1f} | "
+                     f"{w['apply_torch_pool_ms']:.1f} / {w['apply_lanes_ms']:.1f} | {w['translate_rpc_ms']:.1f} | {w['echo_ms']:.1f} | "
                      f"{w['rpc_serial_bound_ms']:.1f} | {w['rpc_vs_bound']:.2f} | {spread(w['rpc_vs_bound_paired'])} | "
                      f"{w['sidecar_compute_ms']:.1f} | "
                      f"{w['translate_MiB_s']:.0f} | {w['echo_MiB_s']:.0f} | {w['throughput_vs_echo']:.2f} |")

@@ -17,7 +17,7 @@ Variants:
   switch_0.5ms    the shipped sidecar with Python's GIL switch interval at 0.5 ms (default 5 ms): do the event loop and
                   the store's I/O thread wait on each other for the GIL?
   map_threads_1   (session 20) the sidecar as before session 20: the compute thread on torch's two-thread pool, no
-                  token slices (map_threads = 1); "shipped" cuts map steps across two single-threaded threads
+                  token slices (map_threads = 1); "shipped" maps in two token lanes (session 21; slices in session 20)
   no_get          not a lever: the sidecar answers a repeated MGET from memory (the same bytes objects), so the hit
                   costs everything but the store read; against the floor, what the sidecar and client add
 

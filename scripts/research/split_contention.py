@@ -1,15 +1,17 @@
-"""Issue 16, session 20: a whole l25-sized map, pushed layer by layer, three ways: on torch's two-thread pool
-("pool"); each step cut into token slices on two single-threaded threads, as the sidecar now does ("slices",
-mappings/split.py); and each of two single-threaded threads mapping its own half of the tokens through every layer, the
-halves meeting once at the end ("halves": not built, the bound of fewer meetings). On an idle machine and beside a
-process that keeps part of a core busy (a stand-in for the transfer threads that share the cores with the map).
+"""Issue 16, sessions 20-21: a whole l25-sized map, pushed layer by layer, three ways: on torch's two-thread pool
+("pool"); in two token lanes fed by a one-core thread, as the sidecar maps since session 21 ("lanes",
+mappings/lanes.py); and each of two single-threaded threads mapping its own half of the tokens through every layer with
+no thread feeding them ("halves": the bound of the lanes). On an idle machine and beside a process that keeps part of
+a core busy (a stand-in for the transfer threads that share the cores with the map). Session 20 measured a fourth
+mode, each step cut into token slices on two threads (mappings/split.py, removed in session 21): run this script at
+commit 55d4cb8 for it.
 
 Each case runs in a fresh process (OpenMP state is per process) and maps the same random source cache through the
 StreamingApplier layer by layer, as the sidecar does; the busy process copies 8 MiB buffers for ``duty`` of every 10 ms.
-Cases alternate (pool, slices, halves, pool, ...) so the machine's drift hits both alike.
+Cases alternate (pool, lanes, halves, pool, ...) so the machine's drift hits both alike.
 
     .venv/bin/python scripts/research/split_contention.py --map maps/smollm2-135m-l25__smollm2-135m/0.2.0 \\
-        --tokens 2048 --duties 0 0.5 0.8 --rounds 2 --reps 9 --json runs/results/split_contention_s20.json
+        --tokens 2048 --duties 0 0.5 0.8 --rounds 2 --reps 9 --json runs/results/split_contention_s21.json
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import load
-from kvferry.mappings.split import TokenSplit, one_torch_thread
+from kvferry.mappings.lanes import Lanes, one_torch_thread
 path, n, mode, reps, duty = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
 ms = load(path)
 g = ms.source.geometry
@@ -35,16 +37,18 @@ torch.manual_seed(0)
 src = [(torch.randn(1, g.kv_heads, n, g.head_dim), torch.randn(1, g.kv_heads, n, g.head_dim)) for _ in range(g.layers)]
 one_core = mode != "pool"
 thread = ThreadPoolExecutor(1, initializer=one_torch_thread if one_core else None)  # the sidecar's compute thread
-split = TokenSplit(2) if mode == "slices" else None
+lanes = Lanes(2) if mode == "lanes" else None
 other = ThreadPoolExecutor(1, initializer=one_torch_thread)
 
 def tokens(a, b):
-    app = StreamingApplier(ms, a, torch.bfloat16, b - a, split=split)
+    app = lanes.applier(ms, a, torch.bfloat16, b - a, 0) if lanes else StreamingApplier(ms, a, torch.bfloat16, b - a)
     with torch.no_grad():
         for layer, (k, v) in enumerate(src):
             for kind, t in (("k", k), ("v", v)):
                 for _ in app.push(layer, kind, t[:, :, a:b]):
                     pass
+        for _ in app.drain():
+            pass
 
 def run():
     if mode != "halves":
@@ -90,7 +94,7 @@ def main() -> None:
     a = ap.parse_args()
     results = []
     for duty in a.duties:
-        times: dict[str, list[float]] = {"pool": [], "slices": [], "halves": []}
+        times: dict[str, list[float]] = {"pool": [], "lanes": [], "halves": []}
         for _ in range(a.rounds):
             for mode in times:
                 out = subprocess.run([sys.executable, "-c", CASE, str(a.map), str(a.tokens), mode, str(a.reps), str(duty)],
@@ -98,7 +102,7 @@ def main() -> None:
                 times[mode] += json.loads(out.stdout.strip().splitlines()[-1])
         row = {"duty": duty, **{f"{m}_median_ms": statistics.median(t) for m, t in times.items()}, "times_ms": times}
         results.append(row)
-        print(f"busy {duty:.1f} core: torch pool {row['pool_median_ms']:.1f} ms | slices {row['slices_median_ms']:.1f} ms | "
+        print(f"busy {duty:.1f} core: torch pool {row['pool_median_ms']:.1f} ms | lanes {row['lanes_median_ms']:.1f} ms | "
               f"halves {row['halves_median_ms']:.1f} ms (medians of {len(times['pool'])})", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"map": str(a.map), "tokens": a.tokens, "rows": results}, indent=1) + "\n")

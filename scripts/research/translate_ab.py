@@ -18,7 +18,8 @@ Variants:
                   overlap of the upload with the map: what the serial bound assumes)
   threads_1       the shipped sidecar mapping with one torch thread
   map_threads_1   (session 20) the sidecar as before session 20: the compute thread on torch's own pool, no token
-                  slices (map_threads = 1); "in_place" cuts each map step across single-threaded threads
+                  slices (map_threads = 1); "in_place" maps in token lanes on single-threaded threads (session 21;
+                  each map step cut in slices across them in session 20)
   switch_0.5ms    the shipped sidecar with Python's GIL switch interval at 0.5 ms (default 5 ms): does the compute
                   thread wait for the GIL behind the event loop's thread after each torch op?
   base            the sidecar as committed at --base (default HEAD), built into a temporary folder and run from it,
