@@ -14,6 +14,7 @@ does (apply.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -29,8 +30,30 @@ MIN_SLICE = 128  # tokens: a lane gets at least this many, or fewer lanes run
 
 
 def one_torch_thread() -> None:
-    """Run this thread's torch operations on one core (the initializer of every lane, and of the thread feeding them)."""
+    """Run this thread's torch operations on one core (the initializer of every lane, and of the thread feeding them).
+    torch.set_num_threads is also the count every thread started later begins with: start such threads inside
+    ``torch_threads_kept``."""
     torch.set_num_threads(1)
+    torch.ones(1 << 16).sum()  # a parallel region: this thread's count is its own now, not read again from the process
+
+
+@contextlib.contextmanager
+def torch_threads_kept() -> Iterator[None]:
+    """Threads started in this block may set their own torch thread count (one_torch_thread); after it, every thread
+    started later begins with the count the caller has, as before. Start them here: an executor starts its thread at
+    its first submit (``started``)."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def started(executor: ThreadPoolExecutor) -> ThreadPoolExecutor:
+    """``executor`` with its thread started (its initializer run) now."""
+    executor.submit(int).result()
+    return executor
+
 
 Emitted = tuple[int, int, int, torch.Tensor, torch.Tensor]  # (target layer, start, end, K, V), as StreamingApplier's
 
@@ -43,8 +66,9 @@ class Lanes:
         if parts < 1:
             raise ValueError(f"lanes need at least one part, got {parts}")
         self.parts, self.min_slice = parts, min_slice
-        self.workers = [ThreadPoolExecutor(1, thread_name_prefix=f"kvferry-lane{i}", initializer=one_torch_thread)
-                        for i in range(parts)]
+        with torch_threads_kept():
+            self.workers = [started(ThreadPoolExecutor(1, thread_name_prefix=f"kvferry-lane{i}",
+                                                       initializer=one_torch_thread)) for i in range(parts)]
 
     def applier(self, ms: MapSet, positions: int, out_dtype: torch.dtype | None, tokens: int,
                 context: int) -> LanedApplier:

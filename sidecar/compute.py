@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from kvferry.mappings.lanes import Lanes, one_torch_thread
+from kvferry.mappings.lanes import Lanes, one_torch_thread, started, torch_threads_kept
 
 THREAD_NAME = "kvferry-compute"
 
@@ -30,8 +30,11 @@ class ComputeThread(ThreadPoolExecutor):
 
     def __init__(self, map_threads: int = 1):
         laned = map_threads > 1
-        super().__init__(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=one_torch_thread if laned else None)
-        self.lanes = Lanes(map_threads) if laned else None
+        with torch_threads_kept():  # one core for these threads, not for every thread started after them
+            super().__init__(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=one_torch_thread if laned else None)
+            if laned:
+                started(self)
+            self.lanes = Lanes(map_threads) if laned else None
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         super().shutdown(wait, cancel_futures=cancel_futures)

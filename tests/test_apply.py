@@ -244,6 +244,30 @@ def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(
     lanes.shutdown()
 
 
+def test_lanes_run_on_one_core_and_threads_started_after_them_do_not():
+    """torch.set_num_threads is also the count every thread started later begins with: a lane's one core must not
+    become every later thread's (the sidecar's I/O threads, a client or model in the same process). The lanes and the
+    sidecar's compute thread keep one core each; a thread started after them has the count it had before."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvferry.mappings.lanes import Lanes
+    from kvferry.sidecar.compute import ComputeThread
+
+    def later() -> int:
+        with ThreadPoolExecutor(1) as fresh:
+            return fresh.submit(torch.get_num_threads).result()
+
+    before = later()
+    lanes, compute = Lanes(2), ComputeThread(3)
+    try:
+        assert [w.submit(torch.get_num_threads).result() for w in lanes.workers] == [1, 1]
+        assert compute.submit(torch.get_num_threads).result() == 1
+        assert [w.submit(torch.get_num_threads).result() for w in compute.lanes.workers] == [1, 1, 1]
+        assert later() == before
+    finally:
+        lanes.shutdown(), compute.shutdown()
+
+
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
 def test_a_bfloat16_map_gives_the_same_cache_whichever_dtype_multiplies_it(family, monkeypatch, compute):
     """CPUs without AVX-512 multiply bf16 matrices 40-70x slower than fp32 ones, so there a bf16 map is multiplied in
