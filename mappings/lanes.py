@@ -71,8 +71,12 @@ class Lanes:
                                                        initializer=one_torch_thread)) for i in range(parts)]
 
     def applier(self, ms: MapSet, positions: int, out_dtype: torch.dtype | None, tokens: int,
-                context: int) -> LanedApplier:
-        """A LanedApplier for one translation of ``tokens`` tokens (its arguments as StreamingApplier's)."""
+                context: int) -> LanedApplier | StreamingApplier:
+        """A LanedApplier for one translation of ``tokens`` tokens (its arguments as StreamingApplier's). A translation
+        too short for two lanes of ``min_slice`` tokens is mapped by the caller's thread (a StreamingApplier): one lane
+        would add a hand-off and nothing to run beside it, and its output would leave whenever the lane got to it."""
+        if min(self.parts, tokens // self.min_slice) < 2:
+            return StreamingApplier(ms, positions, out_dtype, tokens, context)
         return LanedApplier(ms, positions, out_dtype, tokens, context, self)
 
     def shutdown(self) -> None:

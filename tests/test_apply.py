@@ -241,6 +241,8 @@ def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(
     assert list(closed.drain()) == [] and len(seen) == held_at  # the queued steps never ran
     with pytest.raises(ValueError, match="at least one part"):
         lanes_module.Lanes(0)
+    short = lanes.applier(ms, 0, None, 7, 0)  # under two lanes of min_slice: mapped by the caller, output at its push
+    assert type(short) is StreamingApplier and not short.maps_off_thread
     lanes.shutdown()
 
 
