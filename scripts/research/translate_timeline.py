@@ -37,6 +37,8 @@ from kvferry.sidecar import flow, servicer
 around(servicer.TranslateServicer, "Translate")
 around(flow.TranslateFlow, "open")
 around(flow.TranslateFlow, "add")
+around(flow.TranslateFlow, "poll")
+around(flow.TranslateFlow, "drain")
 around(servicer._Sender, "_write")
 before = servicer._before
 async def noting_before(requests, deadline):
@@ -65,7 +67,8 @@ def phases(events: list[tuple[str, float]]) -> dict[str, float]:
 
 def main() -> None:
     a = hit_args(sizes=(2048, 8192), reps=9, more=lambda ap: (ap.add_argument("--source", type=Path),
-                                                               ap.add_argument("--target", type=Path)))
+                                                               ap.add_argument("--target", type=Path),
+                                                               ap.add_argument("--map-threads", type=int, default=0)))
     ms, source, target = bench_pair()
     if a.source:  # another pair than the tiny family's: its newest servable map
         source, target = load_model(a.source), load_model(a.target)
@@ -88,7 +91,8 @@ def main() -> None:
     log = Path(tempfile.mkdtemp()) / "timeline.jsonl"
     log.touch()
     results = {}
-    with ServerProcess(paths.maps_dir(), 2, code=SERVER_NOTES, env={"KVFERRY_TIMELINE": str(log)}) as sc, \
+    with ServerProcess(paths.maps_dir(), 2, code=SERVER_NOTES, env={"KVFERRY_TIMELINE": str(log)},
+                       map_threads=a.map_threads) as sc, \
             TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
         for n in a.sizes:
             ids = long_ids(target.tokenizer, n)
