@@ -75,9 +75,13 @@ class Lanes:
         """A LanedApplier for one translation of ``tokens`` tokens (its arguments as StreamingApplier's). A translation
         too short for two lanes of ``min_slice`` tokens is mapped by the caller's thread (a StreamingApplier): one lane
         would add a hand-off and nothing to run beside it, and its output would leave whenever the lane got to it."""
-        if min(self.parts, tokens // self.min_slice) < 2:
+        if self.parts_for(tokens) < 2:
             return StreamingApplier(ms, positions, out_dtype, tokens, context)
         return LanedApplier(ms, positions, out_dtype, tokens, context, self)
+
+    def parts_for(self, tokens: int) -> int:
+        """How many lanes a translation of ``tokens`` tokens runs in: each gets ``min_slice`` tokens or more."""
+        return max(1, min(self.parts, tokens // self.min_slice))
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -96,7 +100,7 @@ class LanedApplier:
 
     def __init__(self, ms: MapSet, positions: int, out_dtype: torch.dtype | None, tokens: int, context: int,
                  lanes: Lanes):
-        parts = max(1, min(lanes.parts, tokens // lanes.min_slice))
+        parts = lanes.parts_for(tokens)
         self.ms, self.tokens, self.context, self._lanes = ms, tokens, context, lanes
         self.cuts = [tokens * i // parts for i in range(parts + 1)]
         self._firsts, self._subs = [], []  # per lane: the first token it reads (its context), its applier

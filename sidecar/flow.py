@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from kvferry.common.errors import Unsupported
-from kvferry.common.messages import Block, Chunk, Stats, TranslateSpec
+from kvferry.common.messages import Chunk, Stats, TranslateSpec
 from kvferry.mappings.artifact import MapSet
 
 from .compute import ComputeThread, on_compute
@@ -55,7 +55,7 @@ class TranslateFlow:
 
     async def add(self, opened: Opened, chunk: Chunk, encode) -> list:
         """Map what ``chunk`` completes on the compute thread, and ``encode`` each block there too."""
-        return await on_compute(self.compute, _add, opened.session, chunk, encode)
+        return await on_compute(self.compute, _encoded, encode, opened.session.add, chunk)
 
     def wake_event(self, opened: Opened) -> asyncio.Event | None:
         """An event set whenever the session's map finishes output between chunks (lanes), for ``poll``; None when
@@ -72,11 +72,11 @@ class TranslateFlow:
 
     async def poll(self, opened: Opened, encode) -> list:
         """What the session's map finished since: encoded on the compute thread."""
-        return await on_compute(self.compute, _poll, opened.session, encode)
+        return await on_compute(self.compute, _encoded, encode, opened.session.poll)
 
     async def drain(self, opened: Opened, encode) -> list:
         """End of the request stream: wait for the map's last work, and ``encode`` the blocks it completed."""
-        return await on_compute(self.compute, _drain, opened.session, encode)
+        return await on_compute(self.compute, _encoded, encode, opened.session.drain)
 
     def finish(self, opened: Opened) -> Stats:
         """End of the request stream: the stats, the metrics, and (off the critical path) the write-back."""
@@ -102,14 +102,6 @@ class TranslateFlow:
             log.error("prefix write-back failed: %s: %s", type(task.exception()).__name__, str(task.exception())[:200])
 
 
-def _add(session: TranslateSession, chunk: Chunk, encode) -> list:
-    blocks: list[Block] = session.add(chunk)
-    return [encode(b) for b in blocks]
-
-
-def _poll(session: TranslateSession, encode) -> list:
-    return [encode(b) for b in session.poll()]
-
-
-def _drain(session: TranslateSession, encode) -> list:
-    return [encode(b) for b in session.drain()]
+def _encoded(encode, produce, *args) -> list:
+    """``encode`` each block ``produce(*args)`` returns (on the compute thread, as both touch tensor data)."""
+    return [encode(b) for b in produce(*args)]

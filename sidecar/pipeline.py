@@ -207,11 +207,11 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
     def _emit_all(self, mapped) -> list[Block]:
         """Blocks of the mapped pieces (target layer, start, end, K, V), paged ones cut once every piece of a layer
         is in (lanes hand a layer over in several pieces at once: its pages are cut across them)."""
-        blocks, paged = [], []
+        blocks, touched = [], {}  # the layers these pieces filled, in order
         for layer, a, b, k, v in mapped:
             blocks += self._emit(layer, a + self.skip, b + self.skip, k, v, cut=False)
-            paged += [layer] if self.spec.layout == PAGED and layer not in paged else []
-        for layer in paged:
+            touched[layer] = None
+        for layer in touched if self.spec.layout == PAGED else ():
             blocks += self._cut(layer)
         return blocks
 

@@ -73,10 +73,9 @@ def warm(ms, lanes=None) -> None:
     import torch
 
     from kvferry.mappings.apply import apply
-    from kvferry.mappings.lanes import MIN_SLICE
 
     g = ms.source.geometry
-    zeros = torch.zeros(1, g.kv_heads, MIN_SLICE * lanes.parts if lanes else 32, g.head_dim)
+    zeros = torch.zeros(1, g.kv_heads, lanes.min_slice * lanes.parts if lanes else 32, g.head_dim)
     apply(ms, [(zeros, zeros) for _ in range(g.layers)], 0, lanes=lanes)
 
 

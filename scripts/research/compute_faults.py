@@ -1,7 +1,7 @@
 """Issue 16, session 18: minor page faults on the sidecar's compute thread per Translate (tiny pair), by step: the map's
 fused matmul (torch.addmm), to_features / from_features (RoPE stripped and re-applied), the NaN/Inf check, the blocks'
-encoding, and everything the thread does for a chunk (``flow._add``). The sidecar process runs with ``--tunables`` as
-GLIBC_TUNABLES ("" for glibc's defaults):
+encoding, and everything the thread does for a chunk (``flow._encoded``: add, and since session 21 poll and drain).
+The sidecar process runs with ``--tunables`` as GLIBC_TUNABLES ("" for glibc's defaults):
 
     .venv/bin/python scripts/research/compute_faults.py --sizes 2048 8192 --reps 5 --json runs/results/compute_faults.json
     .venv/bin/python scripts/research/compute_faults.py --tunables glibc.malloc.hugetlb=1
@@ -41,7 +41,7 @@ def counted(mod, name, label, dump=False):
     setattr(mod, name, g)
 for mod, name in ((ap.torch, "addmm"), (ap, "to_features"), (ap, "from_features"), (pl, "all_finite"), (w, "encode_block_response")):
     counted(mod, name, name)
-counted(fl, "_add", "all of a chunk's work", dump=True)
+counted(fl, "_encoded", "all of a chunk's work", dump=True)
 import kvferry.bench.server as s
 s.main()
 '''
