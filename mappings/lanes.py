@@ -1,11 +1,12 @@
-"""A translation's tokens cut into lanes: each lane maps its own token range through every layer on its own thread,
-running torch on one core, and the lanes never wait for one another.
+"""A translation's tokens cut into lanes: each lane maps its own token ranges through every layer on its own thread,
+running torch on one core, and the lanes never wait for one another. Each range the client sends is shared among the
+lanes (``plan``), so they all work while the rest of the upload arrives.
 
 Why: torch's intra-op pool ends every operation at a barrier that waits for its slowest thread, and token slices of
 each map step on several threads (session 20) still meet once a step. While transfers share the cores, a preempted
 thread stalls every meeting. Lanes meet only where their outputs are joined, and the thread feeding them does not
 wait for them. ``scripts/research/split_contention.py`` and ``translate_ab.py`` measure them against the others
-(docs/benchmarks.md, sessions 20-21).
+(docs/benchmarks.md, sessions 20-22).
 
 Maps are per token, so a lane needs only its own tokens' source features; a windowed map's lane also reads the
 ``context`` tokens before its first (pushed to it, read, never mapped), as any translation starting past position 0
@@ -14,12 +15,13 @@ does (apply.py).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -91,47 +93,69 @@ class Lanes:
 class LanedApplier:
     """StreamingApplier's ``push`` / ``drain`` over lanes. ``push`` validates the chunk, gives each lane its part and
     yields what the lanes have finished so far, without waiting for them; ``poll`` yields what they finished since;
-    ``drain`` waits for all of it. A target layer's output leaves in token order: a lane's tokens wait for the lanes
-    before them. ``on_output``, when set, is called on a lane's thread each time a lane finishes output, so that a
-    caller with nothing more to push (one waiting for the first target layer before it sends the rest) can
-    ``poll``."""
+    ``drain`` waits for all of it. A target layer's output leaves in token order: a segment's tokens wait for the
+    segments before them. ``on_output``, when set, is called on a lane's thread each time a lane finishes output, so
+    that a caller with nothing more to push (one waiting for the first target layer before it sends the rest) can
+    ``poll``.
+
+    Which tokens each lane maps is planned at the first chunk that reaches past token 0 (``plan``): the token range
+    that chunk covers is taken as the size of the ranges the client sends, and every such range is cut among the
+    lanes, so all lanes get work as soon as each range arrives (a client sending token range by token range, as
+    kvferry's does, would otherwise leave a lane of contiguous halves idle until the second half of the upload). The
+    plan decides only how the work is shared: chunks of any other size are cut along it and give the same answer."""
 
     maps_off_thread = True  # output may be finished after push returns: see on_output
 
     def __init__(self, ms: MapSet, positions: int, out_dtype: torch.dtype | None, tokens: int, context: int,
                  lanes: Lanes):
-        parts = lanes.parts_for(tokens)
-        self.ms, self.tokens, self.context, self._lanes = ms, tokens, context, lanes
-        self.cuts = [tokens * i // parts for i in range(parts + 1)]
-        self._firsts, self._subs = [], []  # per lane: the first token it reads (its context), its applier
-        for i in range(parts):
-            lane_context = context if i == 0 else min(ms.context, positions + self.cuts[i])
-            self._firsts.append(self.cuts[i] - lane_context)
-            self._subs.append(StreamingApplier(ms, positions + self.cuts[i], out_dtype, self.cuts[i + 1] - self.cuts[i],
-                                               lane_context))
+        self.ms, self.positions, self.out_dtype, self.tokens, self.context = ms, positions, out_dtype, tokens, context
+        self._lanes = lanes
+        self.segments: list[Segment] = []  # in token order, once planned
+        self._ends: list[int] = []  # each segment's end, for bisect
+        self._early: list[tuple[int, str, torch.Tensor, int]] = []  # context-only chunks pushed before the plan
         self._next: dict[tuple[int, str], int] = {}
-        self._pending: list[deque[Future]] = [deque() for _ in range(parts)]
-        layers = ms.target.geometry.layers
-        self._ready = [[deque() for _ in range(layers)] for _ in range(parts)]  # finished, not yet yielded
-        self._emitted = [0] * layers
+        self._pending: list[deque[Future]] = [deque() for _ in range(lanes.parts)]
+        self._ready: list[list[deque]] = []  # per segment, per target layer: finished, not yet yielded
+        self._emitted = [0] * ms.target.geometry.layers
         self._closed = threading.Event()
         self.on_output: Callable[[], None] | None = None
-        self.busy_seconds = [0.0] * parts  # per lane: time spent mapping
+        self.busy_seconds = [0.0] * lanes.parts  # per lane: time spent mapping
 
     def push(self, layer: int, kind: str, tensor: torch.Tensor, start: int = 0) -> Iterator[Emitted]:
         """Add source ``layer``'s K or V for tokens [start, start + T) (tensor [B, H, T, D]; see StreamingApplier)."""
         key = (layer, kind)
         check_push(self.ms, layer, kind, tensor, start, self._next.get(key, -self.context), self.tokens)
         end = start + tensor.shape[2]
-        for i, sub in enumerate(self._subs):
-            a, b = max(start, self._firsts[i]), min(end, self.cuts[i + 1])
+        self._next[key] = end
+        if not self.segments and end <= 0:  # only context so far: the plan waits for a chunk with tokens to map
+            self._early.append((layer, kind, tensor, start))
+            return
+        if not self.segments:
+            self._start(plan(self.tokens, end, self._lanes.parts_for(self.tokens), self._lanes.min_slice))
+        self._give(layer, kind, tensor, start, end)
+        yield from self._collect(wait=False)
+
+    def _start(self, cuts: list[tuple[int, int, int]]) -> None:
+        """Make a segment per planned (start, end, lane), and give them the chunks that came before the plan."""
+        for a, b, lane in cuts:
+            lane_context = self.context if a == 0 else min(self.ms.context, self.positions + a)
+            self.segments.append(Segment(a, b, lane, a - lane_context, StreamingApplier(
+                self.ms, self.positions + a, self.out_dtype, b - a, lane_context)))
+            self._ready.append([deque() for _ in self._emitted])
+        self._ends = [s.end for s in self.segments]
+        for layer, kind, tensor, start in self._early:
+            self._give(layer, kind, tensor, start, start + tensor.shape[2])
+        self._early.clear()
+
+    def _give(self, layer: int, kind: str, tensor: torch.Tensor, start: int, end: int) -> None:
+        """Queue each segment's part of a chunk on its lane."""
+        for j, seg in enumerate(self.segments):
+            a, b = max(start, seg.first), min(end, seg.end)
             if a < b:
                 part = tensor[:, :, a - start : b - start]
-                future = self._lanes.workers[i].submit(self._map, i, layer, kind, part, a - self.cuts[i])
+                future = self._lanes.workers[seg.lane].submit(self._map, j, layer, kind, part, a - seg.start)
                 future.add_done_callback(self._finished)
-                self._pending[i].append(future)
-        self._next[key] = end
-        yield from self._collect(wait=False)
+                self._pending[seg.lane].append(future)
 
     def poll(self) -> Iterator[Emitted]:
         """What the lanes have finished since, without waiting."""
@@ -145,39 +169,34 @@ class LanedApplier:
         """The translation ended early: lanes skip its work still queued."""
         self._closed.set()
 
-    def _map(self, i: int, layer: int, kind: str, part: torch.Tensor, start: int) -> list[Emitted]:
+    def _map(self, j: int, layer: int, kind: str, part: torch.Tensor, start: int) -> tuple[int, list[Emitted]]:
         if self._closed.is_set():
-            return []
+            return j, []
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = list(self._subs[i].push(layer, kind, part, start))
-        self.busy_seconds[i] += time.perf_counter() - t0
-        return out
+            out = list(self.segments[j].applier.push(layer, kind, part, start))
+        self.busy_seconds[self.segments[j].lane] += time.perf_counter() - t0
+        return j, out
 
     def _finished(self, future: Future) -> None:
         """A lane's step is done (a done-callback: ``poll`` now sees it): wake the caller if it made output or failed."""
-        if self.on_output is not None and not future.cancelled() and (future.exception() or future.result()):
+        if self.on_output is not None and not future.cancelled() and (future.exception() or future.result()[1]):
             self.on_output()
 
     def _collect(self, wait: bool) -> Iterator[Emitted]:
-        for i, pending in enumerate(self._pending):
+        for pending in self._pending:
             while pending and (wait or pending[0].done()):
-                for t, a, b, k, v in pending.popleft().result():  # a lane's error is raised here
-                    self._ready[i][t].append((a + self.cuts[i], b + self.cuts[i], k, v))
+                j, out = pending.popleft().result()  # a lane's error is raised here
+                first = self.segments[j].start
+                for t, a, b, k, v in out:
+                    self._ready[j][t].append((a + first, b + first, k, v))
         for t, done in enumerate(self._emitted):
-            i = self._lane_of(done)
-            while i is not None and self._ready[i][t]:
-                a, b, k, v = self._ready[i][t].popleft()
+            j = bisect.bisect_right(self._ends, done)  # the segment holding token ``done``
+            while j < len(self.segments) and self._ready[j][t]:
+                a, b, k, v = self._ready[j][t].popleft()
                 yield t, a, b, k, v
                 self._emitted[t] = done = b
-                i = self._lane_of(done)
-
-    def _lane_of(self, token: int) -> int | None:
-        """The lane whose tokens include ``token`` (None: past the last)."""
-        for i in range(len(self._subs)):
-            if token < self.cuts[i + 1]:
-                return i
-        return None
+                j = bisect.bisect_right(self._ends, done)
 
     @property
     def lane_seconds(self) -> float:
@@ -192,3 +211,30 @@ class LanedApplier:
     @property
     def done(self) -> bool:
         return self.emitted >= self.tokens
+
+
+class Segment(NamedTuple):
+    """Tokens [start, end) of a translation, mapped on lane ``lane`` by ``applier``, which also reads the tokens from
+    ``first`` (a windowed map's context before ``start``)."""
+
+    start: int
+    end: int
+    lane: int
+    first: int
+    applier: StreamingApplier
+
+
+def plan(tokens: int, first_range: int, parts: int, min_slice: int) -> list[tuple[int, int, int]]:
+    """(start, end, lane) segments, in token order, for ``tokens`` tokens sent in ranges of ``first_range`` tokens:
+    each range cut into up to ``parts`` segments of ``min_slice`` tokens or more, each on the lane with the fewest
+    tokens so far. Ranges shorter than two such segments, or one range for all, give ``parts`` contiguous lanes."""
+    ranges = ([(0, tokens)] if first_range >= tokens or first_range < 2 * min_slice else
+              [(s, min(s + first_range, tokens)) for s in range(0, tokens, first_range)])
+    load, out = [0] * parts, []
+    for s, e in ranges:
+        p = max(1, min(parts, (e - s) // min_slice))
+        for i, lane in enumerate(sorted(range(parts), key=load.__getitem__)[:p]):
+            a, b = s + (e - s) * i // p, s + (e - s) * (i + 1) // p
+            out.append((a, b, lane))
+            load[lane] += b - a
+    return out

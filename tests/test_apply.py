@@ -145,13 +145,23 @@ def test_one_token_chunks_layer_by_layer_stay_linear_and_exact(family):
         torch.testing.assert_close(torch.cat(got[(tl, "v")], 2), wv, rtol=1e-3, atol=1e-4)
 
 
+LANE_CHUNKS = {  # chunks sent as (start, end) token ranges, each for every layer; the segments they plan (lane last)
+    "small ranges: contiguous lanes": (((0, 5), (5, 41), (41, 90)), [(0, 30, 0), (30, 60, 1), (60, 90, 2)]),
+    "ranges shared by the lanes": (((0, 40), (40, 80), (80, 90)),
+                                   [(0, 13, 0), (13, 26, 1), (26, 40, 2), (40, 53, 0), (53, 66, 1), (66, 80, 2),
+                                    (80, 90, 0)]),
+}
+
+
+@pytest.mark.parametrize("chunks", list(LANE_CHUNKS))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("map_dtype", [torch.float32, torch.bfloat16])
-def test_token_lanes_on_threads_give_the_whole_maps_cache_in_token_order(map_dtype, out_dtype):
+def test_token_lanes_on_threads_give_the_whole_maps_cache_in_token_order(map_dtype, out_dtype, chunks):
     """The sidecar maps a translation's tokens in lanes, one thread each (mappings/lanes.py). Through a real
     cross-model map (4 -> 6 layers, 2 -> 3 kv heads), a batch of two, a late start and chunks that straddle the lanes,
     each target layer leaves in token order and the cache is the one the whole map gives, in the dtype asked for and
-    rounded as the map's dtype says."""
+    rounded as the map's dtype says. Ranges too short to share make contiguous lanes; longer ones are each cut among
+    the lanes, so every lane works as each range arrives."""
     from kvferry.mappings.artifact import load
     from kvferry.mappings.lanes import Lanes
 
@@ -162,16 +172,16 @@ def test_token_lanes_on_threads_give_the_whole_maps_cache_in_token_order(map_dty
     want = apply(ms, src, 37)
     lanes = Lanes(3, min_slice=8)
     app = lanes.applier(ms, 37, None, n, 0)
-    assert app.cuts == [0, 30, 60, 90] and lanes.applier(ms, 37, None, 20, 0).cuts == [0, 10, 20]
+    sent, planned = LANE_CHUNKS[chunks]
     got: dict[int, list] = {}
-    for s, e in ((0, 5), (5, 41), (41, 90)):
+    for s, e in sent:
         for layer, (k, v) in enumerate(src):
             for kind, t in (("k", k), ("v", v)):
                 for tl, a, b, tk, tv in app.push(layer, kind, t[:, :, s:e], s):
                     got.setdefault(tl, []).append((a, b, tk, tv))
     for tl, a, b, tk, tv in app.drain():
         got.setdefault(tl, []).append((a, b, tk, tv))
-    assert app.done and app.lane_seconds > 0
+    assert app.done and app.lane_seconds > 0 and [seg[:3] for seg in app.segments] == planned
     for tl, (wk, wv) in enumerate(want):
         assert [a for a, *_ in got[tl]] == [0] + [b for _, b, *_ in got[tl]][:-1]  # token order, nothing missing
         k, v = torch.cat([k for *_, k, _ in got[tl]], 2), torch.cat([v for *_, v in got[tl]], 2)
@@ -182,6 +192,20 @@ def test_token_lanes_on_threads_give_the_whole_maps_cache_in_token_order(map_dty
         torch.testing.assert_close(k, wk, rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * float(wk.abs().max()))
         torch.testing.assert_close(v, wv, rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * float(wv.abs().max()))
     assert torch.equal(apply(ms, src, 37, lanes=lanes)[5][0], torch.cat([k for *_, k, _ in got[5]], 2))
+
+
+def test_lane_plans_share_each_range_the_client_sends():
+    """kvferry's client sends 2 MiB token ranges (2,730 tokens of a SmolLM2 layer's float32 K) for every layer before
+    the next range: each range is cut between the lanes, a short last range goes to the lane with the least work, and
+    one range for all, or ranges under two lanes' minimum, give contiguous lanes."""
+    from kvferry.mappings.lanes import plan
+
+    assert plan(8192, 2730, 2, 128) == [(0, 1365, 0), (1365, 2730, 1), (2730, 4095, 0), (4095, 5460, 1),
+                                        (5460, 6825, 0), (6825, 8190, 1), (8190, 8192, 0)]
+    assert plan(2048, 2730, 2, 128) == plan(2048, 2048, 2, 128) == [(0, 1024, 0), (1024, 2048, 1)]
+    assert plan(1000, 200, 2, 128) == [(0, 500, 0), (500, 1000, 1)]  # 200-token ranges: too short to share
+    assert plan(1000, 400, 3, 128) == [(0, 133, 0), (133, 266, 1), (266, 400, 2), (400, 533, 0), (533, 666, 1),
+                                       (666, 800, 2), (800, 1000, 0)]
 
 
 def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(monkeypatch):

@@ -96,7 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     pair_arguments(ap, reps=9)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--chunk-tokens", type=int, default=2048, help="as kvferry bench translate sends them")
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="0: as many as fill 2 MiB, as kvferry bench translate sends them")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--base", default="HEAD", help="the commit the variant 'base' runs")
     a = ap.parse_args()
