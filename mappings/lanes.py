@@ -29,6 +29,9 @@ from .apply import StreamingApplier, check_push
 from .artifact import MapSet
 
 MIN_SLICE = 128  # tokens: a lane gets at least this many, or fewer lanes run
+SHARE_MIN = 1024  # tokens: a range the client sends is shared among lanes only in pieces of at least this many
+# (SmolLM2 l25 at 8192 tokens, docs/benchmarks.md session 22: pieces of 1,024-1,365 tokens beat contiguous lanes, pieces
+# of 256-512 lose to them, since every piece of every chunk is one more step handed to a lane)
 
 
 def one_torch_thread() -> None:
@@ -64,10 +67,10 @@ class Lanes:
     """``parts`` worker threads, each running torch on one core; work given to one lane runs in the order given. One
     set serves every translation of a process: lanes interleave requests, they never run two steps at once."""
 
-    def __init__(self, parts: int, min_slice: int = MIN_SLICE):
+    def __init__(self, parts: int, min_slice: int = MIN_SLICE, share_min: int = SHARE_MIN):
         if parts < 1:
             raise ValueError(f"lanes need at least one part, got {parts}")
-        self.parts, self.min_slice = parts, min_slice
+        self.parts, self.min_slice, self.share_min = parts, min_slice, share_min
         with torch_threads_kept():
             self.workers = [started(ThreadPoolExecutor(1, thread_name_prefix=f"kvferry-lane{i}",
                                                        initializer=one_torch_thread)) for i in range(parts)]
@@ -99,10 +102,11 @@ class LanedApplier:
     ``poll``.
 
     Which tokens each lane maps is planned at the first chunk that reaches past token 0 (``plan``): the token range
-    that chunk covers is taken as the size of the ranges the client sends, and every such range is cut among the
-    lanes, so all lanes get work as soon as each range arrives (a client sending token range by token range, as
-    kvferry's does, would otherwise leave a lane of contiguous halves idle until the second half of the upload). The
-    plan decides only how the work is shared: chunks of any other size are cut along it and give the same answer."""
+    that chunk covers is taken as the size of the ranges the client sends, and every such range long enough to give
+    each lane ``share_min`` tokens is cut among the lanes, so all lanes get work as soon as each range arrives (a
+    client sending token range by token range, as kvferry's does, would otherwise leave a lane of contiguous halves
+    idle until the second half of the upload). Shorter ranges give contiguous lanes. The plan decides only how the
+    work is shared: chunks of any other size are cut along it and give the same answer."""
 
     maps_off_thread = True  # output may be finished after push returns: see on_output
 
@@ -131,7 +135,8 @@ class LanedApplier:
             self._early.append((layer, kind, tensor, start))
             return
         if not self.segments:
-            self._start(plan(self.tokens, end, self._lanes.parts_for(self.tokens), self._lanes.min_slice))
+            lanes = self._lanes
+            self._start(plan(self.tokens, end, lanes.parts_for(self.tokens), lanes.min_slice, lanes.share_min))
         self._give(layer, kind, tensor, start, end)
         yield from self._collect(wait=False)
 
@@ -224,15 +229,17 @@ class Segment(NamedTuple):
     applier: StreamingApplier
 
 
-def plan(tokens: int, first_range: int, parts: int, min_slice: int) -> list[tuple[int, int, int]]:
+def plan(tokens: int, first_range: int, parts: int, min_slice: int, share_min: int = SHARE_MIN) -> list[tuple[int, int, int]]:
     """(start, end, lane) segments, in token order, for ``tokens`` tokens sent in ranges of ``first_range`` tokens:
-    each range cut into up to ``parts`` segments of ``min_slice`` tokens or more, each on the lane with the fewest
-    tokens so far. Ranges shorter than two such segments, or one range for all, give ``parts`` contiguous lanes."""
-    ranges = ([(0, tokens)] if first_range >= tokens or first_range < 2 * min_slice else
-              [(s, min(s + first_range, tokens)) for s in range(0, tokens, first_range)])
+    each range cut into up to ``parts`` segments of ``share_min`` tokens or more, each on the lane with the fewest
+    tokens so far. One range for all, or ranges too short for two such segments, give ``parts`` contiguous lanes (of
+    ``min_slice`` tokens or more)."""
+    if first_range >= tokens or first_range < 2 * share_min:
+        return [(tokens * i // parts, tokens * (i + 1) // parts, i) for i in range(parts)]
     load, out = [0] * parts, []
-    for s, e in ranges:
-        p = max(1, min(parts, (e - s) // min_slice))
+    for s in range(0, tokens, first_range):
+        e = min(s + first_range, tokens)
+        p = max(1, min(parts, (e - s) // share_min))
         for i, lane in enumerate(sorted(range(parts), key=load.__getitem__)[:p]):
             a, b = s + (e - s) * i // p, s + (e - s) * (i + 1) // p
             out.append((a, b, lane))

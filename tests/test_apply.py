@@ -170,7 +170,7 @@ def test_token_lanes_on_threads_give_the_whole_maps_cache_in_token_order(map_dty
     n = 90
     src = make_kv(layers=g.layers, tokens=n, heads=g.kv_heads, head_dim=g.head_dim, batch=2, seed=6, dtype=out_dtype)
     want = apply(ms, src, 37)
-    lanes = Lanes(3, min_slice=8)
+    lanes = Lanes(3, min_slice=8, share_min=8)
     app = lanes.applier(ms, 37, None, n, 0)
     sent, planned = LANE_CHUNKS[chunks]
     got: dict[int, list] = {}
@@ -203,9 +203,10 @@ def test_lane_plans_share_each_range_the_client_sends():
     assert plan(8192, 2730, 2, 128) == [(0, 1365, 0), (1365, 2730, 1), (2730, 4095, 0), (4095, 5460, 1),
                                         (5460, 6825, 0), (6825, 8190, 1), (8190, 8192, 0)]
     assert plan(2048, 2730, 2, 128) == plan(2048, 2048, 2, 128) == [(0, 1024, 0), (1024, 2048, 1)]
-    assert plan(1000, 200, 2, 128) == [(0, 500, 0), (500, 1000, 1)]  # 200-token ranges: too short to share
-    assert plan(1000, 400, 3, 128) == [(0, 133, 0), (133, 266, 1), (266, 400, 2), (400, 533, 0), (533, 666, 1),
-                                       (666, 800, 2), (800, 1000, 0)]
+    assert plan(8192, 1024, 2, 128) == [(0, 4096, 0), (4096, 8192, 1)]  # pieces of 512 would cost more than they give
+    assert plan(1000, 400, 3, 128, share_min=128) == [(0, 133, 0), (133, 266, 1), (266, 400, 2), (400, 533, 0),
+                                                      (533, 666, 1), (666, 800, 2), (800, 1000, 0)]
+    assert plan(1000, 200, 2, 128, share_min=128) == [(0, 500, 0), (500, 1000, 1)]  # too short to share
 
 
 def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(monkeypatch):

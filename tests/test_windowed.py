@@ -112,7 +112,7 @@ def test_token_lanes_read_the_tokens_before_them(per_token, source, chunk):
     from kvferry.mappings.lanes import Lanes
 
     win = windowed(per_token, 3, 1)
-    lanes = Lanes(3, min_slice=2)
+    lanes = Lanes(3, min_slice=2, share_min=2)
     whole = _stream(win, source, 50)
     for got in (_stream(win, source, chunk, lanes=lanes), _stream(win, source, chunk, positions=2, context=2, lanes=lanes)):
         for (k, v), (wk, wv) in zip(got, whole):
