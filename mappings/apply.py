@@ -85,11 +85,11 @@ class StreamingApplier:
         self._done = [0] * len(self._groups)  # tokens mapped per group
         self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind); starts at -context
         self._feats: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}  # (start, [B, n, w]) pieces
-        self._readers: dict[tuple[int, str], list[int]] = {}
-        for gi, ((sources, inputs, _), _, _, _) in enumerate(self._groups):
-            for s in sources:
-                for c in inputs:
-                    self._readers.setdefault((s, c), []).append(gi)
+        self._reads = [[(s, c) for s in sources for c in inputs] for (sources, inputs, _), _, _, _ in self._groups]
+        self._readers: dict[tuple[int, str], list[int]] = {}  # per source (layer, kind): the groups reading it
+        for gi, reads in enumerate(self._reads):
+            for key in reads:
+                self._readers.setdefault(key, []).append(gi)
         tl = ms.target.geometry.layers
         self._out: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {(t, k): [] for t in range(tl) for k in KINDS}
         self._produced = {(t, k): 0 for t in range(tl) for k in KINDS}
@@ -103,13 +103,15 @@ class StreamingApplier:
         n = tensor.shape[2]
         if self.out_dtype is None:
             self.out_dtype = tensor.dtype
+        self._next[key] = start + n
+        if key not in self._readers:  # no map reads it
+            return
         pos = range(self.start_position + start, self.start_position + start + n)
         rope = sg.rope if kind == "k" else None
         feats = torch.empty(tensor.shape[0], n, sg.kv_width, dtype=self.ms.dtype, device=tensor.device)
         to_features(tensor, rope, pos, self.ms.dtype, feats)
         _append_merged(self._feats.setdefault(key, []), start, feats, dim=1)
-        self._next[key] = start + n
-        yield from self._advance()
+        yield from self._advance(self._readers[key])
 
     def _slice(self, key: tuple[int, str], a: int, b: int) -> torch.Tensor:
         """Features of tokens [a, b); tokens before the first pushed one (before position 0) read zeros."""
@@ -127,24 +129,29 @@ class StreamingApplier:
         sources, inputs, window = group
         return torch.cat([self._slice((s, c), a - o, b - o) for o in range(window) for s in sources for c in inputs], dim=-1)
 
-    def _advance(self):
+    def _advance(self, groups: list[int]):
+        """Map what ``groups`` (those reading the source just pushed: no other can have become ready) can now map, drop
+        the features no map needs any more, and yield the target layers they completed."""
         tg = self.ms.target.geometry
-        for gi, (group, keys, _, _) in enumerate(self._groups):
-            sources, inputs, _ = group
-            ready = min(self._next.get((s, c), -self.context) for s in sources for c in inputs)
+        advanced, layers = [], set()
+        for gi in groups:
+            ready = min(self._next.get(key, -self.context) for key in self._reads[gi])
             a = self._done[gi]
             if ready <= a:
                 continue
-            f = self._feats[(sources[0], inputs[0])][0][1]
+            _, keys, _, _ = self._groups[gi]
+            f = self._feats[self._reads[gi][0]][0][1]
             outs = [torch.empty(f.shape[0], tg.kv_heads, ready - a, tg.head_dim, dtype=self.out_dtype, device=f.device)
                     for _ in keys]
             self._map_rows(gi, a, ready, outs)
             for (t, kind), out in zip(keys, outs):
                 _append_merged(self._out[(t, kind)], a, out, dim=2)
                 self._produced[(t, kind)] = ready
+                layers.add(t)
             self._done[gi] = ready
-        self._trim()
-        for t in range(tg.layers):
+            advanced.append(gi)
+        self._trim({key for gi in advanced for key in self._reads[gi]})
+        for t in sorted(layers):
             upto = min(self._produced[(t, "k")], self._produced[(t, "v")])
             a = self._emitted[t]
             if upto > a:
@@ -176,9 +183,10 @@ class StreamingApplier:
         self._out[key] = [(s, o) for s, o in parts if s + o.shape[2] > b]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
 
-    def _trim(self) -> None:
-        for key, readers in self._readers.items():
-            low = min(self._done[g] - self._groups[g][0][2] + 1 for g in readers)  # windows keep their last tokens
+    def _trim(self, keys) -> None:
+        """Drop the features of ``keys`` (source (layer, kind)s) that every map reading them is past."""
+        for key in keys:
+            low = min(self._done[g] - self._groups[g][0][2] + 1 for g in self._readers[key])  # windows keep their last tokens
             if key in self._feats:
                 self._feats[key] = [(s, f) for s, f in self._feats[key] if s + f.shape[1] > low]
 
