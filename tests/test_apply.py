@@ -54,6 +54,26 @@ def test_streaming_emits_a_target_layer_as_soon_as_its_sources_arrive(llama):
     torch.testing.assert_close(ready[0][4], kv[1][1])
 
 
+def test_a_source_no_map_reads_is_checked_and_not_kept(llama):
+    """Both target layers read source layer 0 only: source layer 1 is still checked and counted, but its features are
+    never kept, and the answer is source layer 0's, range by range."""
+    ident = llama.identity
+    w = ident.geometry.kv_width
+    ms = MapSet(ident, ident, {(t, kind): LayerMap(t, kind, (0,), torch.eye(w), torch.zeros(w)) for t in (0, 1) for kind in "kv"})
+    kv = make_kv(layers=2, tokens=12, heads=2, head_dim=16)
+    app = StreamingApplier(ms, positions=0, tokens=12)
+    got = []
+    for s, e in ((0, 5), (5, 12)):
+        for layer in (1, 0):
+            for i, kind in enumerate("kv"):
+                got += [(t, a, b) for t, a, b, *_ in app.push(layer, kind, kv[layer][i][:, :, s:e], s)]
+    assert got == [(0, 0, 5), (1, 0, 5), (0, 5, 12), (1, 5, 12)] and app.done
+    assert {layer for layer, _ in app._feats} == {0}
+    with pytest.raises(InvalidInput, match="expected start 12"):
+        list(app.push(1, "k", kv[1][0][:, :, :1], 0))
+    torch.testing.assert_close(apply(ms, kv)[1][1], kv[0][1])
+
+
 def test_streaming_emits_token_ranges_as_they_complete(llama):
     """Every target layer of a map reading all source layers still streams: range by range."""
     ident = llama.identity
