@@ -1,0 +1,104 @@
+"""Where a Translate's two cores go (issue 16, session 22): CPU time (both processes) per call of the
+RPC, of the gRPC echo of its request bytes and of the map applied in-process, beside their wall times. The serial
+bound adds the echo's and the map's wall times; the CPU bound divides the CPU time they need by the cores. A call whose
+CPU time is near its two cores' worth of wall time is busy all along (the work costs more when it shares the cores);
+one whose CPU time is well under it waits. Medians over ``--reps`` calls, taken in turn:
+
+    .venv/bin/python scripts/research/cpu_bound.py --sizes 2048 8192 --reps 9
+    .venv/bin/python scripts/research/cpu_bound.py --source models/pretrained/smollm2-135m-l25 \\
+        --target models/pretrained/smollm2-135m --sizes 2048 --reps 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvferry import paths
+from kvferry.bench.harness import ServerProcess, long_ids
+from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
+from kvferry.mappings.apply import apply
+from kvferry.mappings.capture import capture_kv, load_model
+from kvferry.sidecar.registry import MapRegistry
+
+def process_cpu(pid: int) -> float:
+    """Seconds on a CPU of process ``pid``'s live threads (their schedstat, in nanoseconds: /proc/<pid>/stat counts
+    in 10 ms ticks, too coarse for a 30 ms call)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended
+    return total / 1e9
+
+
+def own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", type=Path, default=paths.model_dir("S"))
+    ap.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    source, target = load_model(a.source), load_model(a.target)
+    registry = MapRegistry(paths.maps_dir(), force=True)
+    registry.scan()
+    ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", "")
+    kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+    rows = []
+    with ServerProcess(paths.maps_dir(), 2) as server, \
+            TranslateClient(ClientOptions(target=server.address, timeout=300)) as client:
+        for n in a.sizes:
+            with torch.no_grad():
+                src = capture_kv(source.model, long_ids(target.tokenizer, n)[:, : n - 16])
+            payloads = [m.SerializeToString() for m in encode_requests(make_spec(src, ms.name, ms.version, **kw), src,
+                                                                      chunk_tokens_for(client.options, src))]
+            calls = {"rpc": lambda: client.translate(src, ms.name, ms.version, **kw),
+                     "echo": lambda: server.roundtrip(payloads),
+                     "apply": lambda: torch.no_grad()(apply)(ms, src, 0)}
+            seen = {k: {"wall_ms": [], "cpu_ms": [], "server_cpu_ms": []} for k in calls}
+            for call in calls.values():
+                call()  # warm-up
+            for _ in range(a.reps):
+                for name, call in calls.items():
+                    c0, s0, t0 = own_cpu(), process_cpu(server.proc.pid), time.perf_counter()
+                    call()
+                    t1 = time.perf_counter()
+                    seen[name]["wall_ms"].append((t1 - t0) * 1e3)
+                    server_cpu = process_cpu(server.proc.pid) - s0
+                    seen[name]["cpu_ms"].append((own_cpu() - c0 + server_cpu) * 1e3)
+                    seen[name]["server_cpu_ms"].append(server_cpu * 1e3)
+            med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in seen.items()}
+            row = {"n": n, **{f"{k}_{m}": v for k, d in med.items() for m, v in d.items()}}
+            row["serial_bound_ms"] = med["echo"]["wall_ms"] + med["apply"]["wall_ms"]
+            row["cpu_bound_ms"] = (med["echo"]["cpu_ms"] + med["apply"]["cpu_ms"]) / 2
+            row["rpc_busy_share"] = med["rpc"]["cpu_ms"] / (2 * med["rpc"]["wall_ms"])
+            rows.append(row)
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    print(f"\nmap {ms.name} {ms.version}; medians of {a.reps}; CPU: both processes (the client's user + system, the server's threads on a CPU)\n")
+    print("| n | RPC wall / CPU (server's) ms | echo wall / CPU (server's) ms | apply wall / CPU ms | serial bound ms | "
+          "CPU bound (2 cores) ms | RPC cores busy |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']} | {r['rpc_wall_ms']:.1f} / {r['rpc_cpu_ms']:.1f} ({r['rpc_server_cpu_ms']:.1f}) | "
+              f"{r['echo_wall_ms']:.1f} / {r['echo_cpu_ms']:.1f} ({r['echo_server_cpu_ms']:.1f}) | "
+              f"{r['apply_wall_ms']:.1f} / {r['apply_cpu_ms']:.1f} | {r['serial_bound_ms']:.1f} | {r['cpu_bound_ms']:.1f} | "
+              f"{r['rpc_busy_share']:.0%} |")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
