@@ -136,7 +136,7 @@ class LanedApplier:
             return
         if not self.segments:
             lanes = self._lanes
-            self._start(plan(self.tokens, end, lanes.parts_for(self.tokens), lanes.min_slice, lanes.share_min))
+            self._start(plan(self.tokens, end, lanes.parts_for(self.tokens), lanes.share_min))
         self._give(layer, kind, tensor, start, end)
         yield from self._collect(wait=False)
 
@@ -229,11 +229,11 @@ class Segment(NamedTuple):
     applier: StreamingApplier
 
 
-def plan(tokens: int, first_range: int, parts: int, min_slice: int, share_min: int = SHARE_MIN) -> list[tuple[int, int, int]]:
+def plan(tokens: int, first_range: int, parts: int, share_min: int = SHARE_MIN) -> list[tuple[int, int, int]]:
     """(start, end, lane) segments, in token order, for ``tokens`` tokens sent in ranges of ``first_range`` tokens:
     each range cut into up to ``parts`` segments of ``share_min`` tokens or more, each on the lane with the fewest
-    tokens so far. One range for all, or ranges too short for two such segments, give ``parts`` contiguous lanes (of
-    ``min_slice`` tokens or more)."""
+    tokens so far. One range for all, or ranges too short for two such segments, give ``parts`` contiguous lanes
+    (``Lanes.parts_for`` decides ``parts``)."""
     if first_range >= tokens or first_range < 2 * share_min:
         return [(tokens * i // parts, tokens * (i + 1) // parts, i) for i in range(parts)]
     load, out = [0] * parts, []

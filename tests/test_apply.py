@@ -220,13 +220,13 @@ def test_lane_plans_share_each_range_the_client_sends():
     one range for all, or ranges under two lanes' minimum, give contiguous lanes."""
     from kvferry.mappings.lanes import plan
 
-    assert plan(8192, 2730, 2, 128) == [(0, 1365, 0), (1365, 2730, 1), (2730, 4095, 0), (4095, 5460, 1),
-                                        (5460, 6825, 0), (6825, 8190, 1), (8190, 8192, 0)]
-    assert plan(2048, 2730, 2, 128) == plan(2048, 2048, 2, 128) == [(0, 1024, 0), (1024, 2048, 1)]
-    assert plan(8192, 1024, 2, 128) == [(0, 4096, 0), (4096, 8192, 1)]  # pieces of 512 would cost more than they give
-    assert plan(1000, 400, 3, 128, share_min=128) == [(0, 133, 0), (133, 266, 1), (266, 400, 2), (400, 533, 0),
-                                                      (533, 666, 1), (666, 800, 2), (800, 1000, 0)]
-    assert plan(1000, 200, 2, 128, share_min=128) == [(0, 500, 0), (500, 1000, 1)]  # too short to share
+    assert plan(8192, 2730, 2) == [(0, 1365, 0), (1365, 2730, 1), (2730, 4095, 0), (4095, 5460, 1),
+                                   (5460, 6825, 0), (6825, 8190, 1), (8190, 8192, 0)]
+    assert plan(2048, 2730, 2) == plan(2048, 2048, 2) == [(0, 1024, 0), (1024, 2048, 1)]
+    assert plan(8192, 1024, 2) == [(0, 4096, 0), (4096, 8192, 1)]  # pieces of 512 would cost more than they give
+    assert plan(1000, 400, 3, share_min=128) == [(0, 133, 0), (133, 266, 1), (266, 400, 2), (400, 533, 0),
+                                                 (533, 666, 1), (666, 800, 2), (800, 1000, 0)]
+    assert plan(1000, 200, 2, share_min=128) == [(0, 500, 0), (500, 1000, 1)]  # too short to share
 
 
 def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(monkeypatch):

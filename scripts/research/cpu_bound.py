@@ -4,7 +4,7 @@ bound adds the echo's and the map's wall times; the CPU bound divides the CPU ti
 CPU time is near its two cores' worth of wall time is busy all along (the work costs more when it shares the cores);
 one whose CPU time is well under it waits. Medians over ``--reps`` calls, taken in turn:
 
-    .venv/bin/python scripts/research/cpu_bound.py --sizes 2048 8192 --reps 9
+    .venv/bin/python scripts/research/cpu_bound.py --source models/S --target models/T --sizes 2048 8192 --reps 9
     .venv/bin/python scripts/research/cpu_bound.py --source models/pretrained/smollm2-135m-l25 \\
         --target models/pretrained/smollm2-135m --sizes 2048 --reps 7
 """
@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-from kvferry import paths
+from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
 from kvferry.bench.harness import ServerProcess, long_ids
 from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
 from kvferry.mappings.apply import apply
-from kvferry.mappings.capture import capture_kv, load_model
-from kvferry.sidecar.registry import MapRegistry
+from kvferry.mappings.capture import capture_kv
 
 def process_cpu(pid: int) -> float:
     """Seconds on a CPU of process ``pid``'s live threads (their schedstat, in nanoseconds: /proc/<pid>/stat counts
@@ -46,20 +45,12 @@ def own_cpu() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    ap.add_argument("--target", type=Path, default=paths.model_dir("T"))
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--reps", type=int, default=9)
+    pair_arguments(ap, reps=9)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    torch.set_num_threads(2)
-    source, target = load_model(a.source), load_model(a.target)
-    registry = MapRegistry(paths.maps_dir(), force=True)
-    registry.scan()
-    ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", "")
-    kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+    source, target, ms, kw = load_pair(a)
     rows = []
-    with ServerProcess(paths.maps_dir(), 2) as server, \
+    with ServerProcess(a.maps_dir, a.threads) as server, \
             TranslateClient(ClientOptions(target=server.address, timeout=300)) as client:
         for n in a.sizes:
             with torch.no_grad():

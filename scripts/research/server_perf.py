@@ -2,7 +2,7 @@
 (a real bench server, as in production) while the client sends ``reps`` translations, then read the file with
 ``perf report``. Needs perf and kernel.perf_event_paranoid <= 2:
 
-    .venv/bin/python scripts/research/server_perf.py --sizes 2048 --reps 60 --out /tmp/perf_tiny.data
+    .venv/bin/python scripts/research/server_perf.py --source models/S --target models/T --sizes 2048 --reps 60 --out /tmp/perf_tiny.data
     perf report -i /tmp/perf_tiny.data --no-children --sort dso -g none
     .venv/bin/python scripts/research/server_perf.py --source models/pretrained/smollm2-135m-l25 \\
         --target models/pretrained/smollm2-135m --sizes 2048 --reps 10 --out /tmp/perf_l25.data
@@ -21,27 +21,19 @@ from pathlib import Path
 
 import torch
 
-from kvferry import paths
+from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
 from kvferry.bench.harness import ServerProcess, long_ids
 from kvferry.client.client import ClientOptions, TranslateClient
-from kvferry.mappings.capture import capture_kv, load_model
-from kvferry.sidecar.registry import MapRegistry
+from kvferry.mappings.capture import capture_kv
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    ap.add_argument("--target", type=Path, default=paths.model_dir("T"))
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2048])
-    ap.add_argument("--reps", type=int, default=60)
+    pair_arguments(ap, reps=60)
     ap.add_argument("--out", type=Path, default=Path("/tmp/kvferry_server_perf.data"))
     a = ap.parse_args()
-    source, target = load_model(a.source), load_model(a.target)
-    registry = MapRegistry(paths.maps_dir(), force=True)
-    registry.scan()
-    ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", "")
-    kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
-    with ServerProcess(paths.maps_dir(), 2) as server, \
+    source, target, ms, kw = load_pair(a)
+    with ServerProcess(a.maps_dir, a.threads) as server, \
             TranslateClient(ClientOptions(target=server.address, timeout=300)) as client:
         caches = []
         for n in a.sizes:
