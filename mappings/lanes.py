@@ -153,8 +153,14 @@ class LanedApplier:
         self._early.clear()
 
     def _give(self, layer: int, kind: str, tensor: torch.Tensor, start: int, end: int) -> None:
-        """Queue each segment's part of a chunk on its lane."""
-        for j, seg in enumerate(self.segments):
+        """Queue each segment's part of a chunk on its lane. Segments are in token order and so are their ``first``
+        tokens (a later segment's context never starts before an earlier one's), so the segments a chunk reaches are
+        those from the first ending past ``start`` until one whose reading starts at ``end`` or later: a long prompt's
+        many segments are not walked for every chunk."""
+        for j in range(bisect.bisect_right(self._ends, start), len(self.segments)):
+            seg = self.segments[j]
+            if seg.first >= end:
+                break
             a, b = max(start, seg.first), min(end, seg.end)
             if a < b:
                 part = tensor[:, :, a - start : b - start]
