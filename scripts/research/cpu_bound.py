@@ -6,8 +6,8 @@ one whose CPU time is well under it waits. Medians over ``--reps`` calls, taken 
 
 ``--settle SECONDS`` idles before each timed call. Without it the RPC follows the in-process map directly, and torch's
 OpenMP workers, which spin for a while after each parallel region, are charged to the client during the RPC (session
-24, docs/benchmarks.md: about 10 ms of a 2,048-token tiny call's client CPU). The settled map starts on a sleeping
-pool, so its wall time reads slower:
+24, docs/benchmarks.md: a 2,048-token tiny call's client CPU read 16 ms, against 10 ms settled). The settled map
+starts on a sleeping pool, so its wall time reads slower:
 
     .venv/bin/python scripts/research/cpu_bound.py --source models/S --target models/T --sizes 2048 8192 --reps 9
     .venv/bin/python scripts/research/cpu_bound.py --source models/S --target models/T --sizes 2048 8192 --reps 11 --settle 0.1
