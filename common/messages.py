@@ -65,6 +65,31 @@ class Block:
     key: torch.Tensor
     value: torch.Tensor
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V together."""
+        return 2 * self.key.numel() * self.key.element_size()
+
+
+@dataclass
+class BlockParts:
+    """A contiguous block given as consecutive token ranges of one target layer (the lanes' pieces of it), joined
+    along tokens only as it is written into its response message: one copy, no torch.cat, one message where the
+    pieces would each take one. ``keys``/``values``: [kv_heads, tokens_i, head_dim] each, in token order, together
+    covering [start, end)."""
+
+    layer: int
+    start: int
+    end: int
+    index: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V together."""
+        return 2 * sum(k.numel() * k.element_size() for k in self.keys)
+
 
 @dataclass
 class BlockBytes:

@@ -100,7 +100,7 @@ def checked_tensor(code: int, shape: tuple[int, ...], data, expect_shape: tuple[
 
 
 # ---- messages <-> protobuf -------------------------------------------------------------------
-from kvferry.common.messages import CONTIGUOUS, PAGED, Block, BlockBytes, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids  # noqa: E402
+from kvferry.common.messages import CONTIGUOUS, PAGED, Block, BlockBytes, BlockParts, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids  # noqa: E402
 
 _LAYOUT_TO_PB = {CONTIGUOUS: pb.LAYOUT_CONTIGUOUS, PAGED: pb.LAYOUT_PAGED}
 _LAYOUT_FROM_PB = {v: k for k, v in _LAYOUT_TO_PB.items()}
@@ -195,6 +195,14 @@ def _tensor_fields(t: torch.Tensor) -> list[bytes]:
     return _data_fields(t.dtype, t.shape, pieces, sum(map(len, pieces)))
 
 
+def _parts_fields(parts: list[torch.Tensor]) -> list[bytes]:
+    """The fields of a kvferry.v1.Tensor joining ``parts`` ([heads, tokens_i, dim] each) along tokens: per head, each
+    part's rows in turn, as pieces for the message's one join."""
+    heads, _, dim = parts[0].shape
+    pieces = [piece for h in range(heads) for p in parts if p.shape[1] for piece in _tensor_pieces(p[h])]
+    return _data_fields(parts[0].dtype, (heads, sum(p.shape[1] for p in parts), dim), pieces, sum(map(len, pieces)))
+
+
 def _data_fields(dtype: torch.dtype, shape, pieces: list, size: int) -> list[bytes]:
     """The fields of a kvferry.v1.Tensor whose data is the concatenation of ``pieces`` (``size`` bytes)."""
     packed = b"".join(_varint(int(s)) for s in shape)
@@ -210,12 +218,14 @@ def _length_delimited(field: int, parts: list[bytes]) -> list[bytes]:
     return [_varint(field << 3 | 2), _varint(sum(map(len, parts))), *parts]  # map, not a generator: ~3x faster over a hit's pieces
 
 
-def encode_block_response(b: Block | BlockBytes) -> bytes:
+def encode_block_response(b: Block | BlockBytes | BlockParts) -> bytes:
     """A TranslateResponse carrying ``b``, serialised without building protobuf objects: the same bytes as
     ``block_to_pb(b).SerializeToString()`` (checked in the tests); the tensor data is copied once, into the message
-    (for BlockBytes, straight from its pieces)."""
+    (for BlockBytes, straight from its pieces; for BlockParts, from each part's rows)."""
     if isinstance(b, BlockBytes):
         k, v = (_data_fields(b.dtype, b.shape, pieces, b.nbytes // 2) for pieces in (b.key, b.value))
+    elif isinstance(b, BlockParts):
+        k, v = _parts_fields(b.keys), _parts_fields(b.values)
     else:
         k, v = _tensor_fields(b.key), _tensor_fields(b.value)
     body = (_scalar(1, b.layer) + _scalar(2, b.start) + _scalar(3, b.end) + _scalar(4, b.index)

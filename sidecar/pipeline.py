@@ -7,10 +7,11 @@ target layer leaves as soon as its source layers have arrived and memory stays b
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import torch
 
-from kvferry.common.messages import PAGED, Block, BlockBytes, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids
+from kvferry.common.messages import PAGED, Block, BlockBytes, BlockParts, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids
 from kvferry.common.prefix_cache import Lookup
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
@@ -134,7 +135,7 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         """Blocks that need no source data: the cached prefix, if any."""
         out = self._emit_stored() if self.stored else []
         for t, (k, v) in enumerate(self.cached or []):
-            out += self._emit(t, 0, self.skip, k.to(self.out_dtype), v.to(self.out_dtype))
+            out += self._emit(t, [(0, self.skip, k.to(self.out_dtype), v.to(self.out_dtype))])
         return out
 
     def check_chunk_header(self, layer: int, kind: str, start: int, end: int) -> None:
@@ -204,32 +205,36 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         if self.applier is not None:
             self.applier.close()
 
-    def _emit_all(self, mapped) -> list[Block]:
-        """Blocks of the mapped pieces (target layer, start, end, K, V), paged ones cut once every piece of a layer
-        is in (lanes hand a layer over in several pieces at once: its pages are cut across them)."""
-        blocks, touched = [], {}  # the layers these pieces filled, in order
-        for layer, a, b, k, v in mapped:
-            blocks += self._emit(layer, a + self.skip, b + self.skip, k, v, cut=False)
-            touched[layer] = None
-        for layer in touched if self.spec.layout == PAGED else ():
-            blocks += self._cut(layer)
+    def _emit_all(self, mapped) -> list[Block | BlockParts]:
+        """Blocks of the mapped pieces (target layer, start, end, K, V). Consecutive pieces of one layer (lanes hand a
+        layer over in several pieces at once) leave together: in one contiguous block where they fit one message,
+        joined only as it is written (each message costs both ends a fixed amount), or cut into pages across them."""
+        blocks = []
+        for run in runs(mapped):
+            blocks += self._emit(run[0][0], [(a + self.skip, b + self.skip, k, v) for _, a, b, k, v in run])
         return blocks
 
-    def _emit(self, layer: int, a: int, b: int, k: torch.Tensor, v: torch.Tensor, cut: bool = True) -> list[Block]:
-        """k, v: [1, kv_heads, b - a, head_dim] for target tokens [a, b). Paged with ``cut=False``: kept for ``_cut``."""
+    def _emit(self, layer: int, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> list[Block | BlockParts]:
+        """Blocks of one layer's consecutive pieces (a, b, K, V), K and V [1, kv_heads, b - a, head_dim] for target
+        tokens [a, b)."""
         if self.outputs is not None:
-            self.outputs.setdefault(layer, []).append((k, v))
-        if self.spec.layout != PAGED:
-            out = []
-            for s in range(a, b, self._block_tokens):  # cut to the message limit (a wider target than the chunks)
-                e = min(s + self._block_tokens, b)
-                out.append(Block(layer, s, e, self._index[layer], k[0][:, s - a : e - a], v[0][:, s - a : e - a]))
-                self._index[layer] += 1
-            self._count(out)
-            return out
-        self._page[layer].append((k[0].transpose(0, 1), v[0].transpose(0, 1)))  # [tokens, H, D]
-        self._page_fill[layer] += b - a
-        return self._cut(layer) if cut else []
+            self.outputs.setdefault(layer, []).extend((k, v) for _, _, k, v in pieces)
+        if self.spec.layout == PAGED:
+            for a, b, k, v in pieces:
+                self._page[layer].append((k[0].transpose(0, 1), v[0].transpose(0, 1)))  # [tokens, H, D]
+                self._page_fill[layer] += b - a
+            return self._cut(layer)
+        out = []
+        for s in range(pieces[0][0], pieces[-1][1], self._block_tokens):  # cut to the message limit
+            e = min(s + self._block_tokens, pieces[-1][1])
+            parts = [(k[0][:, max(s - a, 0) : e - a], v[0][:, max(s - a, 0) : e - a]) for a, b, k, v in pieces if a < e and b > s]
+            if len(parts) == 1:
+                out.append(Block(layer, s, e, self._index[layer], *parts[0]))
+            else:
+                out.append(BlockParts(layer, s, e, self._index[layer], [k for k, _ in parts], [v for _, v in parts]))
+            self._index[layer] += 1
+        self._count(out)
+        return out
 
     def _cut(self, layer: int) -> list[Block]:
         """The layer's pending tokens as blocks of whole pages; its last, partial page once every token is in."""
@@ -282,9 +287,8 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         self._page_start[layer] += take
         return Block(layer, start, start + take, start // bs, kb.reshape(shape), vb.reshape(shape))
 
-    def _count(self, blocks: list[Block | BlockBytes]) -> None:
-        for b in blocks:
-            self.stats.bytes_out += b.nbytes if isinstance(b, BlockBytes) else 2 * b.key.numel() * b.key.element_size()
+    def _count(self, blocks: list[Block | BlockBytes | BlockParts]) -> None:
+        self.stats.bytes_out += sum(b.nbytes for b in blocks)
         self.stats.blocks += len(blocks)
 
     def output_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -304,6 +308,18 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         if self.expect_chunks and missing:
             raise InvalidInput(f"truncated stream: source layers {', '.join(missing[:8])}{'…' if len(missing) > 8 else ''} "
                                f"did not receive all {self.spec.num_tokens} tokens")
+
+
+def runs(mapped) -> Iterator[list]:
+    """The mapped pieces (layer, start, end, K, V) in lists of consecutive pieces of one layer, in the order given."""
+    run = []
+    for piece in mapped:
+        if run and (piece[0] != run[-1][0] or piece[1] != run[-1][2]):
+            yield run
+            run = []
+        run.append(piece)
+    if run:
+        yield run
 
 
 def start_session(*args, **kw) -> tuple[TranslateSession, list[Block | BlockBytes]]:

@@ -276,7 +276,8 @@ def test_pipelining_first_block_before_last_chunk(sidecar_factory, maps_dir, tok
             kinds.append(msg.WhichOneof("msg"))
             if kinds[-1] == "block":
                 first_block.set()
-    assert kinds[0] == "header" and kinds[-1] == "trailer" and kinds.count("block") == 4 * map_threads
+    # a layer's lane pieces leave in one block when they finish together, in one block each otherwise
+    assert kinds[0] == "header" and kinds[-1] == "trailer" and 4 <= kinds.count("block") <= 4 * map_threads
     assert len(sent_after_first_block) == 6
 
 
@@ -537,6 +538,53 @@ def test_maps_run_in_token_lanes_answer_as_the_whole_map_does(sidecar_factory, f
     assert SidecarConfig(map_threads=4, device="cuda").resolved_map_threads() == 1  # a GPU step is one kernel launch
     with pytest.raises(InvalidInput, match="map_threads must be >= 0"):
         SidecarConfig(map_threads=-1)
+
+
+@pytest.mark.parametrize("block_tokens", [None, 250])
+def test_a_layers_lane_pieces_leave_in_one_message(block_tokens):
+    """Lanes hand a target layer over in one piece per lane. Pieces finished together leave as one block (BlockParts,
+    joined only as its message is written: each message costs both ends a fixed amount), cut only where a block would
+    outgrow the message limit, and each message holds the bytes a Block of the joined tokens makes. Through a real
+    cross-model map (4 -> 6 layers, 2 -> 3 kv heads) in three lanes, held until every chunk has been queued."""
+    import threading
+    from kvferry.common import wire
+    from kvferry.common.messages import BlockParts, Chunk, TranslateSpec
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.artifact import load
+    from kvferry.mappings.lanes import Lanes
+    from kvferry.sidecar.limits import Limits
+    from kvferry.sidecar.pipeline import TranslateSession
+    from conftest import ROOT
+
+    ms = load(ROOT / "maps" / "S__T" / "1.0.0")
+    g, tg = ms.source.geometry, ms.target.geometry
+    kv = make_kv(layers=g.layers, tokens=600, heads=g.kv_heads, head_dim=g.head_dim, seed=11)
+    want = apply(ms, kv, 0)
+    per_token = 2 * tg.kv_width * 4
+    limits = Limits(max_message_bytes=Limits.MESSAGE_OVERHEAD + block_tokens * per_token) if block_tokens else Limits()
+    lanes, hold = Lanes(3), threading.Event()
+    try:
+        for w in lanes.workers:  # every lane waits, so that all of a layer's pieces are finished by drain
+            w.submit(hold.wait)
+        session = TranslateSession(TranslateSpec("S__T", num_tokens=600), ms, limits, lanes=lanes)
+        for layer, (k, v) in enumerate(kv):
+            for kind, t in (("k", k), ("v", v)):
+                assert session.add(Chunk(layer, kind, 0, 600, t[0])) == []
+        hold.set()
+        blocks = session.drain()
+    finally:
+        hold.set()
+        lanes.shutdown()
+    cuts = [(0, 600)] if block_tokens is None else [(0, 250), (250, 500), (500, 600)]  # lanes: 0-200, 200-400, 400-600
+    assert [(b.layer, b.start, b.end, b.index) for b in blocks] == [(t, a, b, i) for t in range(tg.layers)
+                                                                     for i, (a, b) in enumerate(cuts)]
+    assert [isinstance(b, BlockParts) for b in blocks[: len(cuts)]] == [True] * min(len(cuts), 2) + [False] * (len(cuts) > 2)
+    assert session.finish().bytes_out == 600 * per_token * tg.layers
+    for b in blocks:
+        got = wire.decode_response(wire.encode_block_response(b))
+        wk, wv = want[b.layer]
+        torch.testing.assert_close(got.key, wk[0, :, b.start : b.end], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.value, wv[0, :, b.start : b.end], rtol=1e-4, atol=1e-4)
 
 
 def test_maps_are_warmed_on_the_compute_thread_before_readiness(sidecar_factory, maps_dir, monkeypatch):

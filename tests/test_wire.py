@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.common import wire
-from kvferry.common.messages import Block, Chunk
+from kvferry.common.messages import Block, BlockParts, Chunk
 from kvferry.v1 import translate_pb2 as pb
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -38,6 +38,21 @@ def test_block_response_fast_path_is_the_protobuf_encoding_and_decodes_in_place(
     for a, c in ((got.key, b.key), (got.value, b.value)):
         assert a.dtype == c.dtype and tuple(a.shape) == tuple(c.shape)
         assert torch.equal(a, c)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.booleans()), min_size=1, max_size=4), st.integers(0, 3),
+       st.sampled_from([1, 16, 64, 4096]), st.sampled_from(DTYPES))
+def test_block_parts_encode_as_the_block_of_their_join(parts, heads, dim, dtype):
+    """A block given as consecutive token ranges (a layer's lane pieces) makes the message of one Block holding
+    their join along tokens: the same bytes, with no join in torch. Parts may be token-range views, or empty."""
+    keys = [make_tensor((heads, n, dim), dtype, i, strided) for i, (n, strided) in enumerate(parts)]
+    values = [make_tensor((heads, n, dim), dtype, 10 + i, strided) for i, (n, strided) in enumerate(parts)]
+    n = sum(p for p, _ in parts)
+    joined = Block(3, 5, 5 + n, 2, torch.cat(keys, 1), torch.cat(values, 1))
+    b = BlockParts(3, 5, 5 + n, 2, keys, values)
+    assert wire.encode_block_response(b) == wire.encode_block_response(joined) == wire.block_to_pb(joined).SerializeToString()
+    assert b.nbytes == joined.nbytes
 
 
 @settings(max_examples=100, deadline=None)
