@@ -29,6 +29,10 @@ Variants:
 
     .venv/bin/python scripts/research/translate_ab.py --source models/pretrained/smollm2-135m-l25 \\
         --target models/pretrained/smollm2-135m --sizes 2048 8192 --reps 9 --json runs/results/translate_ab.json
+
+Each row also gives the response blocks a call and its CPU on both sides (the sidecar's threads from schedstat, the
+client's rusage); a second table gives each variant's differences from the first one's, round by round (session 25).
+``--map-threads N`` runs every sidecar with N token lanes unless its variant sets its own.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_bound import own_cpu, process_cpu  # scripts/research/cpu_bound.py (beside this script)
 from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
 from kvferry import paths
 from kvferry.bench.harness import ServerProcess, long_ids
@@ -92,6 +97,13 @@ VARIANTS = {"base": {}, "protobuf_parse": dict(code=PROTOBUF_PARSE), "in_place":
             "malloc_thp_keep": dict(env={"GLIBC_TUNABLES": f"{MALLOC_THP}:{MALLOC_KEEP}"})}
 
 
+def paired(xs: list[float], ys: list[float]) -> str:
+    """The round-by-round differences xs - ys as "median [q1, q3]"."""
+    d = [x - y for x, y in zip(xs, ys)]
+    q = statistics.quantiles(d, n=4) if len(d) > 1 else [d[0]] * 3
+    return f"{statistics.median(d):+.1f} [{q[0]:+.1f}, {q[2]:+.1f}]"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     pair_arguments(ap, reps=9)
@@ -99,6 +111,8 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=0, help="0: as many as fill 2 MiB, as kvferry bench translate sends them")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--base", default="HEAD", help="the commit the variant 'base' runs")
+    ap.add_argument("--map-threads", type=int, default=0,
+                    help="the sidecars' token lanes (0: their default, one a core); a variant that sets its own keeps it")
     a = ap.parse_args()
     a.maps_dir = a.maps_dir.resolve()  # the base variant runs in another folder
     build = tempfile.TemporaryDirectory()  # the base variant's install, removed at the end
@@ -107,8 +121,9 @@ def main() -> None:
         VARIANTS["base"] = dict(env={"PYTHONPATH": site, "KVFERRY_HOME": str(paths.repo_root())}, cwd=site)
     source, target, ms, kw = load_pair(a)
     name = ms.name
+    lanes = {"map_threads": a.map_threads} if a.map_threads else {}  # a variant's own setting wins
     servers = {v: ServerProcess(a.maps_dir, VARIANTS[v].get("threads", a.threads),
-                                **{k: x for k, x in VARIANTS[v].items() if k != "threads"}) for v in a.variants}
+                                **{**lanes, **{k: x for k, x in VARIANTS[v].items() if k != "threads"}}) for v in a.variants}
     rows = []
     try:
         clients = {v: TranslateClient(ClientOptions(target=s.address, chunk_tokens=a.chunk_tokens, timeout=300)) for v, s in servers.items()}
@@ -117,18 +132,27 @@ def main() -> None:
                 src = capture_kv(source.model, long_ids(target.tokenizer, n)[:, : n - 16])
             times: dict[str, list[float]] = {v: [] for v in a.variants}
             compute: dict[str, list[float]] = {v: [] for v in a.variants}
+            blocks: dict[str, list[int]] = {v: [] for v in a.variants}
+            cpu: dict[str, list[tuple[float, float]]] = {v: [] for v in a.variants}  # (sidecar, client) ms a call
             for v in a.variants:  # warm-up
                 clients[v].translate(src, ms.name, ms.version, **kw)
             for _ in range(a.reps):
                 for v in a.variants:
-                    t = time.perf_counter()
+                    pid = servers[v].proc.pid
+                    c0, s0, t = own_cpu(), process_cpu(pid), time.perf_counter()
                     res = clients[v].translate(src, ms.name, ms.version, **kw)
                     times[v].append((time.perf_counter() - t) * 1e3)
+                    cpu[v].append(((process_cpu(pid) - s0) * 1e3, (own_cpu() - c0) * 1e3))
                     compute[v].append(res.stats.compute_seconds * 1e3)
+                    blocks[v].append(res.stats.blocks)
             for v in a.variants:
                 rows.append({"n": n, "variant": v, "median_ms": statistics.median(times[v]), "min_ms": min(times[v]),
-                             "sidecar_compute_median_ms": statistics.median(compute[v]), "times_ms": times[v]})
-                print(json.dumps({k: round(x, 1) if isinstance(x, float) else x for k, x in rows[-1].items() if k != "times_ms"}), flush=True)
+                             "sidecar_compute_median_ms": statistics.median(compute[v]),
+                             "blocks_median": statistics.median(blocks[v]),
+                             "sidecar_cpu_median_ms": statistics.median(s for s, _ in cpu[v]),
+                             "client_cpu_median_ms": statistics.median(c for _, c in cpu[v]), "times_ms": times[v],
+                             "cpu_ms": cpu[v]})
+                print(json.dumps({k: round(x, 1) if isinstance(x, float) else x for k, x in rows[-1].items() if k not in ("times_ms", "cpu_ms")}), flush=True)
         for c in clients.values():
             c.close()
     finally:
@@ -136,9 +160,20 @@ def main() -> None:
             s.close()
         build.cleanup()
     print(f"\nmap {name} {ms.version}; Translate RPC ms, {a.reps} rounds, variants called in turn; chunks of {a.chunk_tokens} tokens\n")
-    print("| n | variant | RPC median ms | RPC min ms | sidecar compute median ms |\n|---|---|---|---|---|")
+    print("| n | variant | RPC median ms | RPC min ms | sidecar compute median ms | response blocks, median | CPU a call, sidecar / "
+          "client, medians ms |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['n']} | {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['sidecar_compute_median_ms']:.1f} |")
+        print(f"| {r['n']} | {r['variant']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['sidecar_compute_median_ms']:.1f} | {r['blocks_median']:g} | "
+              f"{r['sidecar_cpu_median_ms']:.1f} / {r['client_cpu_median_ms']:.1f} |")
+    print(f"\nPer round, each variant minus {a.variants[0]} (same round): median [quartiles] ms\n")
+    print("| n | variant | RPC | sidecar CPU | client CPU |\n|---|---|---|---|---|")
+    first = {r["n"]: r for r in rows if r["variant"] == a.variants[0]}
+    for r in rows:
+        if r["variant"] != a.variants[0]:
+            base = first[r["n"]]
+            cells = [paired(r["times_ms"], base["times_ms"])] + [
+                paired([c[i] for c in r["cpu_ms"]], [c[i] for c in base["cpu_ms"]]) for i in (0, 1)]
+            print(f"| {r['n']} | {r['variant']} | " + " | ".join(cells) + " |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"map": name, "version": ms.version, "reps": a.reps, "chunk_tokens": a.chunk_tokens, "rows": rows}, indent=1) + "\n")
