@@ -68,7 +68,8 @@ def phases(events: list[tuple[str, float]]) -> dict[str, float]:
 def main() -> None:
     a = hit_args(sizes=(2048, 8192), reps=9, more=lambda ap: (ap.add_argument("--source", type=Path),
                                                                ap.add_argument("--target", type=Path),
-                                                               ap.add_argument("--map-threads", type=int, default=0)))
+                                                               ap.add_argument("--map-threads", type=int, default=0),
+                                                               ap.add_argument("--chunk-tokens", type=int, default=0)))
     ms, source, target = bench_pair()
     if a.source:  # another pair than the tiny family's: its newest servable map
         source, target = load_model(a.source), load_model(a.target)
@@ -93,7 +94,7 @@ def main() -> None:
     results = {}
     with ServerProcess(paths.maps_dir(), 2, code=SERVER_NOTES, env={"KVFERRY_TIMELINE": str(log)},
                        map_threads=a.map_threads) as sc, \
-            TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client:
+            TranslateClient(ClientOptions(target=sc.address, timeout=300, chunk_tokens=a.chunk_tokens)) as client:
         for n in a.sizes:
             ids = long_ids(target.tokenizer, n)
             with torch.no_grad():
