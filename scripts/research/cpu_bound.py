@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 
-from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
-from kvferry.bench.harness import ServerProcess, long_ids
-from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
+from sidecar_pair import load_pair, pair_arguments, translate_inputs  # scripts/research/sidecar_pair.py (beside this script)
+from kvferry.bench.harness import ServerProcess
+from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.mappings.apply import apply
-from kvferry.mappings.capture import capture_kv
 
 def process_cpu(pid: int) -> float:
     """Seconds on a CPU of process ``pid``'s live threads (their schedstat, in nanoseconds: /proc/<pid>/stat counts
@@ -61,10 +60,7 @@ def main() -> None:
     with ServerProcess(a.maps_dir, a.threads) as server, \
             TranslateClient(ClientOptions(target=server.address, timeout=300)) as client:
         for n in a.sizes:
-            with torch.no_grad():
-                src = capture_kv(source.model, long_ids(target.tokenizer, n)[:, : n - 16])
-            payloads = [m.SerializeToString() for m in encode_requests(make_spec(src, ms.name, ms.version, **kw), src,
-                                                                      chunk_tokens_for(client.options, src))]
+            src, payloads = translate_inputs(source, target, ms, kw, client.options, n)
             calls = {"rpc": lambda: client.translate(src, ms.name, ms.version, **kw),
                      "echo": lambda: server.roundtrip(payloads),
                      "apply": lambda: torch.no_grad()(apply)(ms, src, 0)}

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from kvferry import paths
-from kvferry.mappings.capture import load_model
+from kvferry.bench.harness import long_ids
+from kvferry.client.client import chunk_tokens_for, encode_requests, make_spec
+from kvferry.mappings.capture import capture_kv, load_model
 from kvferry.sidecar.registry import MapRegistry
 
 
@@ -30,3 +32,13 @@ def load_pair(a: argparse.Namespace):
     ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", "")
     kw = dict(source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
     return source, target, ms, kw
+
+
+def translate_inputs(source, target, ms, kw: dict, options, n: int) -> tuple[list, list[bytes]]:
+    """The source cache of a held-out prompt of ``n`` tokens (16 left to the target) and the request messages the
+    client sends for it with ``options`` (what the echo sends back, to time gRPC alone on the same bytes)."""
+    with torch.no_grad():
+        src = capture_kv(source.model, long_ids(target.tokenizer, n)[:, : n - 16])
+    payloads = [m.SerializeToString() for m in encode_requests(make_spec(src, ms.name, ms.version, **kw), src,
+                                                              chunk_tokens_for(options, src))]
+    return src, payloads

@@ -16,13 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from cpu_bound import own_cpu  # scripts/research/cpu_bound.py (beside this script)
-from sidecar_pair import load_pair, pair_arguments  # scripts/research/sidecar_pair.py (beside this script)
-from kvferry.bench.harness import ServerProcess, long_ids
-from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
-from kvferry.mappings.capture import capture_kv
+from sidecar_pair import load_pair, pair_arguments, translate_inputs  # scripts/research/sidecar_pair.py (beside this script)
+from kvferry.bench.harness import ServerProcess
+from kvferry.client.client import ClientOptions, TranslateClient
 
 # Run in the server process: every 0.2 s, its Python threads' native ids and names into $KVFERRY_THREADS.
 LIST_THREADS = '''
@@ -85,10 +82,7 @@ def main() -> None:
             TranslateClient(ClientOptions(target=server.address, timeout=300)) as client:
         pid = server.proc.pid
         for n in a.sizes:
-            with torch.no_grad():
-                src = capture_kv(source.model, long_ids(target.tokenizer, n)[:, : n - 16])
-            payloads = [m.SerializeToString() for m in encode_requests(make_spec(src, ms.name, ms.version, **kw), src,
-                                                                      chunk_tokens_for(client.options, src))]
+            src, payloads = translate_inputs(source, target, ms, kw, client.options, n)
             calls = {"Translate": lambda: client.translate(src, ms.name, ms.version, **kw),
                      "echo": lambda: server.roundtrip(payloads)}
             for call in calls.values():  # warm-up
