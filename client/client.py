@@ -8,6 +8,7 @@ are options. Nothing here imports the sidecar.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from kvferry.common import wire
 from .importers import contiguous_layers
+from .regions import Lease, RegionPool
 from kvferry.common.messages import ALL_PAGES, CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -68,6 +70,31 @@ class ClientOptions:
     """Bearer token sent as 'authorization' call metadata (the sidecar's auth_tokens_file maps it to a tenant)."""
     endpoints: tuple[str, ...] = ()
     """More sidecars to fail over to (host:port): a retryable error moves the next attempt to the next endpoint."""
+    shm_dir: str = ""
+    """A folder shared with the sidecar alone (its shm_dir: a memory-backed volume of the pod both containers
+    mount): the sidecar then writes each answer's tensor bytes into a file the client keeps there (client/regions.py)
+    instead of into the messages, skipping gRPC's copies of large answers (docs/benchmarks.md, session 28). An
+    answer's tensors view that file. A sidecar without shm_dir answers in the messages. Empty: always in the
+    messages."""
+    shm_region_bytes: int = 1 << 30
+    """Size of each file in shm_dir: the most response bytes one call puts there (the rest come in the messages).
+    The file is sparse: memory is used only as the sidecar writes."""
+    shm_file_mode: int = 0o600
+    """Permissions of the files in shm_dir: 0o660 when the sidecar runs as another user sharing the pod's fsGroup."""
+    shm_idle_files: int = 4
+    """Files in shm_dir a client keeps for reuse once their answers are freed (each holds the memory of the largest
+    answer written into it); an answer still in use keeps its own."""
+
+    def __post_init__(self) -> None:
+        if self.shm_region_bytes < 1 or self.shm_idle_files < 0:
+            raise ValueError(f"shm_region_bytes must be >= 1 and shm_idle_files >= 0, got {self.shm_region_bytes} and "
+                             f"{self.shm_idle_files}")
+        if self.shm_file_mode not in (0o600, 0o660):
+            raise ValueError(f"shm_file_mode must be 0o600 or 0o660 (the caller's file, never others'), got {oct(self.shm_file_mode)}")
+
+    def region_pool(self) -> RegionPool | None:
+        """The response regions of one client (None without shm_dir)."""
+        return RegionPool(self.shm_dir, self.shm_region_bytes, self.shm_file_mode, self.shm_idle_files) if self.shm_dir else None
 
     def tokens_per_chunk(self, bytes_per_token: int) -> int:
         """The chunk size to send a cache with ``bytes_per_token`` bytes of K (or V) per token and layer."""
@@ -164,14 +191,17 @@ def _token_ids(token_ids) -> tuple[int, ...]:
 
 
 class _Collector:
-    def __init__(self):
+    def __init__(self, region: Lease | None = None):
+        self.region = region  # the call's response region: its messages arrive undecoded, and are decoded against it
         self.info = None
         self.blocks: list[Block] = []
         self.stats = None
         self.t0 = time.perf_counter()
         self.first_block = 0.0
 
-    def take(self, msg: pb.TranslateResponse | Block) -> None:
+    def take(self, msg: pb.TranslateResponse | Block | bytes) -> None:
+        if isinstance(msg, bytes):
+            msg = wire.decode_response(msg, self._taken())
         if isinstance(msg, Block):  # decoded in place by wire.decode_response
             self._block(msg)
             return
@@ -179,9 +209,13 @@ class _Collector:
         if which == "header":
             self.info = wire.info_from_pb(msg.header)
         elif which == "block":
-            self._block(wire.block_from_pb(msg.block))
+            self._block(wire.block_from_pb(msg.block, self._taken()))
         elif which == "trailer":
             self.stats = wire.stats_from_pb(msg.trailer)
+
+    def _taken(self) -> Lease | None:
+        """The region, once the response header said the sidecar took it (tensors may then lie there)."""
+        return self.region if self.info is not None and self.info.response_region else None
 
     def _block(self, b: Block) -> None:
         if not self.blocks:
@@ -260,10 +294,15 @@ class _Endpoints:
         creds, args = options.credentials(), options.channel_args()
         self.channels = [make_channel(addr, creds, args) for addr in options.addresses()]
         self.stubs = [pb_grpc.TranslateServiceStub(c) for c in self.channels]
-        self.translates = [c.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize,
-                                           response_deserializer=wire.decode_response) for c in self.channels]
-        self.by_keys = [c.unary_stream(BY_KEY_METHOD, request_serializer=wire.serialize,
-                                       response_deserializer=wire.decode_response) for c in self.channels]
+
+        def methods(decode):
+            return ([c.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=decode)
+                     for c in self.channels],
+                    [c.unary_stream(BY_KEY_METHOD, request_serializer=wire.serialize, response_deserializer=decode)
+                     for c in self.channels])
+
+        self.translates, self.by_keys = methods(wire.decode_response)
+        self.raw_translates, self.raw_by_keys = methods(None)  # a call with a response region decodes against it
         self.has_by_key = [True] * len(self.channels)  # until an endpoint says it lacks the method
         self.current = 0
 
@@ -274,13 +313,19 @@ class _Endpoints:
     def uses_by_key(self, spec: TranslateSpec, layers: list) -> bool:
         return bool(spec.prefix_key) and not layers and self.has_by_key[self.current]
 
-    def call(self, spec: TranslateSpec, layers: list, timeout: float | None):
-        """The response stream of one attempt (iterate it; async iterate with the asyncio channel)."""
+    def call(self, spec: TranslateSpec, layers: list, timeout: float | None, region: Lease | None = None):
+        """The response stream of one attempt (iterate it; async iterate with the asyncio channel). With a ``region``,
+        the request names it and the messages come undecoded (``_Collector`` decodes them against it)."""
         meta = self.options.metadata()
-        if self.uses_by_key(spec, layers):
-            return self.by_keys[self.current](wire.spec_to_pb(spec, pb.TranslateByKeyRequest), timeout=timeout, metadata=meta)
-        return self.translates[self.current](encode_requests(spec, layers, chunk_tokens_for(self.options, layers), encoded=True),
-                                             timeout=timeout, metadata=meta)
+        by_key = self.uses_by_key(spec, layers)
+        if region is not None:
+            spec = dataclasses.replace(spec, response_region=region.name, response_region_bytes=region.size)
+        if by_key:
+            call = (self.by_keys if region is None else self.raw_by_keys)[self.current]
+            return call(wire.spec_to_pb(spec, pb.TranslateByKeyRequest), timeout=timeout, metadata=meta)
+        call = (self.translates if region is None else self.raw_translates)[self.current]
+        return call(encode_requests(spec, layers, chunk_tokens_for(self.options, layers), encoded=True), timeout=timeout,
+                    metadata=meta)
 
     def by_key_refused(self, spec: TranslateSpec, layers: list, err: grpc.RpcError) -> bool:
         """After a failed attempt: was it TranslateByKey on an endpoint without it? Then remember, and retry now."""
@@ -317,10 +362,13 @@ class TranslateClient:
         self.options = ClientOptions(target=options) if isinstance(options, str) else options
         self.endpoints = _Endpoints(self.options, _sync_channel)
         self.direct = direct
+        self.regions = self.options.region_pool()
 
     def close(self) -> None:
         for c in self.endpoints.channels:
             c.close()
+        if self.regions is not None:
+            self.regions.close()
 
     def __enter__(self):
         return self
@@ -348,11 +396,14 @@ class TranslateClient:
                 return _direct_result(hit)
         attempt = 0
         while True:
-            col = _Collector()
+            region = self.regions.lease() if self.regions is not None else None
+            col = _Collector(region)
+            ok = False
             try:
-                for msg in self.endpoints.call(spec, layers, timeout):
+                for msg in self.endpoints.call(spec, layers, timeout, region):
                     col.take(msg)
-                return col.result(attempt + 1)
+                result, ok = col.result(attempt + 1), True
+                return result
             except grpc.RpcError as err:
                 if self.endpoints.by_key_refused(spec, layers, err):
                     continue  # the same attempt, through Translate
@@ -361,6 +412,9 @@ class TranslateClient:
                 self.endpoints.fail_over()
                 time.sleep(_delay(self.options, attempt, err))
                 attempt += 1
+            finally:
+                if region is not None:
+                    region.release(ok)
 
 
 class AsyncTranslateClient:
@@ -370,10 +424,13 @@ class AsyncTranslateClient:
         self.options = ClientOptions(target=options) if isinstance(options, str) else options
         self.endpoints = _Endpoints(self.options, _aio_channel)
         self.direct = direct
+        self.regions = self.options.region_pool()
 
     async def close(self) -> None:
         for c in self.endpoints.channels:
             await c.close()
+        if self.regions is not None:
+            self.regions.close()
 
     async def __aenter__(self):
         return self
@@ -401,11 +458,14 @@ class AsyncTranslateClient:
                 return _direct_result(hit)
         attempt = 0
         while True:
-            col = _Collector()
+            region = self.regions.lease() if self.regions is not None else None
+            col = _Collector(region)
+            ok = False
             try:
-                async for msg in self.endpoints.call(spec, layers, timeout):
+                async for msg in self.endpoints.call(spec, layers, timeout, region):
                     col.take(msg)
-                return col.result(attempt + 1)
+                result, ok = col.result(attempt + 1), True
+                return result
             except grpc.RpcError as err:
                 if self.endpoints.by_key_refused(spec, layers, err):
                     continue  # the same attempt, through Translate
@@ -414,3 +474,6 @@ class AsyncTranslateClient:
                 self.endpoints.fail_over()
                 await asyncio.sleep(_delay(self.options, attempt, err))
                 attempt += 1
+            finally:
+                if region is not None:
+                    region.release(ok)

@@ -46,6 +46,10 @@ class ConnectorConfig:
     """Consumer: deadline of one translation, seconds."""
     status_seconds: float = 5.0
     """Consumer: how long the scheduler trusts its last look at the map's status."""
+    shm_dir: str = ""
+    """Consumer: the folder this engine shares with its sidecar (the chart's sharedMemory.mountPath, also in
+    KVFERRY_SHM_DIR there): translations then come back through files there instead of gRPC messages (see
+    ClientOptions.shm_dir). Empty: through the messages."""
     direct_reads: bool = False
     """Consumer: read a translation whose mapped blocks are all stored straight from the prefix store, without the
     sidecar hop (kvferry.client.direct; the sidecar is still asked on a miss and for the map's status). No sidecar

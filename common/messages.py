@@ -36,6 +36,8 @@ class TranslateSpec:
     prefix_key: str = ""
     tenant: str = ""
     pages_per_block: int = 0  # paged: the most pages a block may carry; 0: one page a block, three-dimensional
+    response_region: str = ""  # a SharedRegion's name: the file the response's tensor bytes may go into ("": none)
+    response_region_bytes: int = 0  # its size
 
 
 @dataclass
@@ -131,6 +133,8 @@ class TargetInfo:
     start_position: int
     pages_per_block: int = 0
     """Paged: the most pages a block carries (0: one page a block, in the three-dimensional wire form)."""
+    response_region: bool = False
+    """The sidecar took the request's response region: tensors sent with a region offset lie there."""
 
 
 @dataclass

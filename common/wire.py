@@ -6,6 +6,7 @@ received bytes without copying (torch.frombuffer) until a dtype or device change
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -121,7 +122,25 @@ def spec_to_pb(s: TranslateSpec, message=pb.TranslateRequest):
         target_dtype=dtype_to_pb(s.target_dtype) if s.target_dtype is not None else pb.DTYPE_UNSPECIFIED,
         prefix_key=s.prefix_key, tenant=s.tenant, pages_per_block=s.pages_per_block,
     )
+    if s.response_region:
+        h.response_region.name, h.response_region.size = s.response_region, s.response_region_bytes
     return message(header=h)
+
+
+REGION_NAME = re.compile(r"kvf-[0-9a-f]{32}")
+"""A SharedRegion's name: "kvf-" and 32 lowercase hex digits (128 random bits), a plain file name in the shared folder."""
+REGION_ALIGN = 64
+"""Tensors in a response region start at multiples of this many bytes."""
+
+
+def _response_region(h: pb.TranslateHeader) -> tuple[str, int]:
+    if not h.HasField("response_region"):
+        return "", 0
+    r = h.response_region
+    if not REGION_NAME.fullmatch(r.name):
+        raise InvalidInput("header.response_region.name must be 'kvf-' and 32 lowercase hex digits (128 random bits), "
+                           "the name of a file in the folder shared with the sidecar")
+    return r.name, r.size
 
 
 # Longest identifier accepted in a header; longer ones are refused without being echoed back.
@@ -146,13 +165,14 @@ def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
         raise InvalidInput("header.map.version is empty; set a version or latest=true")
     if h.layout not in _LAYOUT_FROM_PB:
         raise InvalidInput("header.layout must be LAYOUT_CONTIGUOUS or LAYOUT_PAGED")
+    region, region_bytes = _response_region(h)
     return TranslateSpec(
         map_name=h.map.name, map_version=h.map.version if h.map.WhichOneof("selector") == "version" else "",
         source_geometry=h.source_geometry_fingerprint, tokenizer=h.tokenizer_fingerprint, num_tokens=h.num_tokens,
         start_position=h.start_position, token_ids=_token_ids(h.token_ids), source_dtype=dtype_from_pb(h.source_dtype),
         layout=_LAYOUT_FROM_PB[h.layout], block_size=h.block_size, pages_per_block=h.pages_per_block,
         target_dtype=None if h.target_dtype == pb.DTYPE_UNSPECIFIED else dtype_from_pb(h.target_dtype),
-        prefix_key=h.prefix_key, tenant=h.tenant,
+        prefix_key=h.prefix_key, tenant=h.tenant, response_region=region, response_region_bytes=region_bytes,
     )
 
 
@@ -189,27 +209,31 @@ def _scalar(field: int, value: int) -> list[bytes]:
     return [_varint(field << 3), _varint(value)] if value else []  # proto3 leaves zero scalars out
 
 
-def _tensor_fields(t: torch.Tensor) -> list[bytes]:
+def _tensor_fields(t: torch.Tensor, region=None) -> list[bytes]:
     """The fields of a kvferry.v1.Tensor: dtype, packed shape, then the data, taken straight from the tensor."""
     pieces = _tensor_pieces(t) if t.numel() else []
-    return _data_fields(t.dtype, t.shape, pieces, sum(map(len, pieces)))
+    return _data_fields(t.dtype, t.shape, pieces, sum(map(len, pieces)), region)
 
 
-def _parts_fields(parts: list[torch.Tensor]) -> list[bytes]:
+def _parts_fields(parts: list[torch.Tensor], region=None) -> list[bytes]:
     """The fields of a kvferry.v1.Tensor joining ``parts`` ([heads, tokens_i, dim] each) along tokens: per head, each
     part's rows in turn, as pieces for the message's one join."""
     heads, _, dim = parts[0].shape
     pieces = [piece for h in range(heads) for p in parts if p.shape[1] for piece in _tensor_pieces(p[h])]
-    return _data_fields(parts[0].dtype, (heads, sum(p.shape[1] for p in parts), dim), pieces, sum(map(len, pieces)))
+    return _data_fields(parts[0].dtype, (heads, sum(p.shape[1] for p in parts), dim), pieces, sum(map(len, pieces)), region)
 
 
-def _data_fields(dtype: torch.dtype, shape, pieces: list, size: int) -> list[bytes]:
-    """The fields of a kvferry.v1.Tensor whose data is the concatenation of ``pieces`` (``size`` bytes)."""
+def _data_fields(dtype: torch.dtype, shape, pieces: list, size: int, region=None) -> list[bytes]:
+    """The fields of a kvferry.v1.Tensor whose data is the concatenation of ``pieces`` (``size`` bytes): in the
+    message, or (when ``region.put`` finds room for them) in the response region, the message saying where."""
     packed = b"".join(_varint(int(s)) for s in shape)
     out = _scalar(1, dtype_to_pb(dtype))
     if packed:
         out += [b"\x12", _varint(len(packed)), packed]
-    if size:
+    offset = region.put(pieces, size) if region is not None and size else None
+    if offset is not None:
+        out += [b"\x20", _varint(offset)]  # field 4, region_offset: written even when 0 (proto3 optional)
+    elif size:
         out += [b"\x1a", _varint(size), *pieces]
     return out
 
@@ -218,16 +242,18 @@ def _length_delimited(field: int, parts: list[bytes]) -> list[bytes]:
     return [_varint(field << 3 | 2), _varint(sum(map(len, parts))), *parts]  # map, not a generator: ~3x faster over a hit's pieces
 
 
-def encode_block_response(b: Block | BlockBytes | BlockParts) -> bytes:
+def encode_block_response(b: Block | BlockBytes | BlockParts, region=None) -> bytes:
     """A TranslateResponse carrying ``b``, serialised without building protobuf objects: the same bytes as
     ``block_to_pb(b).SerializeToString()`` (checked in the tests); the tensor data is copied once, into the message
-    (for BlockBytes, straight from its pieces; for BlockParts, from each part's rows)."""
+    (for BlockBytes, straight from its pieces; for BlockParts, from each part's rows), or into ``region``: an object
+    whose ``put(pieces, size)`` writes them and returns their offset there (a multiple of REGION_ALIGN), or None when
+    they do not fit (then they go in the message)."""
     if isinstance(b, BlockBytes):
-        k, v = (_data_fields(b.dtype, b.shape, pieces, b.nbytes // 2) for pieces in (b.key, b.value))
+        k, v = (_data_fields(b.dtype, b.shape, pieces, b.nbytes // 2, region) for pieces in (b.key, b.value))
     elif isinstance(b, BlockParts):
-        k, v = _parts_fields(b.keys), _parts_fields(b.values)
+        k, v = _parts_fields(b.keys, region), _parts_fields(b.values, region)
     else:
-        k, v = _tensor_fields(b.key), _tensor_fields(b.value)
+        k, v = _tensor_fields(b.key, region), _tensor_fields(b.value, region)
     body = (_scalar(1, b.layer) + _scalar(2, b.start) + _scalar(3, b.end) + _scalar(4, b.index)
             + _length_delimited(5, k) + _length_delimited(6, v))
     return b"".join(_length_delimited(2, body))
@@ -286,25 +312,27 @@ def _fields(buf, start: int, end: int):
 _U32 = 1 << 32
 
 
-def _canonical(buf, lo: int, hi: int, ints: tuple[int, ...], messages: tuple[int, ...], enums: tuple[int, ...] = ()) -> dict:
+def _canonical(buf, lo: int, hi: int, ints: tuple[int, ...], messages: tuple[int, ...], enums: tuple[int, ...] = (),
+               longs: tuple[int, ...] = ()) -> dict:
     """The fields of one message in the canonical form the encoders above write: each field at most once, varints
-    for ``ints`` (uint32: below 2**32) and ``enums`` (int32: below 2**31), so no value that protobuf would truncate
-    or sign-extend is read differently; (offset, end) for ``messages``. Raises ValueError on anything else: the
-    caller then parses with protobuf, whose semantics are the contract's."""
+    for ``ints`` (uint32: below 2**32), ``longs`` (uint64) and ``enums`` (int32: below 2**31), so no value that
+    protobuf would truncate or sign-extend is read differently; (offset, end) for ``messages``. Raises ValueError on
+    anything else: the caller then parses with protobuf, whose semantics are the contract's."""
     out: dict = {}
     for f, v in _fields(buf, lo, hi):
-        if f in out or isinstance(v, tuple) != (f in messages) or not (f in messages or f in ints or f in enums):
+        if f in out or isinstance(v, tuple) != (f in messages) or not (f in messages or f in ints or f in enums or f in longs):
             raise ValueError("non-canonical message")
-        if not isinstance(v, tuple) and v >= (_U32 if f in ints else _U32 >> 1):
+        if not isinstance(v, tuple) and v >= (_U32 if f in ints else _U32 * _U32 if f in longs else _U32 >> 1):
             raise ValueError("varint past its type")
         out[f] = v
     return out
 
 
-def _tensor_at(buf, span: tuple[int, int] | None) -> tuple[int, tuple[int, ...], memoryview]:
+def _tensor_at(buf, span: tuple[int, int] | None, region=None) -> tuple[int, tuple[int, ...], memoryview]:
     """A kvferry.v1.Tensor at ``span`` of ``buf``: (dtype code, shape, a view of its data); an absent tensor is the
-    empty message, as protobuf reads it."""
-    t = _canonical(buf, *span, ints=(), messages=(2, 3), enums=(1,)) if span else {}
+    empty message, as protobuf reads it. With a ``region``, a response tensor may carry region_offset instead of its
+    data (its view is then one of the region)."""
+    t = _canonical(buf, *span, ints=(), messages=(2, 3), enums=(1,), longs=(4,) if region is not None else ()) if span else {}
     shape, (j, end) = [], t.get(2, (0, 0))
     while j < end:
         s_, j = _read_varint(buf, j)
@@ -313,8 +341,29 @@ def _tensor_at(buf, span: tuple[int, int] | None) -> tuple[int, tuple[int, ...],
         shape.append(s_)
     if j != end:
         raise ValueError("packed shape runs past its field")
+    if 4 in t:
+        if 3 in t:
+            raise ValueError("data and region_offset both set")
+        code = t.get(1, 0)
+        if code not in _FROM_PB:
+            raise ValueError("unknown dtype")
+        return code, tuple(shape), region_view(region, t[4], _FROM_PB[code], shape)
     lo, hi = t.get(3, (0, 0))
     return t.get(1, 0), tuple(shape), buf[lo:hi]
+
+
+def region_view(region, offset: int, dtype: torch.dtype, shape) -> memoryview:
+    """The bytes of a response tensor at ``offset`` of ``region`` (an object whose ``view(offset, nbytes)`` returns
+    them, or raises InvalidInput when they lie outside it)."""
+    if region is None:
+        raise InvalidInput("a response tensor lies in a response region, but this call has none (it named none, or the "
+                           "response header said the sidecar did not take it)")
+    if offset % REGION_ALIGN:
+        raise InvalidInput(f"a response tensor's region_offset {offset} is not a multiple of {REGION_ALIGN}")
+    numel = 1
+    for s_ in shape:
+        numel *= int(s_)
+    return region.view(offset, numel * _ITEMSIZE[dtype])
 
 
 def _only_field(buf, field: int) -> tuple[int, int]:
@@ -324,16 +373,17 @@ def _only_field(buf, field: int) -> tuple[int, int]:
     return span
 
 
-def _fast_block(data: bytes) -> Block:
+def _fast_block(data: bytes, region=None) -> Block:
     """Parse a TranslateResponse{block} in the canonical form encode_block_response writes; the tensors
-    view the received bytes (no copy). Raises ValueError on anything else (the caller then uses protobuf)."""
+    view the received bytes (no copy), or the ``region`` their bytes lie in. Raises ValueError on anything else (the
+    caller then uses protobuf)."""
     buf = memoryview(data)
     m = _canonical(buf, *_only_field(buf, 2), ints=(1, 2, 3, 4), messages=(5, 6))
     layer, start, end, index = (m.get(f, 0) for f in (1, 2, 3, 4))
     what = f"block layer {layer} [{start}, {end})"
     kv = []
     for f, name in ((5, "key"), (6, "value")):
-        code, shape, raw = _tensor_at(buf, m.get(f))
+        code, shape, raw = _tensor_at(buf, m.get(f), region)
         if code not in _FROM_PB:
             raise ValueError("unknown dtype")
         try:
@@ -355,6 +405,7 @@ class ChunkFrame:
     dtype: int
     shape: tuple[int, ...]
     data: bytes | memoryview
+    region_offset: bool = False  # the tensor claimed a region offset: refused (regions carry responses only)
 
 
 def _fast_chunk(data: bytes) -> ChunkFrame:
@@ -367,7 +418,8 @@ def _fast_chunk(data: bytes) -> ChunkFrame:
 
 def frame_from_pb(m: pb.SourceChunk) -> ChunkFrame:
     """The frame of a chunk protobuf parsed (its data read once: each read of a bytes field copies it)."""
-    return ChunkFrame(m.layer, m.kind, m.token_start, m.token_end, m.tensor.dtype, tuple(m.tensor.shape), m.tensor.data)
+    return ChunkFrame(m.layer, m.kind, m.token_start, m.token_end, m.tensor.dtype, tuple(m.tensor.shape), m.tensor.data,
+                      m.tensor.HasField("region_offset"))
 
 
 def chunk_kind(f: ChunkFrame) -> str:
@@ -381,6 +433,8 @@ def chunk_from_frame(f: ChunkFrame, expect_shape=None, expect_dtype=None) -> Chu
     """The chunk, its tensor viewing the frame's bytes, after checking kind, dtype, shape and byte count."""
     kind = chunk_kind(f)
     what = f"chunk layer {f.layer} {kind.upper()} tokens [{f.start}, {f.end})"
+    if f.region_offset:
+        raise InvalidInput(f"{what}: a request tensor carries its bytes in data; region_offset is for responses")
     return Chunk(f.layer, kind, f.start, f.end, checked_tensor(f.dtype, f.shape, f.data, expect_shape, expect_dtype, what))
 
 
@@ -409,21 +463,30 @@ def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> to
     return torch.frombuffer(raw, dtype=dtype).view(shape)  # read-only buffer: never written (warning silenced above)
 
 
-def decode_response(data: bytes):
+def decode_response(data: bytes, region=None):
     """The Translate response deserializer: a Block for block messages (parsed in place), else the
-    TranslateResponse (header, trailer, or any block not in canonical form)."""
+    TranslateResponse (header, trailer, or any block not in canonical form). ``region``: the call's response region,
+    where tensors sent with region_offset lie (see region_view)."""
     if data[:1] == b"\x12":
         try:
-            return _fast_block(data)
+            return _fast_block(data, region)
         except ValueError:
             pass
     return pb.TranslateResponse.FromString(data)
 
 
-def block_from_pb(m: pb.TargetBlock) -> Block:
+def block_from_pb(m: pb.TargetBlock, region=None) -> Block:
     what = f"block layer {m.layer} [{m.token_start}, {m.token_end})"
-    return Block(m.layer, m.token_start, m.token_end, m.block_index, decode_tensor(m.key, what=what + " key"),
-                 decode_tensor(m.value, what=what + " value"))
+    key, value = (_region_tensor(t, region, f"{what} {name}") if t.HasField("region_offset") else
+                  decode_tensor(t, what=f"{what} {name}") for t, name in ((m.key, "key"), (m.value, "value")))
+    return Block(m.layer, m.token_start, m.token_end, m.block_index, key, value)
+
+
+def _region_tensor(t: pb.Tensor, region, what: str) -> torch.Tensor:
+    if t.data:
+        raise InvalidInput(f"{what}: data and region_offset are both set")
+    dtype, shape = dtype_from_pb(t.dtype), tuple(t.shape)
+    return view_bytes(region_view(region, t.region_offset, dtype, shape), dtype, shape, what)
 
 
 def info_to_pb(i: TargetInfo, rope_type: str = "", rope_theta: float = 0.0) -> pb.TranslateResponse:
@@ -432,14 +495,14 @@ def info_to_pb(i: TargetInfo, rope_type: str = "", rope_theta: float = 0.0) -> p
     return pb.TranslateResponse(header=pb.TranslateResponseHeader(
         map_name=i.map_name, map_version=i.map_version, target=g, layout=_LAYOUT_TO_PB[i.layout], block_size=i.block_size,
         dtype=dtype_to_pb(i.dtype), num_tokens=i.num_tokens, start_position=i.start_position,
-        pages_per_block=i.pages_per_block))
+        pages_per_block=i.pages_per_block, response_region=i.response_region))
 
 
 def info_from_pb(h: pb.TranslateResponseHeader) -> TargetInfo:
     g = h.target
     return TargetInfo(h.map_name, h.map_version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
                       _LAYOUT_FROM_PB.get(h.layout, CONTIGUOUS), h.block_size, dtype_from_pb(h.dtype), h.num_tokens,
-                      h.start_position, h.pages_per_block)
+                      h.start_position, h.pages_per_block, h.response_region)
 
 
 def stats_to_pb(s: Stats) -> pb.TranslateResponse:

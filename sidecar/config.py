@@ -101,6 +101,10 @@ class SidecarConfig:
     """Largest block blob written to the store."""
     prefix_memory_bytes: int = 512 << 20
     """Byte budget of the in-process prefix store (used without redis_url)."""
+    shm_dir: str = ""
+    """A folder shared with the model server's container alone (a memory-backed volume): a caller may name a file
+    there (TranslateHeader.response_region) for the response's tensor bytes, which then skip gRPC's copies. Empty:
+    such requests are answered in the messages."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
@@ -128,6 +132,8 @@ class SidecarConfig:
                                "derive the same keys, and nobody else should")
         if self.prefix_block_size < 1 or self.prefix_ttl_seconds <= 0 or self.prefix_memory_bytes < 1:
             raise InvalidInput("prefix_block_size, prefix_ttl_seconds and prefix_memory_bytes must be positive")
+        if self.shm_dir and not os.path.isabs(self.shm_dir):
+            raise InvalidInput(f"shm_dir {self.shm_dir} must be an absolute path (the folder both containers mount)")
         self.gates  # validates the gate fields
         self.limits
 

@@ -21,6 +21,7 @@ from kvferry.v1 import translate_pb2 as pb
 from .compute import on_compute
 from .config import SidecarConfig
 from .interceptor import ErrorInterceptor
+from .regions import RegionFolder
 from .limits import by_key_decoder, request_decoder
 from .metrics import Metrics
 from .registry import MapRegistry
@@ -92,8 +93,9 @@ class Sidecar:
 
         self.prefix = PrefixService(config, self.metrics) if config.prefix_cache else None
         self.authenticator = config.authenticator()
+        self.regions = RegionFolder(config.shm_dir, self.metrics) if config.shm_dir else None
         self.servicer = TranslateServicer(self.registry, config.limits, self.metrics, config.max_streams, config.gate_arm,
-                                          self.prefix, config.max_stream_seconds, config.resolved_map_threads())
+                                          self.prefix, config.max_stream_seconds, config.resolved_map_threads(), self.regions)
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
@@ -182,6 +184,8 @@ class Sidecar:
         await asyncio.sleep(notice)  # let probes and load balancers see NOT_SERVING
         if self.server:
             await self.server.stop(grace - notice)
+        if self.regions is not None:
+            self.regions.close()
 
     async def wait(self) -> None:
         if self.server:

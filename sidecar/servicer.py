@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import weakref
 
 from kvferry.common import wire
@@ -151,8 +152,9 @@ class _Sender:
 
 class TranslateServicer(pb_grpc.TranslateServiceServicer):
     def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None,
-                 max_stream_seconds: float = 300.0, map_threads: int = 1):
+                 max_stream_seconds: float = 300.0, map_threads: int = 1, regions=None):
         self.registry, self.limits, self.metrics = registry, limits, metrics
+        self.regions = regions  # regions.RegionFolder, or None: response regions are ignored
         self.max_stream_seconds = max_stream_seconds
         self.prefix = prefix  # PrefixService or None
         self.max_streams, self.gate_arm = max_streams, gate_arm
@@ -220,34 +222,49 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         opened = await self.flow.open(spec)
         session = opened.session
         self.sessions.add(session)
+        region = self._region(spec)
         try:
-            async for out in self._answer(spec, opened, requests):
+            async for out in self._answer(spec, opened, requests, region):
                 yield out
         finally:
             session.close()  # a failed or cancelled stream: its map work still queued is dropped
+            if region is not None:
+                region.close()  # waits for a write in flight on the compute thread: the fd is never reused under it
 
-    async def _answer(self, spec, opened, requests):
+    def _region(self, spec):
+        """The caller's response region, taken; None when it named none or it cannot be used (then the answer goes in
+        the messages, and the response header says so)."""
+        if not spec.response_region:
+            return None
+        if self.regions is None:
+            self.metrics.response_regions.labels("ignored").inc()
+            return None
+        return self.regions.take(spec.response_region, spec.response_region_bytes)
+
+    async def _answer(self, spec, opened, requests, region):
         session = opened.session
         g = opened.ms.target.geometry
-        yield wire.info_to_pb(session.info(), g.rope.rope_type, g.rope.theta)
+        info = session.info() if region is None else dataclasses.replace(session.info(), response_region=True)
+        yield wire.info_to_pb(info, g.rope.rope_type, g.rope.theta)
+        encode = wire.encode_block_response if region is None else functools.partial(wire.encode_block_response, region=region)
         for block in opened.initial:  # encoded as sent (numpy copies the data out: no torch parallel region)
-            yield wire.encode_block_response(block)
+            yield encode(block)
         wake = self.flow.wake_event(opened)
         # closed here, before the caller closes the request stream: its read-ahead must end first
         async with contextlib.aclosing(_with_wakes(requests, wake)) as stream:
             async for req in stream:
                 if req is WAKE:  # the map finished output between chunks: send it now, not at the next chunk
-                    for encoded in await self.flow.poll(opened, wire.encode_block_response):
+                    for encoded in await self.flow.poll(opened, encode):
                         yield encoded
                     continue
                 if not isinstance(req, wire.ChunkFrame):  # the request decoder makes every chunk a frame
                     raise InvalidInput("after the header, a Translate stream carries only chunks")
                 session.check_chunk_header(req.layer, wire.chunk_kind(req), req.start, req.end)  # before the bytes are viewed
                 chunk = wire.chunk_from_frame(req, session.expected_shape(req.end - req.start), spec.source_dtype)
-                for encoded in await self.flow.add(opened, chunk, wire.encode_block_response):
+                for encoded in await self.flow.add(opened, chunk, encode):
                     yield encoded
         try:
-            last = await self.flow.drain(opened, wire.encode_block_response)  # refuses a truncated stream first
+            last = await self.flow.drain(opened, encode)  # refuses a truncated stream first
             stats = self.flow.finish(opened)
         except InvalidInput:
             # A caller's cancel reaches the handler as a plain end of stream, one event-loop turn before gRPC's

@@ -74,8 +74,21 @@ def test_chart_agrees_with_the_binary(values, tmp_path):
 
 def test_modes_and_options():
     docs = render(CHART / "ci" / "pod-sidecar-values.yaml")
-    names = [c["name"] for c in _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]]
-    assert names == ["kvferry", "model-server"]
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["kvferry", "model-server"]
+    # response regions: one memory volume, mounted by both containers where the sidecar's shm_dir and the model
+    # server's KVFERRY_SHM_DIR (and its connector's shm_dir) say
+    shm_dir = tomllib.loads(_one(docs, "ConfigMap")["data"]["kvferry.toml"])["sidecar"]["shm_dir"]
+    (volume,) = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+    for c in pod["containers"]:
+        assert {"name": volume["name"], "mountPath": shm_dir} in c["volumeMounts"], c["name"]
+    (server,) = [c for c in pod["containers"] if c["name"] == "model-server"]
+    assert {"name": "KVFERRY_SHM_DIR", "value": shm_dir} in server["env"] and f'"shm_dir":"{shm_dir}"' in server["args"][-1]
+    off = _one(render(CHART / "ci" / "pod-sidecar-values.yaml", "sharedMemory.enabled=false"), "Deployment")
+    assert not any(v.get("emptyDir", {}).get("medium") == "Memory" for v in off["spec"]["template"]["spec"]["volumes"])
+    r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "sharedMemory.enabled=true"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "sharedMemory.enabled needs mode: podSidecar" in r.stderr
     gpu = _one(render(CHART / "ci" / "gpu-values.yaml"), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
     kinds = {d["kind"] for d in render(CHART / "ci" / "standalone-values.yaml")}

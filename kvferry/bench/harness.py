@@ -116,6 +116,12 @@ class ServerProcess:
         self.close()
 
 
+def shm_folder():
+    """A fresh folder for response regions on the machine's memory-backed /dev/shm (what a pod's memory emptyDir
+    is), removed afterwards; a folder in the system's temporary directory where there is no /dev/shm."""
+    return tempfile.TemporaryDirectory(prefix="kvferry-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
 def long_ids(tokenizer, n: int) -> torch.Tensor:
     from kvferry.mappings.capture import read_corpus
 

@@ -50,7 +50,7 @@ def echo_handler():
 async def _main(a: argparse.Namespace) -> None:
     cfg = SidecarConfig(maps_dir=a.maps_dir, port=0, reload_seconds=0, force_maps=True, redis_url=a.redis_url,
                         prefix_secret=a.prefix_secret, prefix_block_size=a.prefix_block_size, threads=a.threads,
-                        max_streams=a.max_streams, map_threads=a.map_threads)
+                        max_streams=a.max_streams, map_threads=a.map_threads, shm_dir=a.shm_dir)
     sc = Sidecar(cfg, extra_handlers=(echo_handler(),))
     port = await sc.start()
     print(f"listening on 127.0.0.1:{port}", flush=True)
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--map-threads", type=int, default=0)
     ap.add_argument("--max-streams", type=int, default=64)
+    ap.add_argument("--shm-dir", default="", help="the sidecar's shm_dir (response regions)")
     asyncio.run(_main(ap.parse_args()))
 
 

@@ -7,6 +7,9 @@ Measured side by side in one run, per prompt length n, medians over ``--reps``:
       recomputes the last r tokens and produces the first token;
   (c) the map applied in-process (no transport);
   (d) a raw gRPC echo of the same request bytes (the transport's limit) on the same kind of server;
+  (f) the translate RPC with a response region (kvferry.v1 SharedRegion): the target blocks' bytes written into a
+      file on /dev/shm that this process maps, the messages carrying only where (a client sharing a memory volume
+      with its sidecar, as in the chart's podSidecar mode), against the same bound;
   (e) the sidecar's own compute time for one of the translations (its trailer's compute_seconds): the same map
       as (c), timed inside the sidecar while the bytes stream in and out; (e) > (c) means the map runs slower
       there than alone (docs/benchmarks.md, session 10: not only from sharing the cores with the transfer).
@@ -27,7 +30,7 @@ from kvferry import paths
 
 def run(a: argparse.Namespace) -> int:
     from kvferry.quiet import quiet_transformers
-    from .harness import ServerProcess, long_ids, median_seconds, paired_ratio, round_robin_ms, spread
+    from .harness import ServerProcess, long_ids, median_seconds, paired_ratio, round_robin_ms, shm_folder, spread
     from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
     from kvferry.client.attention import IMPLEMENTATION, use_folded_gqa
     from kvferry.client.importers import to_dynamic_cache
@@ -49,8 +52,9 @@ def run(a: argparse.Namespace) -> int:
     registry.scan()
     ms: MapSet = registry.resolve(name, a.version)
     laned = ComputeThread(a.map_threads or torch.get_num_threads())  # the sidecar's default: as many as torch's threads
-    with ServerProcess(a.maps_dir, a.threads or 0, map_threads=a.map_threads) as echo:
-        with TranslateClient(ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client:
+    with shm_folder() as shm, ServerProcess(a.maps_dir, a.threads or 0, map_threads=a.map_threads, shm_dir=shm) as echo:
+        with TranslateClient(ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client, \
+                TranslateClient(ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300, shm_dir=shm)) as shared:
             for n in a.sizes:
                 ids = long_ids(target.tokenizer, n)
                 with torch.no_grad():
@@ -84,6 +88,7 @@ def run(a: argparse.Namespace) -> int:
                 payloads = [m.SerializeToString() for m in encode_requests(make_spec(wire_src, ms.name, ms.version, **kw), wire_src,
                                                                           chunk_tokens_for(client.options, wire_src))]
                 full(), translate_path(), in_process(), in_lanes(), echo.roundtrip(payloads)  # warm-up
+                assert shared.translate(wire_src, ms.name, ms.version, **kw).info.response_region, "region not taken"
                 t_full = median_seconds(full, a.reps)
                 t_path = median_seconds(translate_path, a.reps)
                 st = state["res"].stats
@@ -91,10 +96,11 @@ def run(a: argparse.Namespace) -> int:
                 # taken in turn within each round, so the machine's drift hits the RPC and its bound alike
                 times = round_robin_ms({"apply_pool": in_process, "apply_lanes": in_lanes,
                                         "echo": lambda: echo.roundtrip(payloads),
-                                        "rpc": lambda: client.translate(wire_src, ms.name, ms.version, **kw)}, a.reps)
+                                        "rpc": lambda: client.translate(wire_src, ms.name, ms.version, **kw),
+                                        "rpc_region": lambda: shared.translate(wire_src, ms.name, ms.version, **kw)}, a.reps)
                 # the bound's map: the faster of torch's own pool and the sidecar's lanes, in each round
                 times["apply"] = [min(p, q) for p, q in zip(times["apply_pool"], times["apply_lanes"])]
-                t_pool, t_lanes, t_echo, t_rpc, t_apply = (statistics.median(t) / 1e3 for t in times.values())
+                t_pool, t_lanes, t_echo, t_rpc, t_region, t_apply = (statistics.median(t) / 1e3 for t in times.values())
                 row = {
                     "n": n, "refresh": r, "full_prefill_ms": t_full * 1e3, "translate_path_ttft_ms": t_path * 1e3,
                     "speedup": t_full / t_path, "apply_in_process_ms": min(t_pool, t_lanes) * 1e3,
@@ -107,22 +113,26 @@ def run(a: argparse.Namespace) -> int:
                 row["rpc_serial_bound_ms"] = row["apply_in_process_ms"] + row["echo_ms"]  # the map's arithmetic + moving the bytes
                 row["rpc_vs_bound"] = row["rpc_serial_bound_ms"] / row["translate_rpc_ms"]
                 row["rpc_vs_bound_paired"] = paired_ratio(times, ("apply", "echo"), ("rpc",))  # within each round
+                row["translate_rpc_region_ms"] = t_region * 1e3  # (f)
+                row["rpc_region_vs_bound"] = row["rpc_serial_bound_ms"] / row["translate_rpc_region_ms"]
+                row["rpc_region_vs_bound_paired"] = paired_ratio(times, ("apply", "echo"), ("rpc_region",))
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     table = [
         f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; map_threads {laned.lanes.parts if laned.lanes else 1}; medians of {a.reps} "
-        f"(both applies, echo and RPC taken in turn each round); r={r}; wire {a.wire_dtype}; "
+        f"(both applies, echo, RPC and (f) taken in turn each round); r={r}; wire {a.wire_dtype}; "
         f"target attention {target.model.config._attn_implementation}; (c) is the faster of torch's pool and the sidecar's lanes",
         "",
         "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms: torch pool / lanes | translate RPC ms | (d) echo ms | "
-        "RPC serial bound (c)+(d) ms | bound/RPC | per round: median [quartiles] | (e) sidecar compute ms | translate MiB/s | "
-        "echo MiB/s | translate/echo |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "RPC serial bound (c)+(d) ms | bound/RPC | per round: median [quartiles] | (f) RPC, response region ms | bound/(f) | "
+        "per round: median [quartiles] | (e) sidecar compute ms | translate MiB/s | echo MiB/s | translate/echo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in rows:
         table.append(f"| {w['n']} | {w['full_prefill_ms']:.1f} | {w['translate_path_ttft_ms']:.1f} | {w['speedup']:.2f}x | "
                      f"{w['apply_torch_pool_ms']:.1f} / {w['apply_lanes_ms']:.1f} | {w['translate_rpc_ms']:.1f} | {w['echo_ms']:.1f} | "
                      f"{w['rpc_serial_bound_ms']:.1f} | {w['rpc_vs_bound']:.2f} | {spread(w['rpc_vs_bound_paired'])} | "
+                     f"{w['translate_rpc_region_ms']:.1f} | {w['rpc_region_vs_bound']:.2f} | {spread(w['rpc_region_vs_bound_paired'])} | "
                      f"{w['sidecar_compute_ms']:.1f} | "
                      f"{w['translate_MiB_s']:.0f} | {w['echo_MiB_s']:.0f} | {w['throughput_vs_echo']:.2f} |")
     print("\n".join(table))

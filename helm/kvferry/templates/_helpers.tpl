@@ -108,6 +108,10 @@ volumeMounts:
     readOnly: true
   - name: kvferry-tmp
     mountPath: /tmp
+  {{- if and .Values.sharedMemory.enabled (eq .Values.mode "podSidecar") }}
+  - name: kvferry-shm
+    mountPath: {{ .Values.sharedMemory.mountPath | toJson }}
+  {{- end }}
   {{- if .Values.tls.enabled }}
   - name: kvferry-tls
     mountPath: /etc/kvferry-tls

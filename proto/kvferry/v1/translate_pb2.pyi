@@ -37,14 +37,24 @@ LAYOUT_CONTIGUOUS: Layout
 LAYOUT_PAGED: Layout
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "region_offset")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    REGION_OFFSET_FIELD_NUMBER: _ClassVar[int]
     dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    region_offset: int
+    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., region_offset: _Optional[int] = ...) -> None: ...
+
+class SharedRegion(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class MapRef(_message.Message):
     __slots__ = ("name", "version", "latest")
@@ -57,7 +67,7 @@ class MapRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., latest: _Optional[bool] = ...) -> None: ...
 
 class TranslateHeader(_message.Message):
-    __slots__ = ("map", "source_geometry_fingerprint", "tokenizer_fingerprint", "num_tokens", "start_position", "token_ids", "source_dtype", "layout", "block_size", "target_dtype", "prefix_key", "tenant", "pages_per_block")
+    __slots__ = ("map", "source_geometry_fingerprint", "tokenizer_fingerprint", "num_tokens", "start_position", "token_ids", "source_dtype", "layout", "block_size", "target_dtype", "prefix_key", "tenant", "pages_per_block", "response_region")
     MAP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_GEOMETRY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +81,7 @@ class TranslateHeader(_message.Message):
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_REGION_FIELD_NUMBER: _ClassVar[int]
     map: MapRef
     source_geometry_fingerprint: str
     tokenizer_fingerprint: str
@@ -84,7 +95,8 @@ class TranslateHeader(_message.Message):
     prefix_key: str
     tenant: str
     pages_per_block: int
-    def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ..., tenant: _Optional[str] = ..., pages_per_block: _Optional[int] = ...) -> None: ...
+    response_region: SharedRegion
+    def __init__(self, map: _Optional[_Union[MapRef, _Mapping]] = ..., source_geometry_fingerprint: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., source_dtype: _Optional[_Union[Dtype, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., target_dtype: _Optional[_Union[Dtype, str]] = ..., prefix_key: _Optional[str] = ..., tenant: _Optional[str] = ..., pages_per_block: _Optional[int] = ..., response_region: _Optional[_Union[SharedRegion, _Mapping]] = ...) -> None: ...
 
 class TranslateByKeyRequest(_message.Message):
     __slots__ = ("header",)
@@ -133,7 +145,7 @@ class Geometry(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ..., rope_type: _Optional[str] = ..., rope_theta: _Optional[float] = ...) -> None: ...
 
 class TranslateResponseHeader(_message.Message):
-    __slots__ = ("map_name", "map_version", "target", "layout", "block_size", "dtype", "num_tokens", "start_position", "pages_per_block")
+    __slots__ = ("map_name", "map_version", "target", "layout", "block_size", "dtype", "num_tokens", "start_position", "pages_per_block", "response_region")
     MAP_NAME_FIELD_NUMBER: _ClassVar[int]
     MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +155,7 @@ class TranslateResponseHeader(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_REGION_FIELD_NUMBER: _ClassVar[int]
     map_name: str
     map_version: str
     target: Geometry
@@ -152,7 +165,8 @@ class TranslateResponseHeader(_message.Message):
     num_tokens: int
     start_position: int
     pages_per_block: int
-    def __init__(self, map_name: _Optional[str] = ..., map_version: _Optional[str] = ..., target: _Optional[_Union[Geometry, _Mapping]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., pages_per_block: _Optional[int] = ...) -> None: ...
+    response_region: bool
+    def __init__(self, map_name: _Optional[str] = ..., map_version: _Optional[str] = ..., target: _Optional[_Union[Geometry, _Mapping]] = ..., layout: _Optional[_Union[Layout, str]] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., num_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., pages_per_block: _Optional[int] = ..., response_region: _Optional[bool] = ...) -> None: ...
 
 class TargetBlock(_message.Message):
     __slots__ = ("layer", "token_start", "token_end", "block_index", "key", "value")

@@ -1,0 +1,339 @@
+"""Response regions (kvferry.v1 SharedRegion): the answer's tensor bytes in a file the caller and a real sidecar share,
+against the same answer in the messages; what the sidecar refuses, ignores and never leaves behind."""
+
+import os
+import secrets
+import time
+
+import grpc
+import pytest
+import torch
+
+from kvferry.client.client import TRANSLATE_METHOD, ClientOptions, TranslateClient, encode_requests, make_spec
+from kvferry.client.importers import PagedKVPool
+from kvferry.client.regions import RegionPool, sweep
+from kvferry.common import wire
+from kvferry.common.messages import Block, BlockBytes
+from kvferry.common.prefix_cache import publish_source
+from kvferry.common.stores import RedisStore
+from kvferry.mappings.apply import apply
+from kvferry.mappings.artifact import load
+from kvferry.mappings.errors import InvalidInput
+from kvferry.sidecar.regions import ResponseRegion as SidecarRegion
+from kvferry.v1 import translate_pb2 as pb
+
+from conftest import ROOT, make_kv
+
+MAP = ROOT / "maps" / "S__T64" / "1.0.0"  # S (2 heads x 32) -> T64 (a wider target): shapes that cannot be confused
+
+
+@pytest.fixture(scope="module")
+def ms():
+    return load(MAP)
+
+
+@pytest.fixture
+def shm(tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    return d
+
+
+def _kw(ms):
+    return dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer)
+
+
+def _kv(ms, tokens, seed=0):
+    g = ms.source.geometry
+    return make_kv(layers=g.layers, tokens=tokens, heads=g.kv_heads, head_dim=g.head_dim, seed=seed)
+
+
+def _sidecar(factory, shm=None, **kw):
+    return factory(maps_dir=str(ROOT / "maps"), **({"shm_dir": str(shm)} if shm else {}), **kw)
+
+
+def _settled(sc, timeout=10.0):
+    """Wait until the sidecar has no stream in flight (its handler ends just after the caller has the trailer)."""
+    deadline = time.monotonic() + timeout
+    while sc.sidecar.servicer.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sc.sidecar.servicer.active
+
+
+def _open_under(folder) -> list[str]:
+    """This process's (the client's and the in-process sidecar's) open descriptors of files in ``folder``."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(folder) + "/"):
+            out.append(target)
+    return out
+
+
+def test_an_answer_in_a_region_is_the_answer_in_the_messages(sidecar_factory, shm, ms):
+    sc = _sidecar(sidecar_factory, shm)
+    kv = _kv(ms, 300, seed=1)
+    want = apply(ms, kv, 0)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=128)) as inline, \
+            TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=128, shm_dir=str(shm))) as shared:
+        a, b = inline.translate(kv, "S__T64", "1.0.0", **_kw(ms)), shared.translate(kv, "S__T64", "1.0.0", **_kw(ms))
+        assert not a.info.response_region and b.info.response_region
+        assert a.stats.bytes_out == b.stats.bytes_out  # (where lanes cut a layer into blocks may differ call to call)
+        for (k, v), (bk, bv), (wk, wv) in zip(a.layers(), b.layers(), want):
+            assert torch.equal(k, bk) and torch.equal(v, bv)
+            torch.testing.assert_close(bk, wk), torch.testing.assert_close(bv, wv)
+        assert all(x.key.data_ptr() % 64 == 0 and x.value.data_ptr() % 64 == 0 for x in b.blocks)  # aligned, in the mapping
+        paged = shared.translate(kv, "S__T64", "1.0.0", layout="paged", block_size=16, **_kw(ms))
+        assert paged.info.response_region
+        g = ms.target.geometry
+        pool = PagedKVPool(g.layers, 19, 16, g.kv_heads, g.head_dim)
+        pool.write(paged.blocks, list(range(19)))
+        for (k, v), (wk, wv) in zip(pool.gather(list(range(19)), 300), want):
+            torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
+        assert len(os.listdir(shm)) == 2  # one file each for the two answers still held
+        del b, paged, pool
+        assert len(os.listdir(shm)) == 2  # freed: both kept for reuse (shm_idle_files)
+    _settled(sc)
+    assert os.listdir(shm) == [] and _open_under(shm) == []  # the closed client removed them; nobody holds one open
+    assert sc.sidecar.metrics.response_regions.labels("taken")._value.get() == 2
+
+
+def test_what_does_not_fit_the_region_comes_in_the_messages(sidecar_factory, shm, ms):
+    sc = _sidecar(sidecar_factory, shm)
+    kv = _kv(ms, 200, seed=2)
+    g = ms.target.geometry
+    one = 2 * 200 * g.kv_heads * g.head_dim * 4  # a target layer's K and V, fp32: 64-byte multiples
+    want = apply(ms, kv, 0)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm), shm_region_bytes=one + 100)) as c:
+        res = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
+    assert res.info.response_region
+    for (k, v), (wk, wv) in zip(res.layers(), want):
+        torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
+    region = RegionPool(str(shm), one + 100).lease()
+    out = _raw_call(sc, kv, ms, (region.name, region.size), chunk=200)
+    placed = [(m.block.layer, m.block.key.HasField("region_offset"), m.block.value.HasField("region_offset")) for m in out[1:-1]]
+    assert placed == [(layer, layer == 0, layer == 0) for layer in range(g.layers)]  # layer 0 filled it; the rest inline
+    assert out[1].block.value.region_offset == one // 2
+    for m, (wk, wv) in zip(out[1:-1], want):
+        block = wire.block_from_pb(m.block, region)
+        torch.testing.assert_close(block.key, wk[0]), torch.testing.assert_close(block.value, wv[0])
+
+
+def test_a_sidecar_without_shm_dir_answers_in_the_messages(sidecar_factory, shm, ms):
+    sc = _sidecar(sidecar_factory)
+    kv = _kv(ms, 40)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm))) as c:
+        res = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
+    assert not res.info.response_region and os.listdir(shm) == []  # the client removed the file nobody took
+    for (k, v), (wk, wv) in zip(res.layers(), apply(ms, kv, 0)):
+        torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
+    assert sc.sidecar.metrics.response_regions.labels("ignored")._value.get() == 1
+
+
+def _raw_call(sc, kv, ms, region=None, chunk=64):
+    """The response messages of a Translate whose header names ``region`` (name, size), parsed by protobuf alone."""
+    spec = make_spec(kv, "S__T64", "1.0.0", **_kw(ms))
+    reqs = [m.SerializeToString() for m in encode_requests(spec, kv, chunk)]
+    if region is not None:
+        head = pb.TranslateRequest.FromString(reqs[0])
+        head.header.response_region.name, head.header.response_region.size = region
+        reqs[0] = head.SerializeToString()
+    with grpc.insecure_channel(sc.address, [("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        return [pb.TranslateResponse.FromString(m) for m in ch.stream_stream(TRANSLATE_METHOD)(iter(reqs), timeout=30)]
+
+
+def test_regions_the_sidecar_refuses_or_ignores(sidecar_factory, shm, ms):
+    sc = _sidecar(sidecar_factory, shm)
+    kv = _kv(ms, 20)
+    for bad in ("../etc/passwd", "kvf-" + "A" * 32, "kvf-" + "0" * 31, "x" * 36, "kvf-" + "0" * 32 + "/x"):
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(sc, kv, ms, (bad, 1 << 20))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "response_region.name" in e.value.details()
+    secret = shm / "secret"
+    secret.write_bytes(b"untouched")
+    for make in ("absent", "symlink", "hardlink", "folder", "fifo"):
+        name = "kvf-" + secrets.token_hex(16)
+        path = shm / name
+        if make == "symlink":
+            path.symlink_to(secret)
+        elif make == "hardlink":
+            os.link(secret, path)
+        elif make == "folder":
+            path.mkdir()
+        elif make == "fifo":
+            os.mkfifo(path)
+        out = _raw_call(sc, kv, ms, (name, 1 << 20))
+        assert not out[0].header.response_region, make
+        assert all(m.block.key.data and not m.block.key.HasField("region_offset") for m in out[1:-1]), make
+        assert secret.read_bytes() == b"untouched"
+        assert make == "absent" or os.path.lexists(path)  # the sidecar never removes a file
+    assert sc.sidecar.metrics.response_regions.labels("ignored")._value.get() == 5
+    # a request chunk claiming its bytes lie in a region
+    spec = make_spec(kv, "S__T64", "1.0.0", **_kw(ms))
+    reqs = list(encode_requests(spec, kv, 64))
+    reqs[1].chunk.tensor.ClearField("data")
+    reqs[1].chunk.tensor.region_offset = 0
+    with grpc.insecure_channel(sc.address) as ch, pytest.raises(grpc.RpcError) as e:
+        list(ch.stream_stream(TRANSLATE_METHOD)(iter([r.SerializeToString() for r in reqs]), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "region_offset is for responses" in e.value.details()
+
+
+def test_a_cancelled_call_leaves_no_file_and_no_descriptor(sidecar_factory, shm, ms):
+    import threading
+
+    sc = _sidecar(sidecar_factory, shm)
+    kv = _kv(ms, 512)
+    release = threading.Event()
+    spec = make_spec(kv, "S__T64", "1.0.0", **_kw(ms))
+    name = "kvf-" + secrets.token_hex(16)
+    fd = os.open(shm / name, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 64 << 20)
+    os.close(fd)
+    reqs = [m.SerializeToString() for m in encode_requests(spec, kv, 128)]
+    head = pb.TranslateRequest.FromString(reqs[0])
+    head.header.response_region.name, head.header.response_region.size = name, 64 << 20
+    reqs[0] = head.SerializeToString()
+
+    def held():
+        yield from reqs[:5]  # the first token range: blocks come back, then the stream waits
+        release.wait(20)
+        yield from reqs[5:]
+
+    with grpc.insecure_channel(sc.address) as ch:
+        call = ch.stream_stream(TRANSLATE_METHOD)(held(), timeout=30)
+        first = pb.TranslateResponse.FromString(next(call))
+        assert first.header.response_region
+        call.cancel()
+        release.set()
+    _settled(sc)
+    assert os.listdir(shm) == [name] and _open_under(shm) == []  # the caller's file stays; the sidecar closed it
+
+
+def test_a_key_only_hit_in_a_region(sidecar_factory, shm, ms, redis_url, family):
+    sc = _sidecar(sidecar_factory, shm, redis_url=redis_url, prefix_secret="s", prefix_block_size=16)
+    kv = _kv(ms, 70, seed=3)
+    ids = list(range(30, 100))
+    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=b"s", tenant="acme", block_size=16)
+    opts = dict(target=sc.address, retries=0)
+    with TranslateClient(ClientOptions(**opts)) as inline, TranslateClient(ClientOptions(**opts, shm_dir=str(shm))) as shared:
+        ask = dict(token_ids=ids, tenant="acme", prefix_key=key, **_kw(ms))
+        mapped = shared.translate(None, "S__T64", "1.0.0", **ask)  # maps the stored source, writes the target's back
+        hit, hit_inline = shared.translate(None, "S__T64", "1.0.0", **ask), inline.translate(None, "S__T64", "1.0.0", **ask)
+    assert mapped.info.response_region and hit.info.response_region and hit.stats.cached_blocks == 4
+    assert all(torch.equal(k, ik) and torch.equal(v, iv) and torch.equal(k, mk) and torch.equal(v, mv)
+               for (k, v), (mk, mv), (ik, iv) in zip(hit.layers(), mapped.layers(), hit_inline.layers()))
+    del mapped, hit
+    assert os.listdir(shm) == []
+
+
+class _Sink:
+    """A region for the encoder and decoders: each tensor's bytes kept by the aligned offset it was given, from
+    ``base``."""
+
+    def __init__(self, base=0):
+        self.next, self.at = base, {}
+
+    def put(self, pieces, size):
+        off = -(-self.next // 64) * 64
+        self.at[off], self.next = b"".join(bytes(p) for p in pieces), off + size
+        return off
+
+    def view(self, offset, nbytes):
+        if len(self.at.get(offset, b"")) < nbytes:
+            raise InvalidInput("past the region")
+        return memoryview(self.at[offset])[:nbytes]
+
+
+@pytest.mark.parametrize("base", [0, 64, 1 << 40])
+def test_region_offsets_on_the_wire(base):
+    """encode_block_response with a region writes what protobuf writes for region_offset and no data (0 included:
+    proto3 optional); both decoders read it back against the region, and refuse it without one."""
+    k, v = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    sink = _Sink(base)
+    data = wire.encode_block_response(Block(3, 10, 15, 2, k, v), region=sink)
+    m = pb.TranslateResponse.FromString(data)
+    tensors = [pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, 5, 8], region_offset=off) for off in (base, base + 320)]
+    assert data == pb.TranslateResponse(block=pb.TargetBlock(layer=3, token_start=10, token_end=15, block_index=2,
+                                                             key=tensors[0], value=tensors[1])).SerializeToString()
+    for block in (wire.decode_response(data, sink), wire.block_from_pb(m.block, sink)):
+        assert torch.equal(block.key, k) and torch.equal(block.value, v)
+    assert isinstance(wire.decode_response(data), pb.TranslateResponse)  # left to protobuf without a region, then:
+    with pytest.raises(InvalidInput, match="has none"):
+        wire.block_from_pb(m.block)
+    m.block.key.region_offset = base + 1
+    with pytest.raises(InvalidInput, match="multiple of 64"):
+        wire.decode_response(m.SerializeToString(), sink)
+
+
+def test_stored_pieces_go_to_the_region_in_one_write(tmp_path):
+    """The sidecar's region writes a BlockBytes' pieces back to back (the stored blobs' bytes, no join), skips what
+    does not fit, and stops after a failed write."""
+    path = tmp_path / "r"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    region = SidecarRegion(fd, 300)
+    pieces = [memoryview(bytes([i]) * 40) for i in range(3)]
+    b = BlockBytes(0, 0, 5, 0, torch.float32, (2, 5, 3), pieces[:3], [memoryview(bytes([9]) * 120)])
+    m = pb.TranslateResponse.FromString(wire.encode_block_response(b, region=region))
+    assert (m.block.key.region_offset, m.block.value.region_offset) == (0, 128)
+    assert path.read_bytes()[:120] == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40 and path.read_bytes()[128:248] == bytes([9]) * 120
+    again = pb.TranslateResponse.FromString(wire.encode_block_response(b, region=region))
+    assert not again.block.key.HasField("region_offset") and again.block.key.data == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
+    region.close()
+    assert region.put(pieces, 40) is None  # closed: never writes through a descriptor number reused since
+
+
+def test_a_file_is_reused_once_its_answer_is_freed_and_never_under_a_live_one(sidecar_factory, shm, ms):
+    sc = _sidecar(sidecar_factory, shm)
+    kvs = [_kv(ms, 100, seed=s) for s in (5, 6, 7)]
+    wants = [apply(ms, kv, 0) for kv in kvs]
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm))) as c:
+        first = c.translate(kvs[0], "S__T64", "1.0.0", **_kw(ms))
+        second = c.translate(kvs[1], "S__T64", "1.0.0", **_kw(ms))  # the first answer is alive: another file
+        before = _files(shm)
+        assert len(before) == 2
+        _check(first, wants[0]), _check(second, wants[1])  # neither overwrote the other
+        del first, second
+        third = c.translate(kvs[2], "S__T64", "1.0.0", **_kw(ms))
+        after = _files(shm)
+        assert third.info.response_region and set(after.values()) == set(before.values())  # reused, not a third file
+        assert len(set(after) - set(before)) == 1  # and renamed before its call
+        _check(third, wants[2])
+        # a call that fails spoils its file: a sidecar may still be writing into it
+        with pytest.raises(grpc.RpcError):
+            c.translate(kvs[0], "S__T64", "9.9.9", **_kw(ms))
+        del third
+        assert len(os.listdir(shm)) == 1  # the failed call spoiled the idle file; the third answer's idles
+    assert os.listdir(shm) == []
+
+
+def _check(res, want):
+    """The answer is the map's (in a function: no loop variable keeps a view of the answer's file alive)."""
+    for (k, v), (wk, wv) in zip(res.layers(), want):
+        torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
+
+
+def _files(folder) -> dict[str, int]:
+    return {name: os.stat(folder / name).st_ino for name in os.listdir(folder)}
+
+
+def test_a_new_pool_removes_the_files_of_clients_that_died(shm):
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvferry.client.regions import RegionPool; p = RegionPool(sys.argv[1], 1 << 20); "
+            "leases = [p.lease() for _ in range(3)]; print('ready', flush=True); sys.stdin.readline()")
+    dead = subprocess.Popen([sys.executable, "-c", code, str(shm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", code, str(shm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert dead.stdout.readline().strip() == "ready" and alive.stdout.readline().strip() == "ready"
+    (shm / "unrelated").write_bytes(b"x")
+    assert len(os.listdir(shm)) == 7
+    dead.kill()
+    dead.wait()
+    assert RegionPool(str(shm), 1 << 20).swept == 3  # the killed client's; the live one's are locked
+    assert len(os.listdir(shm)) == 4 and sweep(str(shm)) == 0
+    alive.stdin.write("\n")
+    alive.stdin.flush()
+    alive.wait()
