@@ -6,6 +6,7 @@ calls it (tiny family's S__T map), then prints each thread's share of the sample
     .venv/bin/python scripts/research/sidecar_profile.py translate --tokens 2048 --calls 100 --out runs/results/profile_translate_2048.txt
 
 hit: key-only hits with every target block stored in a real redis-server; translate: the source KV streamed in.
+--shm: the answers come through response regions (a folder on /dev/shm the sidecar and this client share).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kvferry import paths
-from kvferry.bench.harness import RedisServer, ServerProcess, long_ids, published_prefix, tiny_pair
+from kvferry.bench.harness import RedisServer, ServerProcess, long_ids, published_prefix, shm_folder, tiny_pair
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.stores import RedisStore
 from kvferry.mappings.capture import capture_kv
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shm", action="store_true", help="answers through response regions")
     a = ap.parse_args()
     spy_bin = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if not spy_bin:
@@ -69,9 +71,11 @@ def main() -> None:
     ms, source, target = tiny_pair()
     redis_server = RedisServer() if a.what == "hit" else None
     extra = dict(redis_url=redis_server.url, prefix_secret=SECRET.decode(), prefix_block_size=BS) if redis_server else {}
-    server = ServerProcess(paths.maps_dir(), **extra)
+    folder = shm_folder()
+    shm = folder.name if a.shm else ""
+    server = ServerProcess(paths.maps_dir(), shm_dir=shm, **extra)
     try:
-        client = TranslateClient(ClientOptions(target=server.address, timeout=300))
+        client = TranslateClient(ClientOptions(target=server.address, timeout=300, shm_dir=shm))
         if a.what == "hit":
             _, _, kw = published_prefix(source, target, ms, RedisStore(redis_server.url), SECRET, a.tokens, BS)
             call = lambda: client.translate(None, ms.name, ms.version, **kw)  # noqa: E731
@@ -96,6 +100,7 @@ def main() -> None:
         client.close()
     finally:
         server.close()
+        folder.cleanup()
         if redis_server:
             redis_server.stop()
     print(f"{a.what}, {a.tokens} tokens: {wall * 1e3:.1f} ms a call while sampled ({a.calls} calls)")
