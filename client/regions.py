@@ -34,10 +34,14 @@ class _File:
         self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails only if a sweeper took it first: retried
+        except BaseException:
+            os.close(self.fd)  # the sweeper that holds it removes it
+            raise
+        try:
             os.fchmod(self.fd, mode)  # the process umask must not narrow what the sidecar's user needs
             os.ftruncate(self.fd, size)  # sparse: memory is taken only as the sidecar writes
         except BaseException:
-            os.close(self.fd)
+            self.remove()  # ours: nobody else would remove it until the next pool's sweep
             raise
 
     @property

@@ -360,10 +360,7 @@ def region_view(region, offset: int, dtype: torch.dtype, shape) -> memoryview:
                            "response header said the sidecar did not take it)")
     if offset % REGION_ALIGN:
         raise InvalidInput(f"a response tensor's region_offset {offset} is not a multiple of {REGION_ALIGN}")
-    numel = 1
-    for s_ in shape:
-        numel *= int(s_)
-    return region.view(offset, numel * _ITEMSIZE[dtype])
+    return region.view(offset, _nbytes(dtype, shape))
 
 
 def _only_field(buf, field: int) -> tuple[int, int]:
@@ -450,12 +447,17 @@ def decode_request(data: bytes):
     return frame_from_pb(msg.chunk) if msg.WhichOneof("msg") == "chunk" else msg
 
 
-def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
-    """A tensor viewing ``raw`` (bytes or memoryview; no copy), after checking its length against shape and dtype."""
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape``."""
     numel = 1
     for s in shape:
-        numel *= s
-    want = numel * (_ITEMSIZE.get(dtype) or torch.empty((), dtype=dtype).element_size())
+        numel *= int(s)
+    return numel * (_ITEMSIZE.get(dtype) or torch.empty((), dtype=dtype).element_size())
+
+
+def view_bytes(raw, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """A tensor viewing ``raw`` (bytes or memoryview; no copy), after checking its length against shape and dtype."""
+    want = _nbytes(dtype, shape)
     if len(raw) != want:
         raise InvalidInput(f"{what}: {len(raw)} bytes for shape {list(shape)} {dtype_name(dtype)}; expected {want}")
     if want == 0:
