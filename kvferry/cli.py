@@ -43,7 +43,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
                            min_gain=a.min_gain, window=a.window, window_layers=a.window_layers,
                            window_kinds=a.window_kinds, window_sources=a.window_sources)
     src, tgt = load_model(a.source, a.source_name), load_model(a.target, a.target_name)
-    ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet, stats_path=a.stats)
+    ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet, stats_path=a.stats,
+                 features=a.features)
     if ms is not None:
         dest = save(ms, a.out, overwrite=a.overwrite)
         print(f"wrote {dest}")
@@ -62,7 +63,7 @@ def _copy_settings(a: argparse.Namespace):
     if a.copy_gaps.strip().lower() == "none":
         return None
     gaps = tuple(int(g) for g in a.copy_gaps.split(","))
-    return CopySettings(gaps=gaps, prompts=a.copy_prompts, refresh=a.refresh)
+    return CopySettings(gaps=gaps, prompts=a.copy_prompts, refresh=a.refresh, unguessable=not a.copy_plain)
 
 
 def cmd_distill(a: argparse.Namespace) -> int:
@@ -97,31 +98,40 @@ def cmd_distill(a: argparse.Namespace) -> int:
 def cmd_eval(a: argparse.Namespace) -> int:
     from kvferry.mappings.artifact import load, write_evidence
     from kvferry.mappings.capture import load_model, read_corpus
+    from kvferry.mappings.completion import CompletionSettings, format_completion_table
     from kvferry.mappings.copy_probe import copy_probe, format_copy_table
     from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
+    from kvferry.mappings.memo import Memo
 
     quiet_transformers()
     ms = load(a.map)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
     copy = _copy_settings(a)
+    memo = Memo(a.memo) if a.memo else None
     if a.only_copy:
         if copy is None:
             raise SystemExit("kvferry eval: --only-copy needs --copy-gaps")
         ev = dict(ms.evidence or {})
-        ev["copy"] = copy_probe(ms, src, tgt, list(read_corpus(a.heldout)), copy, progress=not a.quiet)
+        ev["copy"] = copy_probe(ms, src, tgt, list(read_corpus(a.heldout)), copy, progress=not a.quiet, memo=memo)
     else:
         settings = EvalSettings(prompts=a.prompts, refresh=a.refresh, sinks=a.sinks, recall_prompts=a.recall_prompts,
                                 greedy_prompts=a.greedy_prompts, min_len=a.min_len, max_len=a.max_len, copy=copy,
-                                prose_prompts=a.prose_prompts if a.prose else 0)
-        ev = evaluate(ms, src, tgt, a.heldout, settings, progress=not a.quiet, prose=a.prose)
+                                prose_prompts=a.prose_prompts if a.prose else 0,
+                                completion=CompletionSettings(tasks=a.completion_tasks, refresh=a.refresh)
+                                if a.completion_tasks else None)
+        ev = evaluate(ms, src, tgt, a.heldout, settings, progress=not a.quiet, prose=a.prose, memo=memo)
         print(format_table(ev, f"{ms.name} {ms.version} (r={a.refresh}, s={a.sinks}, {a.prompts} prompts)"))
         for kind in "kv":
             print(f"held-out R² per target layer, {kind.upper()}: " +
                   " ".join(f"{r['layer']}:{r['r2']:.2f}" for r in ev["layers"] if r["kind"] == kind))
         if "prose" in ev:
             print(format_table(ev["prose"], f"prose ({a.prose_prompts} prompts)"))
+        if "completion" in ev:
+            print(format_completion_table(ev["completion"], "completion task (exact match of a function's first line)"))
     if "copy" in ev:
         print(format_copy_table(ev["copy"], "long-range copy probe (next-token accuracy on the repeated passage)"))
+    if "copy" in ev.get("prose", {}):
+        print(format_copy_table(ev["prose"]["copy"], "long-range copy probe on prose"))
     if a.json:
         Path(a.json).write_text(json.dumps(ev, indent=1) + "\n")
     if a.write:
@@ -259,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--stats", type=Path, default=None,
                    help="reuse the Gram sums captured in this file (same models, corpus, capture settings), else capture and write them there")
+    f.add_argument("--features", type=Path, default=None,
+                   help="keep each window's captured features in this folder: a stopped capture resumes, and refits with "
+                        "other capture settings (--window, --subsample) skip the forward passes")
     f.add_argument("--overwrite", action="store_true")
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=cmd_fit)
@@ -303,9 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--copy-gaps", default="500,1000,3000",
                    help='copy-probe gaps in tokens, comma-separated ("none" skips the probe, and the long-range gate then refuses the map)')
     e.add_argument("--copy-prompts", type=int, default=12, help="copy-probe prompts per gap (CopySettings.prompts)")
+    e.add_argument("--copy-plain", action="store_true",
+                   help="copy-probe passages as written (default: scrambled, so that only the passage predicts them)")
+    e.add_argument("--completion-tasks", type=int, default=0,
+                   help="downstream task: functions whose first body line the target writes after the file (0 skips)")
     e.add_argument("--only-copy", action="store_true", help="run only the copy probe and add it to the existing evidence")
     e.add_argument("--prose", nargs="*", default=None, help="held-out prose (e.g. data/prose_heldout.jsonl) for next-token metrics")
     e.add_argument("--prose-prompts", type=int, default=50)
+    e.add_argument("--memo", type=Path, default=None,
+                   help="keep the target's own probe results here (a cache: later evaluations of the pair skip them)")
     e.add_argument("--json", default=None, help="write the evidence JSON here")
     e.add_argument("--write", action="store_true", help="record the evidence in the artifact's manifest")
     e.add_argument("--quiet", action="store_true")

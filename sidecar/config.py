@@ -45,6 +45,9 @@ class SidecarConfig:
     gate_min_copy_retention: float = 0.85
     """Long-range serving gate: share of the target's own copy-probe accuracy the arm must keep at every gap
     (0 turns it off; a map without copy-probe evidence does not serve while it is on)."""
+    gate_max_completion_drop: float = 0.02
+    """Downstream serving gate: how far below the target's own exact-match rate on the completion task the arm may
+    fall, where the evidence has that task."""
     force_maps: bool = False
     """Serve maps whose evidence fails the gates (testing only)."""
     reload_seconds: float = 10.0
@@ -168,7 +171,8 @@ class SidecarConfig:
     @property
     def gates(self) -> Gates:
         return Gates(arm=self.gate_arm, min_top10=self.gate_min_top10, max_kl=self.gate_max_kl,
-                     min_copy_retention=self.gate_min_copy_retention)
+                     min_copy_retention=self.gate_min_copy_retention,
+                     max_completion_drop=self.gate_max_completion_drop)
 
     @property
     def limits(self) -> Limits:

@@ -228,3 +228,41 @@ def test_fit_command_writes_a_windowed_set(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvferry", "fit", "--window", "2", "--window-layers", "four"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "FIRST-LAST" in bad.stderr
+
+
+def test_kept_features_resume_a_capture_and_serve_other_windows(family, tmp_path, monkeypatch):
+    """--features: each window's features are written as captured; a fit with other capture settings (a window)
+    reads them instead of running the models, and solves what a fresh capture solves."""
+    import kvferry.mappings.fit as fit
+
+    s, t = family["S"], family["T"]
+    feats = tmp_path / "features"
+    plain = FitSettings(k=2, seq_len=128, max_tokens=4096)
+    first = fit_pair(s, t, CALIB, plain, progress=False, features=feats)
+    files = sorted(feats.rglob("*.safetensors"))
+    assert len(files) == 32 and not list(feats.rglob("*.tmp"))
+    files[3].unlink()  # a capture stopped before this window: only it is captured again
+    calls = []
+    real_capture = fit.capture_kv
+    monkeypatch.setattr(fit, "capture_kv", lambda model, ids: calls.append(ids.shape[0]) or real_capture(model, ids))
+    windowed = FitSettings(**WINDOWED)
+    got = fit_pair(s, t, CALIB, windowed, progress=False, features=feats)
+    assert calls == [1, 1]  # one window, source and target
+    monkeypatch.setattr(fit, "capture_kv", real_capture)
+    want = fit_pair(s, t, CALIB, windowed, progress=False)
+    for key, m in want.maps.items():
+        torch.testing.assert_close(got.maps[key].weight, m.weight, rtol=0, atol=0)
+    again = fit_pair(s, t, CALIB, plain, progress=False, features=feats)
+    for key, m in first.maps.items():
+        torch.testing.assert_close(again.maps[key].weight, m.weight, rtol=0, atol=0)
+
+
+def test_capture_runs_the_decoder_alone(family):
+    """The LM head makes nothing the cache holds: the captured cache is the full forward pass's."""
+    t = family["T"]
+    ids = torch.randint(2, 4096, (1, 64))
+    with torch.no_grad():
+        want = t.model(input_ids=ids, use_cache=True).past_key_values
+    for (k, v), layer in zip(capture_kv(t.model, ids), want.layers):
+        torch.testing.assert_close(k, layer.keys, rtol=0, atol=0)
+        torch.testing.assert_close(v, layer.values, rtol=0, atol=0)

@@ -107,3 +107,26 @@ def test_same_files_loaded_by_another_tokenizer_class_are_refused(tiny_models):
     assert llama.tokenizer(text)["input_ids"] != qwen2.tokenizer(text)["input_ids"]
     with pytest.raises(Incompatible, match="tokenizers differ"):
         check_pair(llama.identity, qwen2.identity)
+
+
+def test_a_different_chat_template_is_not_a_different_tokenizer(tiny_models, tmp_path):
+    """Two sizes of one family share token ids but not always their chat template (Qwen2.5-Coder 0.5B and 1.5B):
+    the template formats text, it does not tokenize it, so the pair is accepted; a changed vocabulary is not."""
+    import json
+    import shutil
+
+    a = load_model(tiny_models["llama"])
+    chat = tmp_path / "chat"
+    shutil.copytree(tiny_models["llama"], chat)
+    (chat / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}")
+    b = load_model(chat)
+    assert b.tokenizer.chat_template and b.tokenizer.chat_template != a.tokenizer.chat_template
+    check_pair(a.identity, b.identity)
+    vocab = tmp_path / "vocab"
+    shutil.copytree(chat, vocab)
+    spec = json.loads((vocab / "tokenizer.json").read_text())
+    token, idx = next(iter(spec["model"]["vocab"].items()))
+    spec["model"]["vocab"][token + "x"] = spec["model"]["vocab"].pop(token)  # one token's text changed
+    (vocab / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(Incompatible, match="tokenizers differ"):
+        check_pair(b.identity, load_model(vocab).identity)

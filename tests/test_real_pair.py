@@ -56,7 +56,7 @@ def stream(real):
 
 def _examples(ms, stream):
     """The copy-probe prompts ``ms``'s own evidence was measured on (its settings: gaps, prompts per gap, seed)."""
-    s = CopySettings(**{k: (tuple(v) if k == "gaps" else v) for k, v in ms.evidence["copy"]["settings"].items()})
+    s = CopySettings.from_dict(ms.evidence["copy"]["settings"])
     return s, make_examples(stream, s)
 
 

@@ -1,8 +1,9 @@
-"""Write data/prose_heldout.jsonl: English prose for held-out next-token metrics.
+"""Write data/prose_heldout.jsonl (held-out English prose) or, with --split calib, data/prose_calib.jsonl.
 
 Source: CPython's own help topics (``pydoc_data.topics``, the Language Reference as plain text; PSF license),
-which every Python install ships. Code appears only in the calibration corpus, so all of this is held out
-from map fitting. Topics are taken in sorted order until ``--chars`` characters are reached.
+which every Python install ships. Topics of at least 2,000 characters are taken in sorted order: the first ones,
+until ``--chars`` characters, are held out; ``--split calib`` writes every later topic, for calibration (the two
+files share no topic).
 """
 
 import argparse
@@ -12,24 +13,29 @@ from pathlib import Path
 
 import pydoc_data.topics as topics
 
+DATA = Path(__file__).resolve().parents[2] / "data"
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "data" / "prose_heldout.jsonl")
-    ap.add_argument("--chars", type=int, default=160_000)
+    ap.add_argument("--split", choices=["heldout", "calib"], default="heldout")
+    ap.add_argument("--out", type=Path, default=None, help="default: data/prose_<split>.jsonl")
+    ap.add_argument("--chars", type=int, default=160_000, help="characters of the held-out split")
     a = ap.parse_args()
-    rows, total = [], 0
+    rows, total, held = [], 0, 0
     for name in sorted(topics.topics):
         text = topics.topics[name].strip()
         if len(text) < 2000:
             continue
-        rows.append(json.dumps({"topic": name, "text": text}))
-        total += len(text)
-        if total >= a.chars:
-            break
+        in_heldout = held < a.chars
+        held += len(text) if in_heldout else 0
+        if in_heldout == (a.split == "heldout"):
+            rows.append(json.dumps({"topic": name, "text": text}))
+            total += len(text)
+    out = a.out or DATA / f"prose_{a.split}.jsonl"
     blob = ("\n".join(rows) + "\n").encode()
-    a.out.write_bytes(blob)
-    print(f"{a.out}: {len(rows)} topics, {total} chars, sha256 {hashlib.sha256(blob).hexdigest()}")
+    out.write_bytes(blob)
+    print(f"{out}: {len(rows)} topics, {total} chars, sha256 {hashlib.sha256(blob).hexdigest()}")
 
 
 if __name__ == "__main__":
