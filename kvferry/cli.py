@@ -85,9 +85,11 @@ def cmd_distill(a: argparse.Namespace) -> int:
         cut = max(1, len(windows) // 10)
         train_w, held_w = windows[:-cut], windows[-cut:]
     rng = random.Random(settings.seed)
-    train, held = capture_tails(ms, src, tgt, train_w, settings, rng), capture_tails(ms, src, tgt, held_w, settings, rng)
+    train = capture_tails(ms, src, tgt, train_w, settings, rng, a.tails_cache)
+    held = capture_tails(ms, src, tgt, held_w, settings, rng, a.tails_cache)
     print(f"{len(train)} training and {len(held)} held-out tails from {len(train_w)} + {len(held_w)} windows of {a.seq_len} tokens")
-    maps, log = distill(ms, src, tgt, train, held, settings, progress=None if a.quiet else print)
+    maps, log = distill(ms, src, tgt, train, held, settings, progress=None if a.quiet else print,
+                        checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_minutes * 60)
     record = settings.as_dict() | {"seq_len": a.seq_len, "train_windows": len(train_w), "held_windows": len(held_w), "log": log}
     dest = save(maps.mapset(a.version, record), a.out, overwrite=a.overwrite)
     print(f"wrote {dest} (kept epoch {log[-1]['kept_epoch']}); it has no evidence yet: "
@@ -297,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--lr", type=float, default=None)
     dl.add_argument("--seed", type=int, default=None)
     dl.add_argument("--temperature", type=float, default=None)
+    dl.add_argument("--tails-cache", type=Path, default=None,
+                    help="keep each window's captures (source cache, target log-probabilities) here: a stopped capture "
+                         "resumes, and later distillations of the pair skip both prefills")
+    dl.add_argument("--checkpoint", type=Path, default=None,
+                    help="training state file: written every --checkpoint-minutes and after each epoch; a run with the "
+                         "same map, settings and text resumes from it")
+    dl.add_argument("--checkpoint-minutes", type=float, default=10.0)
     dl.add_argument("--overwrite", action="store_true")
     dl.add_argument("--quiet", action="store_true")
     dl.set_defaults(func=cmd_distill)

@@ -15,7 +15,9 @@ find the first occurrence inside the mapped prefix (copying is what a map must c
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -156,22 +158,79 @@ class TrainableMaps:
 
 @torch.no_grad()
 def capture_tails(ms: MapSet, source, target, windows: list[torch.Tensor], s: DistillSettings,
-                  rng: random.Random) -> list[TailSample]:
-    """Tails of ``windows`` (every other one given a repeat): one source and one target prefill per window."""
+                  rng: random.Random, cache_dir: str | Path | None = None) -> list[TailSample]:
+    """Tails of ``windows`` (every other one given a repeat): one source and one target prefill per window.
+
+    ``cache_dir``: each window's captures (its source cache and the target's log-probabilities, which no map
+    changes) are kept there as they are made, so a stopped capture resumes and a second distillation of the pair
+    skips both prefills."""
     out = []
+    cache = Path(cache_dir) / _pair_key(ms) if cache_dir else None
     for i, ids in enumerate(windows):
         s.check_window(len(ids))
         if s.repeat_span and i % 2 == 1:
             ids = with_repeat(ids, s.repeat_span, rng)
-        skv = capture_kv(source.model, ids[None])
-        logits = target.model(input_ids=ids[None]).logits[0]
-        fixed = apply(ms, skv, 0)[: s.from_layer]
-        for j in range(s.tails):
-            end = len(ids) // s.tails * (j + 1)
-            out.append(TailSample([(k[:, :, :end].bfloat16(), v[:, :, :end].bfloat16()) for k, v in skv],
+        got = _load_window(cache, ids, s) if cache else None
+        if got is None:
+            skv = capture_kv(source.model, ids[None])
+            logits = target.model(input_ids=ids[None]).logits[0]
+            got = ([(k.bfloat16(), v.bfloat16()) for k, v in skv],
+                   [logits[end - s.tail : end].float().log_softmax(-1).bfloat16() for end in _ends(len(ids), s)])
+            if cache:
+                _save_window(cache, ids, s, *got)
+        skv, logps = got
+        fixed = apply(ms, [(k.float(), v.float()) for k, v in skv], 0)[: s.from_layer]
+        for end, logp in zip(_ends(len(ids), s), logps):
+            out.append(TailSample([(k[:, :, :end], v[:, :, :end]) for k, v in skv],
                                   [(k[:, :, : end - s.tail].bfloat16(), v[:, :, : end - s.tail].bfloat16()) for k, v in fixed],
-                                  ids[end - s.tail : end].clone(), logits[end - s.tail : end].float().log_softmax(-1).bfloat16()))
+                                  ids[end - s.tail : end].clone(), logp))
     return out
+
+
+def _ends(n: int, s: DistillSettings) -> list[int]:
+    return [n // s.tails * (j + 1) for j in range(s.tails)]
+
+
+def _pair_key(ms: MapSet) -> str:
+    from .geometry import digest
+
+    return digest({"source": ms.source.as_dict(), "target": ms.target.as_dict()})[:24]
+
+
+def _window_file(cache: Path, ids: torch.Tensor, s: DistillSettings) -> Path:
+    import hashlib
+
+    h = hashlib.sha256(ids.to(torch.int64).numpy().tobytes() + f"{s.tail}:{s.tails}".encode()).hexdigest()[:32]
+    return cache / f"{h}.safetensors"
+
+
+def _save_window(cache: Path, ids, s: DistillSettings, skv, logps) -> None:
+    import os
+
+    from safetensors.torch import save_file
+
+    cache.mkdir(parents=True, exist_ok=True)
+    path = _window_file(cache, ids, s)
+    t = {"ids": ids.to(torch.int64).contiguous()}
+    for l, (k, v) in enumerate(skv):
+        t[f"k{l}"], t[f"v{l}"] = k.contiguous(), v.contiguous()
+    for j, lp in enumerate(logps):
+        t[f"logp{j}"] = lp.contiguous()
+    save_file(t, str(path.with_suffix(".tmp")))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def _load_window(cache: Path, ids, s: DistillSettings):
+    from safetensors.torch import load_file
+
+    path = _window_file(cache, ids, s)
+    if not path.is_file():
+        return None
+    t = load_file(str(path))
+    if not torch.equal(t["ids"], ids.to(torch.int64)):
+        return None
+    layers = sum(1 for k in t if k.startswith("k"))
+    return [(t[f"k{l}"], t[f"v{l}"]) for l in range(layers)], [t[f"logp{j}"] for j in range(s.tails)]
 
 
 def tail_kl(target_model, maps: TrainableMaps, sample: TailSample, temperature: float = 1.0) -> torch.Tensor:
@@ -188,9 +247,14 @@ def tail_kl(target_model, maps: TrainableMaps, sample: TailSample, temperature: 
 
 
 def distill(ms: MapSet, source, target, train: list[TailSample], held: list[TailSample], s: DistillSettings,
-            progress: Callable[[str], None] | None = None, maps: TrainableMaps | None = None) -> tuple[TrainableMaps, list[dict]]:
+            progress: Callable[[str], None] | None = None, maps: TrainableMaps | None = None,
+            checkpoint: str | Path | None = None, checkpoint_every: float = 600.0) -> tuple[TrainableMaps, list[dict]]:
     """Adam on the maps' weights from the set's own (or on ``maps.params()``, a TrainableMaps of ``ms`` given by the
-    caller); returns the maps at the epoch with the lowest held-out KL and the per-epoch log (train and held-out KL)."""
+    caller); returns the maps at the epoch with the lowest held-out KL and the per-epoch log (train and held-out KL).
+
+    ``checkpoint``: the whole training state (weights, optimiser, schedule, position in the epoch, the best epoch
+    so far) is written there at least every ``checkpoint_every`` seconds and after each epoch; a run started with
+    the same map, settings and tails resumes from it and ends where an uninterrupted run would."""
     if not train or not held:
         raise InvalidInput("distillation needs training and held-out tails; give it more text")
     for p in target.model.parameters():
@@ -200,30 +264,83 @@ def distill(ms: MapSet, source, target, train: list[TailSample], held: list[Tail
         raise InvalidInput(f"the set has no maps of target layer {s.from_layer} or above to train")
     opt = torch.optim.Adam(maps.params(), lr=s.lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=s.lr, total_steps=max(1, s.epochs * len(train)), pct_start=0.1)
-    gen = torch.Generator().manual_seed(s.seed)
+    say = progress or (lambda _: None)
+    run_key = _run_key(ms, s, train, held)
 
     def held_kl() -> float:
         with torch.no_grad():
             return sum(float(tail_kl(target.model, maps, x)) for x in held) / len(held)
 
-    log = [{"epoch": 0, "held_kl": held_kl()}]
-    best = (log[0]["held_kl"], maps.state(), 0)
-    say = progress or (lambda _: None)
-    say(f"epoch 0 (starting map): held-out tail KL {log[0]['held_kl']:.4f}")
-    for epoch in range(1, s.epochs + 1):
-        total = 0.0
-        for j in torch.randperm(len(train), generator=gen).tolist():
+    gen = torch.Generator().manual_seed(s.seed)
+    state = _load_checkpoint(checkpoint, run_key) if checkpoint else None
+    if state is None:
+        log = [{"epoch": 0, "held_kl": held_kl()}]
+        best, epoch, done, total, order = (log[0]["held_kl"], maps.state(), 0), 1, 0, 0.0, None
+        say(f"epoch 0 (starting map): held-out tail KL {log[0]['held_kl']:.4f}")
+    else:
+        maps.load_state(state["maps"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        log, best, epoch, done, total, order = (state[k] for k in ("log", "best", "epoch", "done", "total", "order"))
+        say(f"resumed from {checkpoint}: epoch {epoch}, {done} of {len(train)} tails done")
+    last_save = time.monotonic()
+
+    def save() -> None:
+        _save_checkpoint(checkpoint, {"key": run_key, "maps": maps.state(), "opt": opt.state_dict(),
+                                      "sched": sched.state_dict(), "gen": gen.get_state(), "log": log, "best": best,
+                                      "epoch": epoch, "done": done, "total": total, "order": order})
+
+    while epoch <= s.epochs:
+        if order is None:
+            order = torch.randperm(len(train), generator=gen).tolist()
+        for j in order[done:]:
             loss = tail_kl(target.model, maps, train[j], s.temperature)
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
             total += float(loss.detach())
+            done += 1
+            if checkpoint and time.monotonic() - last_save > checkpoint_every:
+                save()
+                last_save = time.monotonic()
         kl = held_kl()
         log.append({"epoch": epoch, "train_kl": total / len(train), "held_kl": kl})
         say(f"epoch {epoch}: train tail KL {total / len(train):.4f}, held-out {kl:.4f}")
         if kl < best[0]:
             best = (kl, maps.state(), epoch)
+        epoch, done, total, order = epoch + 1, 0, 0.0, None
+        if checkpoint:
+            save()
+            last_save = time.monotonic()
     maps.load_state(best[1])
     log.append({"kept_epoch": best[2]})
     return maps, log
+
+
+def _run_key(ms: MapSet, s: DistillSettings, train: list[TailSample], held: list[TailSample]) -> str:
+    """What a checkpoint belongs to: the starting map, the settings and the tails' token ids."""
+    import hashlib
+
+    h = hashlib.sha256(f"{ms.name} {ms.version} {_pair_key(ms)} {s.as_dict()}".encode())
+    for x in train + held:
+        h.update(x.ids.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _save_checkpoint(path: str | Path, state: dict) -> None:
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)
+
+
+def _load_checkpoint(path: str | Path, key: str) -> dict | None:
+    path = Path(path)
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=False)
+    return state if state.get("key") == key else None

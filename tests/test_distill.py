@@ -131,3 +131,45 @@ def test_kvferry_distill_writes_an_artifact_without_evidence(tmp_path, s_t):
     record = json.loads((tmp_path / "S__T" / "1.0.1" / "manifest.json").read_text())["fit"]["distilled"]
     assert record["from_layer"] == 4 and record["train_windows"] == 5 and record["held_windows"] == 1
     assert not out.evidence and torch.equal(out.maps[(0, "k")].weight, s_t.maps[(0, "k")].weight)
+
+
+def test_a_stopped_distillation_resumes_where_it_stopped(s_t, family, tmp_path, monkeypatch):
+    """Captured tails are kept per window and the training state is checkpointed: a run stopped mid-epoch and started
+    again ends with exactly the maps of a run that was never stopped, and recaptures nothing."""
+    import kvferry.mappings.distill as d
+
+    source, target = family["S"], family["T"]
+    start = _degraded(s_t, 3)
+    windows = token_windows(target.tokenizer, read_corpus([DATA / "calib.jsonl"]), 256, 256 * 12)
+    s = DistillSettings(from_layer=3, tail=16, repeat_span=48, epochs=2, lr=1e-3)
+    tails = tmp_path / "tails"
+    train = capture_tails(start, source, target, windows[:10], s, random.Random(0), tails)
+    held = capture_tails(start, source, target, windows[10:], s, random.Random(1), tails)
+    assert len(list(tails.rglob("*.safetensors"))) == 12
+    calls = []
+    monkeypatch.setattr(d, "capture_kv", lambda *a: calls.append(1))  # kept windows need no prefill
+    again = capture_tails(start, source, target, windows[:10], s, random.Random(0), tails)
+    assert not calls and all(torch.equal(a.ids, b.ids) and torch.equal(a.logp, b.logp) for a, b in zip(again, train))
+    monkeypatch.undo()
+
+    want, want_log = distill(start, source, target, train, held, s)
+    ckpt = tmp_path / "run.ckpt"
+    real_kl, steps = d.tail_kl, []
+
+    def stops_after_seven(model, maps, sample, temperature=1.0):
+        if torch.is_grad_enabled():
+            steps.append(1)
+            if len(steps) == 8:
+                raise KeyboardInterrupt
+        return real_kl(model, maps, sample, temperature)
+
+    monkeypatch.setattr(d, "tail_kl", stops_after_seven)
+    with pytest.raises(KeyboardInterrupt):
+        distill(start, source, target, train, held, s, checkpoint=ckpt, checkpoint_every=0.0)
+    monkeypatch.undo()
+    got, got_log = distill(start, source, target, train, held, s, checkpoint=ckpt)
+    assert got_log == want_log
+    for key in want.keys:
+        torch.testing.assert_close(got.weight[key], want.weight[key], rtol=0, atol=0)
+    other = DistillSettings(from_layer=3, tail=16, repeat_span=48, epochs=2, lr=2e-3)  # another run ignores it
+    assert d._load_checkpoint(ckpt, d._run_key(start, other, train, held)) is None
