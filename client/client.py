@@ -319,7 +319,8 @@ class _Endpoints:
         meta = self.options.metadata()
         by_key = self.uses_by_key(spec, layers)
         if region is not None:
-            spec = dataclasses.replace(spec, response_region=region.name, response_region_bytes=region.size)
+            spec = dataclasses.replace(spec, response_region=region.name, response_region_bytes=region.size,
+                                       response_region_key=region.key)
         if by_key:
             call = (self.by_keys if region is None else self.raw_by_keys)[self.current]
             return call(wire.spec_to_pb(spec, pb.TranslateByKeyRequest), timeout=timeout, metadata=meta)

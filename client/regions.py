@@ -16,7 +16,7 @@ import secrets
 import threading
 import weakref
 
-from kvferry.common.wire import REGION_NAME
+from kvferry.common.wire import REGION_ALIGN, REGION_KEY_BYTES, REGION_NAME, region_header
 from kvferry.mappings.errors import InvalidInput
 
 
@@ -31,6 +31,7 @@ class _File:
         self.folder = folder
         self.spoiled = False  # its call failed: the sidecar may still be writing into it, so it is never reused
         self.name = _fresh_name()
+        self.key = b""
         self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails only if a sweeper took it first: retried
@@ -53,12 +54,26 @@ class _File:
         self.name = _fresh_name()
         os.rename(old, self.path)
 
+    def rekey(self) -> None:
+        """A fresh key in the header: what the sidecar must be sent to write into this file for the next call."""
+        self.key = secrets.token_bytes(REGION_KEY_BYTES)
+        if os.pwrite(self.fd, region_header(self.key), 0) != REGION_ALIGN:
+            raise OSError(f"could not write the header of response region {self.path}")
+
+    def unlink(self) -> None:
+        """Remove the name (an answer still mapped keeps its bytes until it is freed)."""
+        if self.name:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.name = ""
+
     def remove(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        os.close(self.fd)
+        self.unlink()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def sweep(folder: str) -> int:
@@ -94,6 +109,7 @@ class RegionPool:
     def __init__(self, folder: str, size: int, mode: int = 0o600, keep: int = 4):
         self.folder, self.size, self.mode, self.keep = folder, size, mode, keep
         self._idle: list[_File] = []
+        self._out: set[_File] = set()  # leased, or viewed by an answer
         self._lock = threading.RLock()  # an answer's last view may be freed (and its file returned) on any thread
         self._closed = False
         self.swept = sweep(folder)
@@ -113,21 +129,33 @@ class RegionPool:
                 raise OSError(f"could not create a response region in {self.folder}")
         else:
             f.rename()
+        with self._lock:
+            self._out.add(f)
+        try:
+            f.rekey()
+        except OSError:
+            f.spoiled = True
+            self._returned(f)
+            raise
         return Lease(self, f)
 
     def _returned(self, f: _File) -> None:
         with self._lock:
+            self._out.discard(f)
             if not self._closed and not f.spoiled and len(self._idle) < self.keep:
                 self._idle.append(f)
                 return
         f.remove()
 
     def close(self) -> None:
-        """Remove the idle files; a file whose answer is still viewed is removed once it is not."""
+        """Remove every file of the pool from the folder now; an answer still viewed keeps its bytes (the mapping
+        outlives the name) and its descriptor is closed once it is freed."""
         with self._lock:
-            self._closed, idle, self._idle = True, self._idle, []
+            self._closed, idle, self._idle, out = True, self._idle, [], list(self._out)
         for f in idle:
             f.remove()
+        for f in out:
+            f.unlink()
 
 
 class Lease:
@@ -136,7 +164,7 @@ class Lease:
     mapping is gone, or at ``release`` when nothing was mapped."""
 
     def __init__(self, pool: RegionPool, f: _File):
-        self.name, self.size = f.name, pool.size
+        self.name, self.size, self.key = f.name, pool.size, f.key
         self._pool, self._file = pool, f
         self._map: mmap.mmap | None = None
 

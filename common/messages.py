@@ -38,6 +38,7 @@ class TranslateSpec:
     pages_per_block: int = 0  # paged: the most pages a block may carry; 0: one page a block, three-dimensional
     response_region: str = ""  # a SharedRegion's name: the file the response's tensor bytes may go into ("": none)
     response_region_bytes: int = 0  # its size
+    response_region_key: bytes = b""  # the 32 bytes the caller wrote into the region's header for this call
 
 
 @dataclass

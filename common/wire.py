@@ -124,6 +124,7 @@ def spec_to_pb(s: TranslateSpec, message=pb.TranslateRequest):
     )
     if s.response_region:
         h.response_region.name, h.response_region.size = s.response_region, s.response_region_bytes
+        h.response_region.key = s.response_region_key
     return message(header=h)
 
 
@@ -131,16 +132,28 @@ REGION_NAME = re.compile(r"kvf-[0-9a-f]{32}")
 """A SharedRegion's name: "kvf-" and 32 lowercase hex digits (128 random bits), a plain file name in the shared folder."""
 REGION_ALIGN = 64
 """Tensors in a response region start at multiples of this many bytes."""
+REGION_MAGIC = b"kvfregn1"
+"""A response region's header: these 8 bytes, then the call's key, then zeros to REGION_ALIGN."""
+REGION_KEY_BYTES = 32
+"""A response region's key: random bytes the caller writes into the header and sends in the request."""
 
 
-def _response_region(h: pb.TranslateHeader) -> tuple[str, int]:
+def region_header(key: bytes) -> bytes:
+    """The first REGION_ALIGN bytes of a region file holding ``key``."""
+    return (REGION_MAGIC + key).ljust(REGION_ALIGN, b"\0")
+
+
+def _response_region(h: pb.TranslateHeader) -> tuple[str, int, bytes]:
     if not h.HasField("response_region"):
-        return "", 0
+        return "", 0, b""
     r = h.response_region
     if not REGION_NAME.fullmatch(r.name):
         raise InvalidInput("header.response_region.name must be 'kvf-' and 32 lowercase hex digits (128 random bits), "
                            "the name of a file in the folder shared with the sidecar")
-    return r.name, r.size
+    if len(r.key) != REGION_KEY_BYTES:
+        raise InvalidInput(f"header.response_region.key must be the {REGION_KEY_BYTES} random bytes written into the "
+                           f"region's header (got {len(r.key)}); see SharedRegion in translate.proto")
+    return r.name, r.size, bytes(r.key)
 
 
 # Longest identifier accepted in a header; longer ones are refused without being echoed back.
@@ -165,7 +178,7 @@ def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
         raise InvalidInput("header.map.version is empty; set a version or latest=true")
     if h.layout not in _LAYOUT_FROM_PB:
         raise InvalidInput("header.layout must be LAYOUT_CONTIGUOUS or LAYOUT_PAGED")
-    region, region_bytes = _response_region(h)
+    region, region_bytes, region_key = _response_region(h)
     return TranslateSpec(
         map_name=h.map.name, map_version=h.map.version if h.map.WhichOneof("selector") == "version" else "",
         source_geometry=h.source_geometry_fingerprint, tokenizer=h.tokenizer_fingerprint, num_tokens=h.num_tokens,
@@ -173,6 +186,7 @@ def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
         layout=_LAYOUT_FROM_PB[h.layout], block_size=h.block_size, pages_per_block=h.pages_per_block,
         target_dtype=None if h.target_dtype == pb.DTYPE_UNSPECIFIED else dtype_from_pb(h.target_dtype),
         prefix_key=h.prefix_key, tenant=h.tenant, response_region=region, response_region_bytes=region_bytes,
+        response_region_key=region_key,
     )
 
 

@@ -27,7 +27,7 @@ class Metrics:
         self.prefix_writes = Counter("kvferry_prefix_writes_total", "Mapped blocks written to the prefix store", registry=r)
         self.prefix_store_errors = Counter("kvferry_prefix_store_errors_total", "Prefix-store calls that failed", registry=r)
         self.response_regions = Counter("kvferry_response_regions_total", "Response regions callers named, by outcome "
-                                        "(taken; ignored: not openable, or the sidecar has no shm_dir)", ["outcome"], registry=r)
+                                        "(taken; ignored: not openable, or the sidecar has no shm_dir; refused: its header lacks the call's key)", ["outcome"], registry=r)
 
     def record_maps(self, entries, arm_name: str) -> None:
         """Servable count, and each map's evidence for the arm the gates read (as ListMappings reports it)."""

@@ -1,17 +1,20 @@
 """Response regions: a caller's file in the folder it shares with the sidecar, which the response's tensor bytes go
 into instead of the messages (kvferry.v1 SharedRegion). One folder per sidecar, opened once; one file per call,
-opened by name, written with pwritev straight from the blocks' pieces, closed when the call ends. The file is the
-caller's: the sidecar never creates, renames or removes one."""
+opened by name, taken only if its header holds the call's key (the caller proves it can read the file: a name alone,
+which anyone who can list the folder sees, is not enough), written with pwritev straight from the blocks' pieces,
+never past the file's end, and closed when the call ends. The file is the caller's: the sidecar never creates,
+renames or removes one."""
 
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import os
 import stat
 import threading
 
-from kvferry.common.wire import REGION_ALIGN
+from kvferry.common.wire import REGION_ALIGN, region_header
 from kvferry.mappings.errors import InvalidInput
 
 log = logging.getLogger("kvferry.regions")
@@ -26,7 +29,7 @@ class ResponseRegion:
 
     def __init__(self, fd: int, capacity: int):
         self.fd, self.capacity = fd, capacity
-        self.used = 0
+        self.used = REGION_ALIGN  # the caller's header
         self.full = False
         self._lock = threading.Lock()  # encoding runs on the event loop (stored blocks) and the compute thread
 
@@ -36,6 +39,9 @@ class ResponseRegion:
             if self.full or self.fd < 0 or offset + size > self.capacity:
                 return None
             try:
+                if offset + size > os.fstat(self.fd).st_size:  # the caller shrank it: never grow its file
+                    self.full = True
+                    return None
                 _pwrite_all(self.fd, pieces, offset)
             except OSError as e:
                 self.full = True
@@ -79,9 +85,10 @@ class RegionFolder:
             raise InvalidInput(f"shm_dir {path}: {e.strerror}; mount the volume shared with the model server there, "
                                "or leave shm_dir empty") from None
 
-    def take(self, name: str, size: int) -> ResponseRegion | None:
+    def take(self, name: str, size: int, key: bytes) -> ResponseRegion | None:
         """The caller's file ``name`` (already checked to be a plain region name) as this call's region; None when
-        there is no such regular, singly linked file (the answer then goes in the messages)."""
+        there is no such regular, singly linked file whose header holds ``key`` (the answer then goes in the
+        messages)."""
         try:
             fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
         except OSError as e:
@@ -94,12 +101,20 @@ class RegionFolder:
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             os.close(fd)
             return self._refused("not a regular file with one link")
+        try:
+            header = os.pread(fd, REGION_ALIGN, 0)
+        except OSError as e:
+            os.close(fd)
+            return self._refused(f"cannot read its header: {e.strerror}")
+        if not hmac.compare_digest(header, region_header(key)):
+            os.close(fd)
+            return self._refused("its header does not hold this call's key", "refused")
         self._count("taken")
         return ResponseRegion(fd, min(size, st.st_size))
 
-    def _refused(self, why: str) -> None:
+    def _refused(self, why: str, outcome: str = "ignored") -> None:
         log.warning("response region ignored (%s); the answer goes in the messages", why)
-        self._count("ignored")
+        self._count(outcome)
         return None
 
     def _count(self, outcome: str) -> None:

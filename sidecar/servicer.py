@@ -239,7 +239,7 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         if self.regions is None:
             self.metrics.response_regions.labels("ignored").inc()
             return None
-        return self.regions.take(spec.response_region, spec.response_region_bytes)
+        return self.regions.take(spec.response_region, spec.response_region_bytes, spec.response_region_key)
 
     async def _answer(self, spec, opened, requests, region):
         session = opened.session

@@ -106,16 +106,16 @@ def test_what_does_not_fit_the_region_comes_in_the_messages(sidecar_factory, shm
     g = ms.target.geometry
     one = 2 * 200 * g.kv_heads * g.head_dim * 4  # a target layer's K and V, fp32: 64-byte multiples
     want = apply(ms, kv, 0)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm), shm_region_bytes=one + 100)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm), shm_region_bytes=one + 164)) as c:
         res = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
     assert res.info.response_region
     for (k, v), (wk, wv) in zip(res.layers(), want):
         torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
-    region = RegionPool(str(shm), one + 100).lease()
-    out = _raw_call(sc, kv, ms, (region.name, region.size), chunk=200)
+    region = RegionPool(str(shm), one + 164).lease()
+    out = _raw_call(sc, kv, ms, (region.name, region.size, region.key), chunk=200)
     placed = [(m.block.layer, m.block.key.HasField("region_offset"), m.block.value.HasField("region_offset")) for m in out[1:-1]]
     assert placed == [(layer, layer == 0, layer == 0) for layer in range(g.layers)]  # layer 0 filled it; the rest inline
-    assert out[1].block.value.region_offset == one // 2
+    assert (out[1].block.key.region_offset, out[1].block.value.region_offset) == (64, 64 + one // 2)  # after the header
     for m, (wk, wv) in zip(out[1:-1], want):
         block = wire.block_from_pb(m.block, region)
         torch.testing.assert_close(block.key, wk[0]), torch.testing.assert_close(block.value, wv[0])
@@ -133,12 +133,15 @@ def test_a_sidecar_without_shm_dir_answers_in_the_messages(sidecar_factory, shm,
 
 
 def _raw_call(sc, kv, ms, region=None, chunk=64):
-    """The response messages of a Translate whose header names ``region`` (name, size), parsed by protobuf alone."""
+    """The response messages of a Translate whose header names ``region`` (name, size[, key]; a random key when none
+    is given), parsed by protobuf alone."""
     spec = make_spec(kv, "S__T64", "1.0.0", **_kw(ms))
     reqs = [m.SerializeToString() for m in encode_requests(spec, kv, chunk)]
     if region is not None:
+        name, size, key = (*region, secrets.token_bytes(32))[:3]
         head = pb.TranslateRequest.FromString(reqs[0])
-        head.header.response_region.name, head.header.response_region.size = region
+        head.header.response_region.name, head.header.response_region.size = name, size
+        head.header.response_region.key = key
         reqs[0] = head.SerializeToString()
     with grpc.insecure_channel(sc.address, [("grpc.max_receive_message_length", 64 << 20)]) as ch:
         return [pb.TranslateResponse.FromString(m) for m in ch.stream_stream(TRANSLATE_METHOD)(iter(reqs), timeout=30)]
@@ -187,13 +190,11 @@ def test_a_cancelled_call_leaves_no_file_and_no_descriptor(sidecar_factory, shm,
     kv = _kv(ms, 512)
     release = threading.Event()
     spec = make_spec(kv, "S__T64", "1.0.0", **_kw(ms))
-    name = "kvf-" + secrets.token_hex(16)
-    fd = os.open(shm / name, os.O_CREAT | os.O_RDWR, 0o600)
-    os.ftruncate(fd, 64 << 20)
-    os.close(fd)
+    name, key = _region_file(shm, 64 << 20)
     reqs = [m.SerializeToString() for m in encode_requests(spec, kv, 128)]
     head = pb.TranslateRequest.FromString(reqs[0])
     head.header.response_region.name, head.header.response_region.size = name, 64 << 20
+    head.header.response_region.key = key
     reqs[0] = head.SerializeToString()
 
     def held():
@@ -272,12 +273,15 @@ def test_stored_pieces_go_to_the_region_in_one_write(tmp_path):
     does not fit, and stops after a failed write."""
     path = tmp_path / "r"
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    region = SidecarRegion(fd, 300)
+    os.ftruncate(fd, 400)
+    region = SidecarRegion(fd, 400)
     pieces = [memoryview(bytes([i]) * 40) for i in range(3)]
     b = BlockBytes(0, 0, 5, 0, torch.float32, (2, 5, 3), pieces[:3], [memoryview(bytes([9]) * 120)])
     m = pb.TranslateResponse.FromString(wire.encode_block_response(b, region=region))
-    assert (m.block.key.region_offset, m.block.value.region_offset) == (0, 128)
-    assert path.read_bytes()[:120] == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40 and path.read_bytes()[128:248] == bytes([9]) * 120
+    assert (m.block.key.region_offset, m.block.value.region_offset) == (64, 192)  # the first 64 bytes: the header
+    data = path.read_bytes()
+    assert data[:64] == bytes(64) and data[64:184] == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
+    assert data[192:312] == bytes([9]) * 120
     again = pb.TranslateResponse.FromString(wire.encode_block_response(b, region=region))
     assert not again.block.key.HasField("region_offset") and again.block.key.data == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
     region.close()
@@ -321,6 +325,62 @@ def _check(res, want):
         torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
 
 
+def _region_file(shm, size: int, key: bytes | None = None) -> tuple[str, bytes]:
+    """A caller's region file: a fresh name, ``size`` bytes, its header holding ``key`` (random when None)."""
+    name, key = "kvf-" + secrets.token_hex(16), key or secrets.token_bytes(32)
+    fd = os.open(shm / name, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, wire.region_header(key), 0)
+    os.close(fd)
+    return name, key
+
+
+def test_naming_another_callers_file_writes_nothing_into_it(sidecar_factory, shm, ms):
+    """A caller that can list the folder but not read a file (another uid) knows the name, not the key in the file's
+    header: the sidecar does not take the file, and the file's owner's answers stay what the sidecar sent them, the
+    one she holds and the next one (her client rekeys the file before every call)."""
+    sc = _sidecar(sidecar_factory, shm)
+    kv, other = _kv(ms, 300, seed=1), _kv(ms, 300, seed=2)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm))) as alice:
+        held = alice.translate(kv, "S__T64", "1.0.0", **_kw(ms))
+        assert held.info.response_region
+        (name,) = os.listdir(shm)
+        before = (shm / name).read_bytes()
+        old_key = before[8:40]
+        for key in (secrets.token_bytes(32), bytes(32)):  # guessed keys
+            out = _raw_call(sc, other, ms, (name, 1 << 30, key))
+            assert not out[0].header.response_region
+            assert all(m.block.key.data and not m.block.key.HasField("region_offset") for m in out[1:-1])
+        assert (shm / name).read_bytes() == before
+        _check(held, apply(ms, kv, 0))
+        assert sc.sidecar.metrics.response_regions.labels("refused")._value.get() == 2
+        del held
+        nxt = alice.translate(kv, "S__T64", "1.0.0", **_kw(ms))  # the same file, renamed and rekeyed
+        (renamed,) = os.listdir(shm)
+        assert nxt.info.response_region and (shm / renamed).read_bytes()[8:40] != old_key
+        out = _raw_call(sc, other, ms, (renamed, 1 << 30, old_key))  # her previous call's key opens nothing now
+        assert not out[0].header.response_region
+        _check(nxt, apply(ms, kv, 0))
+        del nxt
+
+
+def test_the_file_is_closed_before_the_status_and_never_grown(sidecar_factory, shm, ms):
+    sc = _sidecar(sidecar_factory, shm)
+    kv = _kv(ms, 200, seed=4)
+    name, key = _region_file(shm, 1 << 20)
+    out = _raw_call(sc, kv, ms, (name, 1 << 20, key))
+    assert out[0].header.response_region and _open_under(shm) == []  # no _settled(): closed before the status
+    # a file its caller shrank to the header alone, though the request says 1 MiB: taken, but nothing is written
+    # past its end (every tensor inline) and it is not grown
+    small, key = _region_file(shm, 64)
+    out = _raw_call(sc, kv, ms, (small, 1 << 20, key))
+    assert out[0].header.response_region and os.path.getsize(shm / small) == 64
+    assert all(m.block.key.data and not m.block.key.HasField("region_offset") for m in out[1:-1])
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_call(sc, kv, ms, (name, 1 << 20, b"short"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "response_region.key" in e.value.details()
+
+
 def _files(folder) -> dict[str, int]:
     return {name: os.stat(folder / name).st_ino for name in os.listdir(folder)}
 
@@ -343,3 +403,16 @@ def test_a_new_pool_removes_the_files_of_clients_that_died(shm):
     alive.stdin.write("\n")
     alive.stdin.flush()
     alive.wait()
+
+
+def test_a_closed_client_leaves_no_file_even_while_its_answer_lives(sidecar_factory, shm, ms):
+    sc = _sidecar(sidecar_factory, shm)
+    kv = _kv(ms, 100, seed=8)
+    c = TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm)))
+    res = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
+    assert res.info.response_region and len(os.listdir(shm)) == 1
+    c.close()
+    assert os.listdir(shm) == []  # the name is gone at close; the mapping keeps the answer's bytes
+    _check(res, apply(ms, kv, 0))
+    del res
+    assert _open_under(shm) == []

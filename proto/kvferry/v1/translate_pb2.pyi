@@ -49,12 +49,14 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., region_offset: _Optional[int] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
-    __slots__ = ("name", "size")
+    __slots__ = ("name", "size", "key")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    key: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class MapRef(_message.Message):
     __slots__ = ("name", "version", "latest")
