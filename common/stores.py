@@ -12,6 +12,7 @@ import time
 from collections import OrderedDict
 
 from kvferry.common.errors import Unavailable
+from kvferry.common.urls import redact_url
 
 
 class StoreUnavailable(Unavailable):
@@ -83,7 +84,7 @@ class RedisStore:
         import redis
 
         if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis URL must start with redis://, rediss:// or unix://, got {url!r}")
+            raise ValueError(f"redis URL must start with redis://, rediss:// or unix://, got {redact_url(url)!r}")
         kw = dict(socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=15,
                   max_connections=max_connections, retry_on_timeout=False)
         if password:
@@ -91,6 +92,11 @@ class RedisStore:
         if username:
             kw["username"] = username
         self._redis = redis.Redis.from_url(url, **kw)
+        try:  # redis-py reads unknown URL parameters as connection arguments, refused only at the first call
+            self._redis.connection_pool.connection_class(**self._redis.connection_pool.connection_kwargs)
+        except TypeError as e:
+            raise ValueError(f"redis URL {redact_url(url)!r} has a parameter redis-py does not accept "
+                             f"({str(e).rpartition(' ')[2]}); see redis-py's from_url for the ones it reads") from None
         self._errors = (redis.RedisError, OSError)  # unreachable, but also full (OOM), ACL-denied, read-only, …
         self.url = url
 
@@ -151,7 +157,7 @@ class RedisStore:
             return False
 
     def _safe_url(self) -> str:
-        return self.url.split("@")[-1]  # never log credentials
+        return redact_url(self.url)  # never log credentials
 
 
 def open_store(url: str = "", password: str | None = None, memory_bytes: int = 512 << 20, timeout: float = 2.0):

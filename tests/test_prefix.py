@@ -723,3 +723,41 @@ def test_golden_block_bytes():
     payload = v2[len(MAGIC_V2) + 4:]
     v1 = MAGIC_V1 + hashlib.sha256(payload).digest() + payload
     assert torch.equal(decode_block(v1, h, 2, (2, 4, 8))[1][1], _golden_layers()[1][1])
+
+
+@pytest.mark.parametrize("secret_url", ["redis://default:pa@ss-Word-1@127.0.0.1:{port}/0",
+                                        "redis://127.0.0.1:{port}/0?password=pa@ss-Word-1&db=0",
+                                        "redis://127.0.0.1:{port}/0?username=default&password=pa@ss-Word-1"])
+def test_credentials_in_the_url_never_reach_a_caller_or_the_log(sidecar_factory, maps_dir, family, secret_url, caplog):
+    """Redis down, a key-only caller gets UNAVAILABLE: the message and the sidecar's log name the store without the
+    password, whichever form the URL gave it in (userinfo with an '@' inside, a query parameter)."""
+    import logging
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: the store is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from kvferry.common.stores import MemoryStore
+
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=secret_url.format(port=port))
+    kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6), list(range(32))
+    key = publish_source(kv, ids, family["S"].identity, store=MemoryStore(), secret=SECRET, block_size=BS)
+    caplog.set_level(logging.DEBUG)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and f"127.0.0.1:{port}" in e.value.details()
+    for text in (e.value.details(), caplog.text):
+        assert "Word-1" not in text and "pa@ss" not in text
+
+
+def test_redact_url():
+    from kvferry.common.urls import redact_url
+
+    assert redact_url("redis://u:p@ss@h:1/0") == "redis://***@h:1/0"
+    assert redact_url("rediss://h:1/0?password=x&db=2&ssl_cert_reqs=none") == "rediss://h:1/0?password=***&db=2&ssl_cert_reqs=none"
+    assert redact_url("unix:///run/redis.sock?Username=a&PASSWORD=b") == "unix:///run/redis.sock?Username=***&PASSWORD=***"
+    assert redact_url("redis://h:6379") == "redis://h:6379"
+    assert redact_url("redis://[::1") == "<unparseable URL>"
+    with pytest.raises(ValueError, match=r"Password=\*\*\*' has a parameter redis-py does not accept \('Password'\)"):
+        RedisStore("redis://h:1/0?Password=secret-1")

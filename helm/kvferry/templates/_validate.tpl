@@ -15,6 +15,49 @@ Included once, from deployment.yaml.
 {{- if and (hasKey $sc "runAsUser") (eq (int $sc.runAsUser) 0) -}}
 {{- $why = append $why (printf "%s.runAsUser 0 runs as root: use a non-zero uid (the image's is 10001)" $name) -}}
 {{- end -}}
+{{- if and (hasKey $sc "runAsGroup") (eq (int $sc.runAsGroup) 0) -}}
+{{- $why = append $why (printf "%s.runAsGroup 0 is root's group: use a non-zero gid (the image's is 10001)" $name) -}}
+{{- end -}}
+{{- if $sc.seccompProfile -}}
+{{- if eq (toString $sc.seccompProfile.type) "Unconfined" -}}
+{{- $why = append $why (printf "%s.seccompProfile.type Unconfined turns the syscall filter off: use RuntimeDefault" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and (hasKey .Values.podSecurityContext "fsGroup") (eq (int .Values.podSecurityContext.fsGroup) 0) -}}
+{{- $why = append $why "podSecurityContext.fsGroup 0 gives root's group the pod's volumes: use a non-zero gid (the image's is 10001)" -}}
+{{- end -}}
+{{- if ne (toString .Values.securityContext.readOnlyRootFilesystem) "true" -}}
+{{- $why = append $why "securityContext.readOnlyRootFilesystem must be true (the sidecar writes nothing but its volumes)" -}}
+{{- end -}}
+{{- $caps := default dict .Values.securityContext.capabilities -}}
+{{- if $caps.add -}}
+{{- $why = append $why (printf "securityContext.capabilities.add %v: kvferry needs no capability; keep drop: [ALL] alone" $caps.add) -}}
+{{- end -}}
+{{- if not (has "ALL" (default list $caps.drop)) -}}
+{{- $why = append $why "securityContext.capabilities.drop must hold ALL" -}}
+{{- end -}}
+{{- range $k, $v := .Values.podAnnotations -}}
+{{- if and (hasPrefix "container.apparmor.security.beta.kubernetes.io/" $k) (eq (toString $v) "unconfined") -}}
+{{- $why = append $why (printf "podAnnotations %s: unconfined turns AppArmor off: leave it to the runtime default" $k) -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.sharedMemory.enabled -}}
+{{- $mp := toString .Values.sharedMemory.mountPath -}}
+{{- if or (not (regexMatch "^/[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$" $mp)) (regexMatch "(^|/)\\.\\.?(/|$)" $mp) (regexMatch "^/(etc|bin|sbin|usr|lib|lib64|proc|sys|dev|var|run|boot|root|home|tmp|opt|srv)(/|$)" $mp) -}}
+{{- $why = append $why (printf "sharedMemory.mountPath %q must be a plain absolute path of its own (no '..', not a system folder such as /etc): e.g. /kvferry-shm" $mp) -}}
+{{- end -}}
+{{- $size := toString .Values.sharedMemory.sizeLimit -}}
+{{- $m := regexFind "^[0-9]+(Mi|Gi)$" $size -}}
+{{- if not $m -}}
+{{- $why = append $why (printf "sharedMemory.sizeLimit %q must be a size in Mi or Gi (e.g. 2Gi)" $size) -}}
+{{- else -}}
+{{- $mi := int (trimSuffix "Mi" (trimSuffix "Gi" $size)) -}}
+{{- if hasSuffix "Gi" $size -}}{{- $mi = mul $mi 1024 -}}{{- end -}}
+{{- if gt $mi 65536 -}}
+{{- $why = append $why (printf "sharedMemory.sizeLimit %s is more than 64Gi: it counts against the pod's memory; size it to the answers in use plus the idle files (values.yaml)" $size) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if .Values.securityContext.privileged -}}
 {{- $why = append $why "securityContext.privileged must not be true (kvferry needs no host access)" -}}
@@ -35,8 +78,8 @@ Included once, from deployment.yaml.
 {{- if and (eq .Values.maps.source "url") (hasPrefix "http://" .Values.maps.url.href) -}}
 {{- $why = append $why "maps.url.href is plain http: anyone on the path could swap the maps; use https" -}}
 {{- end -}}
-{{- if regexMatch "^rediss?://[^/@]*:[^/@]*@" .Values.redis.url -}}
-{{- $why = append $why "redis.url carries a password, which would land in plaintext in the ConfigMap: put it in redis.password or redis.existingSecret" -}}
+{{- if or (regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*:[^/?#]*@" .Values.redis.url) (regexMatch "(?i)[?&][^=&]*(pass|user|secret|token|auth)[^=&]*=" .Values.redis.url) -}}
+{{- $why = append $why "redis.url carries a credential (user:password@ or a password/username parameter), which would land in plaintext in the ConfigMap: put it in redis.password or redis.existingSecret" -}}
 {{- end -}}
 {{- if and .Values.redis.writeBack (not $hasAuth) -}}
 {{- $why = append $why "redis.writeBack without auth lets any caller publish prefixes every caller reads (SECURITY.md): set auth.existingSecret or auth.mtlsTenant" -}}
