@@ -245,17 +245,24 @@ def serving_mapping(listed, name: str, version: str = "") -> pb.MappingInfo | No
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+MAX_RETRY_WAIT = 30.0
+"""The longest a client waits before a retry, whatever a server's RetryInfo asks (a hostile or broken server could
+ask for years); the caller's deadline caps it further."""
+
+
 def retry_hint(err: grpc.RpcError) -> float | None:
-    """Seconds the server asks us to wait (google.rpc.RetryInfo in the status details), or None when it gave none."""
+    """Seconds the server asks us to wait (google.rpc.RetryInfo in the status details), or None when it gave none or
+    gave one that does not parse as a duration of 0 to MAX_RETRY_WAIT seconds (not a hint to act on)."""
     try:
         rich = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
-    except ValueError:  # details whose code disagrees with the call's: not a hint we can trust
+        for detail in rich.details if rich is not None else ():
+            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                info = error_details_pb2.RetryInfo()
+                detail.Unpack(info)
+                seconds = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+                return seconds if 0 <= seconds <= MAX_RETRY_WAIT else None
+    except Exception:  # noqa: BLE001 - details that do not parse (bad protobuf, a code that disagrees): no hint
         return None
-    for detail in rich.details if rich is not None else ():
-        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            info = error_details_pb2.RetryInfo()
-            detail.Unpack(info)
-            return info.retry_delay.ToNanoseconds() / 1e9
     return None
 
 
@@ -267,8 +274,22 @@ def _retryable(err: grpc.RpcError) -> bool:
 
 
 def _delay(opts: ClientOptions, attempt: int, err: grpc.RpcError) -> float:
-    """Exponential backoff with jitter, never shorter than the server's RetryInfo."""
-    return max(opts.backoff * (2 ** attempt) * (0.5 + random.random()), retry_hint(err) or 0.0)
+    """Exponential backoff with jitter, never shorter than the server's RetryInfo, never longer than MAX_RETRY_WAIT."""
+    return min(MAX_RETRY_WAIT, max(opts.backoff * (2 ** attempt) * (0.5 + random.random()), retry_hint(err) or 0.0))
+
+
+class _Deadline:
+    """The caller's timeout across all attempts of one call: each attempt gets what remains, and a retry whose wait
+    would end past it is not made (the last error is raised instead)."""
+
+    def __init__(self, timeout: float | None):
+        self.end = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+    def allows(self, wait: float) -> bool:
+        return self.end is None or time.monotonic() + wait < self.end
 
 
 TRANSLATE_METHOD = "/kvferry.v1.TranslateService/Translate"
@@ -395,23 +416,24 @@ class TranslateClient:
                 hit = None  # the sidecar's own path below retries and fails over
             if hit is not None:
                 return _direct_result(hit)
-        attempt = 0
+        attempt, deadline = 0, _Deadline(timeout)
         while True:
             region = self.regions.lease() if self.regions is not None else None
             col = _Collector(region)
             ok = False
             try:
-                for msg in self.endpoints.call(spec, layers, timeout, region):
+                for msg in self.endpoints.call(spec, layers, deadline.remaining(), region):
                     col.take(msg)
                 result, ok = col.result(attempt + 1), True
                 return result
             except grpc.RpcError as err:
                 if self.endpoints.by_key_refused(spec, layers, err):
                     continue  # the same attempt, through Translate
-                if attempt >= self.options.retries or not _retryable(err):
+                wait = _delay(self.options, attempt, err)
+                if attempt >= self.options.retries or not _retryable(err) or not deadline.allows(wait):
                     raise
                 self.endpoints.fail_over()
-                time.sleep(_delay(self.options, attempt, err))
+                time.sleep(wait)
                 attempt += 1
             finally:
                 if region is not None:
@@ -457,23 +479,24 @@ class AsyncTranslateClient:
                 hit = None
             if hit is not None:
                 return _direct_result(hit)
-        attempt = 0
+        attempt, deadline = 0, _Deadline(timeout)
         while True:
             region = self.regions.lease() if self.regions is not None else None
             col = _Collector(region)
             ok = False
             try:
-                async for msg in self.endpoints.call(spec, layers, timeout, region):
+                async for msg in self.endpoints.call(spec, layers, deadline.remaining(), region):
                     col.take(msg)
                 result, ok = col.result(attempt + 1), True
                 return result
             except grpc.RpcError as err:
                 if self.endpoints.by_key_refused(spec, layers, err):
                     continue  # the same attempt, through Translate
-                if attempt >= self.options.retries or not _retryable(err):
+                wait = _delay(self.options, attempt, err)
+                if attempt >= self.options.retries or not _retryable(err) or not deadline.allows(wait):
                     raise
                 self.endpoints.fail_over()
-                await asyncio.sleep(_delay(self.options, attempt, err))
+                await asyncio.sleep(wait)
                 attempt += 1
             finally:
                 if region is not None:

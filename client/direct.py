@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.common import wire
 from kvferry.common.errors import Unavailable
 from kvferry.v1 import translate_pb2 as pb
 
@@ -96,7 +97,8 @@ class DirectReader:
             return None  # the sidecar says why (NOT_FOUND)
         blocks = len(src_hashes)
         tokens = list(token_ids[: blocks * self.cache.block_size])
-        look = self.cache.lookup(tgt_ns, tokens, g.layers, g.kv_heads, g.head_dim, dtype=dtype)
+        stored = None if info.dtype == pb.DTYPE_UNSPECIFIED else wire.dtype_from_pb(info.dtype)
+        look = self.cache.lookup(tgt_ns, tokens, g.layers, g.kv_heads, g.head_dim, dtype=dtype, stored_dtype=stored)
         self.corrupt += look.corrupt
         if len(look.blocks) < blocks:
             return None

@@ -162,9 +162,12 @@ class PrefixCache:
         return hashes[: tips.index(prefix_key) + 1] if prefix_key in tips else None
 
     def lookup(self, ns: Namespace, token_ids, layers: int, kv_heads: int, head_dim: int, start_block: int = 0,
-               dtype: torch.dtype | None = None, hashes: list[bytes] | None = None) -> Lookup:
+               dtype: torch.dtype | None = None, hashes: list[bytes] | None = None,
+               stored_dtype: torch.dtype | None = None) -> Lookup:
         """Stored blocks from ``start_block`` on, stopping at the first miss; a corrupt blob is a miss, and is
-        deleted (best effort) so the next writer stores a good copy: writes never overwrite."""
+        deleted (best effort) so the next writer stores a good copy: writes never overwrite. ``stored_dtype``: blocks
+        are stored in this dtype alone (a map's own precision, whoever asked first); one in another is a miss, and
+        deleted too. ``dtype`` is what the caller reads them as."""
         hashes = hashes if hashes is not None else self.hashes(ns, token_ids)
         wanted = hashes[start_block:]
         blobs = self.store.get_many([ns.key(h) for h in wanted]) if wanted else []
@@ -173,7 +176,10 @@ class PrefixCache:
             if blob is None:
                 break
             try:
-                found.append(read_block(blob, h, layers, (kv_heads, self.block_size, head_dim)))
+                block = read_block(blob, h, layers, (kv_heads, self.block_size, head_dim))
+                if stored_dtype is not None and block.dtype != stored_dtype:
+                    raise CorruptBlock(f"a mapped block stored as {block.dtype}, not the map's {stored_dtype}")
+                found.append(block)
             except CorruptBlock:
                 corrupt += 1
                 try:

@@ -67,7 +67,7 @@ class PrefixService:
         tg = ms.target.geometry
         try:
             look = self.cache.lookup(tgt_ns, spec.token_ids, tg.layers, tg.kv_heads, tg.head_dim,
-                                     dtype=target_dtype(spec, ms))
+                                     dtype=target_dtype(spec, ms), stored_dtype=ms.dtype)
         except StoreUnavailable as e:
             self._store_error(e)
             return None
@@ -80,6 +80,8 @@ class PrefixService:
         look = plan.lookup
         if len(look.hashes) <= look.end_block or not session.outputs:
             return 0
+        if session.out_dtype.itemsize < session.ms.dtype.itemsize:
+            return 0  # stored blocks hold the map's own precision: a narrower answer cannot give it back
         items = compute.submit(_encode_outputs, self.cache, plan, session).result()
         return self._put(items)
 
@@ -114,7 +116,7 @@ class PrefixService:
         bs = self.cache.block_size
         tokens = list(spec.token_ids[: blocks * bs])
         dtype = target_dtype(spec, ms)
-        tgt = self.cache.lookup(tgt_ns, tokens, tg.layers, tg.kv_heads, tg.head_dim, dtype=dtype)
+        tgt = self.cache.lookup(tgt_ns, tokens, tg.layers, tg.kv_heads, tg.head_dim, dtype=dtype, stored_dtype=ms.dtype)
         self._count(tgt, blocks)
         # a windowed map also reads the source tokens just before the first it maps: fetch their blocks too
         context = min(ms.context, tgt.end_block * bs)
@@ -141,13 +143,17 @@ def _map_stored(cache: PrefixCache, ms: MapSet, src: Lookup, tgt: Lookup, tgt_ns
     blocks encoded for the store)."""
     bs = cache.block_size
     layers = [(k[:, :, drop:], v[:, :, drop:]) for k, v in src.layers()]
-    mapped = [(k.to(dtype), v.to(dtype)) for k, v in apply(ms, layers, tgt.end_block * bs, context, lanes)]
-    items = cache.encode_blocks(tgt_ns, tgt.hashes, mapped, tgt.end_block, covered, token_offset=tgt.end_block * bs)
+    out = apply(ms, layers, tgt.end_block * bs, context, lanes)
+    # stored at the map's own precision, whatever this caller asked for: a later caller reads what it would compute
+    kept = [(k.to(ms.dtype), v.to(ms.dtype)) for k, v in out]
+    items = cache.encode_blocks(tgt_ns, tgt.hashes, kept, tgt.end_block, covered, token_offset=tgt.end_block * bs)
+    mapped = [(k.to(dtype), v.to(dtype)) for k, v in out]
     stored = tgt.layers()
     joined = mapped if not stored else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(stored, mapped)]
     return joined, items
 
 
 def _encode_outputs(cache: PrefixCache, plan: Plan, session: TranslateSession) -> list[tuple[str, bytes]]:
-    look = plan.lookup
-    return cache.encode_blocks(plan.ns, look.hashes, session.output_layers(), look.end_block, len(look.hashes))
+    look, dt = plan.lookup, session.ms.dtype
+    layers = [(k.to(dt), v.to(dt)) for k, v in session.output_layers()]
+    return cache.encode_blocks(plan.ns, look.hashes, layers, look.end_block, len(look.hashes))

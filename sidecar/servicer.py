@@ -37,7 +37,7 @@ def mapping_info(entry, arm: str) -> pb.MappingInfo:
     return pb.MappingInfo(
         name=ms.name, version=ms.version, source=_geometry(ms.source.geometry), target=_geometry(ms.target.geometry),
         tokenizer_fingerprint=ms.source.tokenizer, content_sha256=ms.content_sha256, servable=entry.servable,
-        gate_reason=entry.reason, context_tokens=ms.context,
+        gate_reason=entry.reason, context_tokens=ms.context, dtype=wire.dtype_to_pb(ms.dtype),
         evidence=pb.MapEvidence(arm=arm, top1=ev.get("top1", 0.0), top10=ev.get("top10", 0.0), kl=ev.get("kl", 0.0),
                                 attn_cos=ev.get("attn_cos", 0.0), drift_attn_cos=ev.get("drift_attn_cos", 0.0),
                                 drift_rel_err=ev.get("drift_rel_err", 0.0),

@@ -165,3 +165,68 @@ def test_vllm_connector_settings_are_validated_once():
                           ({"redis_url": "redis://r", "prefix_secret": "x", "refresh": 64, "min_tokens": 32}, "min_tokens")):
         with pytest.raises(InvalidInput, match=needle):
             ConnectorConfig.from_extra(extra)
+
+
+def _hostile_server(seconds: int, nanos: int = 0):
+    """A real gRPC server that answers every Translate with RESOURCE_EXHAUSTED and a RetryInfo of ``seconds``."""
+    from concurrent import futures
+
+    from google.protobuf import any_pb2, duration_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    calls = []
+
+    def translate(requests, context):
+        calls.append(time.monotonic())
+        for _ in requests:  # read to the end first: an asyncio client that is still writing when a call ends early
+            pass  # reports INTERNAL instead of the server's status (grpc/grpc#36066)
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=seconds, nanos=nanos)))
+        context.abort_with_status(rpc_status.to_status(status_pb2.Status(
+            code=code_pb2.RESOURCE_EXHAUSTED, message="busy, come back later", details=[detail])))
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    handler = grpc.stream_stream_rpc_method_handler(translate)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvferry.v1.TranslateService",
+                                                                          {"Translate": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, calls
+
+
+@pytest.mark.parametrize("seconds", [10 ** 9, 315_576_000_000, -5, 3])
+def test_a_servers_retry_hint_never_outlasts_the_callers_deadline(seconds):
+    """A hostile (or man-in-the-middle) server asks the client to wait years, an amount past what a duration holds,
+    a negative time, or 3 s: the call ends with that server's own gRPC error within the caller's 1.5 s timeout."""
+    server, port, calls = _hostile_server(seconds)
+    try:
+        opts = ClientOptions(target=f"127.0.0.1:{port}", retries=5, backoff=0.01, timeout=1.5)
+        kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+        t0 = time.monotonic()
+        with TranslateClient(opts) as c, pytest.raises(grpc.RpcError) as e:
+            c.translate(kv, "S__S-self")
+        assert time.monotonic() - t0 < 1.5
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(calls) == 1
+
+        async def run():
+            async with AsyncTranslateClient(opts) as ac:
+                await ac.translate(kv, "S__S-self")
+
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            asyncio.run(run())
+        assert time.monotonic() - t0 < 1.5 and e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(calls) == 2
+    finally:
+        server.stop(None)
+
+
+def test_a_sane_retry_hint_is_honoured_within_the_deadline():
+    server, port, calls = _hostile_server(0, 200_000_000)  # 0.2 s
+    try:
+        opts = ClientOptions(target=f"127.0.0.1:{port}", retries=2, backoff=0.01, timeout=5)
+        with TranslateClient(opts) as c, pytest.raises(grpc.RpcError):
+            c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self")
+        assert len(calls) == 3 and all(b - a >= 0.2 for a, b in zip(calls, calls[1:]))
+    finally:
+        server.stop(None)

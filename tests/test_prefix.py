@@ -18,7 +18,7 @@ from kvferry.mappings.artifact import save
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
 
-from conftest import make_kv
+from conftest import ROOT, make_kv
 
 SECRET = b"test-secret"
 BS = 16
@@ -761,3 +761,26 @@ def test_redact_url():
     assert redact_url("redis://[::1") == "<unparseable URL>"
     with pytest.raises(ValueError, match=r"Password=\*\*\*' has a parameter redis-py does not accept \('Password'\)"):
         RedisStore("redis://h:1/0?Password=secret-1")
+
+
+def test_stored_blocks_do_not_depend_on_who_asked_first(sidecar_factory, family, redis_url, tmp_path):
+    """A bfloat16 caller asks first for a published prefix; a float32 caller then gets exactly what the map computes
+    in float32 (the stored blocks hold the map's own precision), and the bfloat16 caller what it would compute."""
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.artifact import load
+
+    ms = load(ROOT / "maps" / "S__T" / "1.0.0")  # a real cross-model map (float32): its outputs are not bf16-exact
+    sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True, prefix_secret=SECRET.decode(), prefix_block_size=BS,
+                         redis_url=redis_url)
+    g = ms.source.geometry
+    kv = make_kv(layers=g.layers, tokens=64, heads=g.kv_heads, head_dim=g.head_dim, seed=11)
+    ids = list(range(500, 564))
+    key = publish_source(kv, ids, ms.source, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    want = apply(ms, kv, 0)
+    kw = dict(token_ids=ids, tenant="acme", prefix_key=key, source_geometry=g.fingerprint, tokenizer=ms.source.tokenizer)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        for dt in (torch.bfloat16, torch.float16, torch.float32, torch.bfloat16):
+            res = c.translate(None, "S__T", "1.0.0", target_dtype=dt, **kw)
+            for (k, v), (wk, wv) in zip(res.layers(), want):
+                assert k.dtype == dt and torch.equal(k, wk.to(dt)) and torch.equal(v, wv.to(dt)), dt
+        assert res.stats.cached_blocks == 4

@@ -241,7 +241,7 @@ class MapEvidence(_message.Message):
     def __init__(self, arm: _Optional[str] = ..., top1: _Optional[float] = ..., top10: _Optional[float] = ..., kl: _Optional[float] = ..., attn_cos: _Optional[float] = ..., recommended_refresh: _Optional[int] = ..., drift_attn_cos: _Optional[float] = ..., drift_rel_err: _Optional[float] = ...) -> None: ...
 
 class MappingInfo(_message.Message):
-    __slots__ = ("name", "version", "source", "target", "tokenizer_fingerprint", "content_sha256", "servable", "gate_reason", "evidence", "context_tokens")
+    __slots__ = ("name", "version", "source", "target", "tokenizer_fingerprint", "content_sha256", "servable", "gate_reason", "evidence", "context_tokens", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class MappingInfo(_message.Message):
     GATE_REASON_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     source: Geometry
@@ -262,7 +263,8 @@ class MappingInfo(_message.Message):
     gate_reason: str
     evidence: MapEvidence
     context_tokens: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., source: _Optional[_Union[Geometry, _Mapping]] = ..., target: _Optional[_Union[Geometry, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., content_sha256: _Optional[str] = ..., servable: _Optional[bool] = ..., gate_reason: _Optional[str] = ..., evidence: _Optional[_Union[MapEvidence, _Mapping]] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+    dtype: Dtype
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., source: _Optional[_Union[Geometry, _Mapping]] = ..., target: _Optional[_Union[Geometry, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., content_sha256: _Optional[str] = ..., servable: _Optional[bool] = ..., gate_reason: _Optional[str] = ..., evidence: _Optional[_Union[MapEvidence, _Mapping]] = ..., context_tokens: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
 
 class ListMappingsResponse(_message.Message):
     __slots__ = ("mappings",)
