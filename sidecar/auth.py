@@ -99,7 +99,11 @@ class Authenticator:
 
 
 def tenant_for(requested: str) -> str:
-    """The tenant a request runs under: the caller's, when authenticated; a different one is refused."""
+    """The tenant a request runs under: the caller's, when authenticated; a different one is refused. Every request's
+    tenant passes here, so one check covers all of them: a name that is not a valid tenant is refused whether or not
+    the request would ever reach the prefix store."""
+    if requested:
+        check_tenant(requested, "header.tenant")
     caller = CALLER.get()
     if caller.via == "none":
         return requested

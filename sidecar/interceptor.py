@@ -89,7 +89,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             self.metrics.requests.labels(method, code.name).inc()
             self.metrics.latency.labels(method).observe(time.perf_counter() - t0)
 
-    async def _fail(self, context, exc: BaseException, method: str, t0: float):
+    async def _fail(self, context, exc: BaseException, method: str, t0: float) -> bool:
+        """Send ``exc``'s status (raises AbortError, which ends the handler). Returns True, raising nothing, when the
+        status cannot be sent because the caller has already gone (it cancelled, or its connection dropped while
+        the failure was being handled): an expected end, logged at debug level, never with a traceback."""
         code = status_for(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed unexpectedly", method, exc_info=exc)
@@ -100,7 +103,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         retry_after = getattr(exc, "retry_after", None)
         exc.__traceback__ = None  # its frames hold the request messages, and the abort below chains this exception
         trailing = () if retry_after is None else retry_details(code, msg, retry_after)
-        await context.abort(code, msg, trailing_metadata=trailing)
+        try:
+            await context.abort(code, msg, trailing_metadata=trailing)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as gone:  # noqa: BLE001 - gRPC's ExecuteBatchError: the call is over on the caller's side
+            log.debug("%s: %s, and the caller had gone before the status (%s)", method, code.name, type(gone).__name__)
+            return True
+        return False
 
     def _guard(self, context, method: str, full_method: str) -> "_Guard":
         return _Guard(self, context, method, full_method)
@@ -159,5 +169,5 @@ class _Guard:
         elif isinstance(exc, asyncio.CancelledError):  # the caller cancelled while we waited on it
             self.owner._done(self.method, grpc.StatusCode.CANCELLED, self.t0)
         elif isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
-            await self.owner._fail(self.context, exc, self.method, self.t0)  # raises AbortError with the status
+            return await self.owner._fail(self.context, exc, self.method, self.t0)  # raises AbortError with the status
         return False

@@ -286,3 +286,53 @@ def test_oversized_headers_are_refused_unparsed(sidecar_factory, maps_dir):
         with pytest.raises(grpc.RpcError) as e:
             list(ch.unary_stream(BY_KEY_METHOD)(big, timeout=30))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-tokens" in e.value.details()
+
+
+@pytest.mark.parametrize("tenant", ["alice\n", "alice\0", "al ice", "a" * 65])
+def test_a_bad_tenant_is_refused_on_every_request(sidecar_factory, maps_dir, family, tenant):
+    """Whether or not the request carries token ids (and so would ever reach the prefix store), and whether or not
+    calls are authenticated, a tenant that is not a valid name is refused the same way, in one place."""
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+        for ids in ((), tuple(range(8))):
+            with pytest.raises(grpc.RpcError) as e:
+                c.translate(kv, "S__S-self", tenant=tenant, token_ids=ids, **_kw(family))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "header.tenant" in e.value.details()
+        assert c.translate(kv, "S__S-self", tenant="alice", **_kw(family)).stats.tokens == 8
+
+
+def test_callers_cut_off_at_the_deadline_leave_no_traceback(sidecar_factory, maps_dir, family, caplog):
+    """Three callers that stop reading, then cancel: each is cut off at max_stream_seconds (DEADLINE_EXCEEDED counted)
+    and the sidecar logs no error: a status that cannot reach a caller who has gone is an expected end."""
+    import logging
+    import threading
+
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_stream_seconds=1.0)
+    kv = make_kv(layers=4, tokens=4096, heads=2, head_dim=32)
+    reqs = list(encode_requests(make_spec(kv, "S__S-self", **_kw(family)), kv, 512))
+    opts = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)]
+    counted = sc.sidecar.metrics.requests.labels("Translate", "DEADLINE_EXCEEDED")
+    caplog.set_level(logging.WARNING)
+    cut_off = threading.Event()
+
+    def stalled():
+        with grpc.insecure_channel(sc.address, opts) as ch:
+            call = pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=60)
+            next(call)  # one message read, then none
+            cut_off.wait(20)
+            call.cancel()
+
+    threads = [threading.Thread(target=stalled) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while counted._value.get() < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cut_off.set()
+    for t in threads:
+        t.join()
+    assert counted._value.get() == 3
+    while sc.sidecar.servicer.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
