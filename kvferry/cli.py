@@ -147,8 +147,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import logging
 
     from kvferry.sidecar.config import from_sources
+    from kvferry.sidecar.memory import tune_allocator
     from kvferry.sidecar.server import serve
 
+    tune_allocator()  # before gRPC allocates: see kvferry.sidecar.memory
     config = from_sources(a)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(config))

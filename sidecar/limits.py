@@ -63,6 +63,9 @@ class OversizedHeader:
     limit: int
 
     def refuse(self) -> TooLarge:
+        from .memory import release_freed
+
+        release_freed()  # the header's bytes were freed at once: give them back (see memory.py)
         return TooLarge(f"a {self.size}-byte header is larger than any request within --max-tokens needs "
                         f"({self.limit} bytes); send one token id per token, or raise --max-tokens")
 
