@@ -93,6 +93,11 @@ class ServerProcess:
         self.replay_call = self.channel.unary_stream(REPLAY_METHOD)
         self.sink_call = self.channel.stream_unary(SINK_METHOD)
 
+    def peak_rss_mb(self) -> float:
+        """The server process's peak resident memory so far (VmHWM), in MB."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
+
     def roundtrip(self, payloads: list[bytes]) -> int:
         return sum(len(r) for r in self.echo(iter(payloads), timeout=120))
 

@@ -12,7 +12,13 @@ Measured side by side in one run, per prompt length n, medians over ``--reps``:
       with its sidecar, as in the chart's podSidecar mode), against the same bound;
   (e) the sidecar's own compute time for one of the translations (its trailer's compute_seconds): the same map
       as (c), timed inside the sidecar while the bytes stream in and out; (e) > (c) means the map runs slower
-      there than alone (docs/benchmarks.md, session 10: not only from sharing the cores with the transfer).
+      there than alone (not only from sharing the cores with the transfer);
+  (g) the bound of the translate path: (c) plus the target's refresh of the last r tokens over the mapped cache,
+      in-process (no transport, no import); a/g is the most (b) could gain;
+  (h) the cascade, for a router that has not yet run the source: the source's own prefill of the prompt, then (b);
+      a/h is what that router sees.
+Every forward pass computes logits for the last position only (``logits_to_keep=1``), as a serving engine does.
+The sidecar's peak resident memory (VmHWM of its process) is printed with the map loaded and every size served.
 The sidecar and the echo service run in their own process (``kvferry.bench.server``), as in production.
 """
 
@@ -63,7 +69,18 @@ def run(a: argparse.Namespace) -> int:
 
                 @torch.no_grad()
                 def full():
-                    return int(target.model(input_ids=ids).logits[0, -1].argmax())
+                    return int(target.model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())
+
+                @torch.no_grad()
+                def source_prefill():
+                    return capture_kv(source.model, ids[:, : n - r])
+
+                mapped_here = [(k.contiguous(), v.contiguous()) for k, v in apply(ms, src, 0)]
+
+                @torch.no_grad()
+                def refresh():
+                    cache = to_dynamic_cache(mapped_here, target.model.config, dtype=target.model.dtype)
+                    return int(target.model(input_ids=ids[:, n - r:], past_key_values=cache, logits_to_keep=1).logits[0, -1].argmax())
 
                 state = {}
 
@@ -75,7 +92,7 @@ def run(a: argparse.Namespace) -> int:
                     res = client.translate(sent, ms.name, ms.version, **kw)
                     cache = to_dynamic_cache(res.layers(), target.model.config, dtype=target.model.dtype)
                     state["res"] = res
-                    return int(target.model(input_ids=ids[:, n - r :], past_key_values=cache).logits[0, -1].argmax())
+                    return int(target.model(input_ids=ids[:, n - r :], past_key_values=cache, logits_to_keep=1).logits[0, -1].argmax())
 
                 @torch.no_grad()
                 def in_process():
@@ -91,6 +108,8 @@ def run(a: argparse.Namespace) -> int:
                 assert shared.translate(wire_src, ms.name, ms.version, **kw).info.response_region, "region not taken"
                 t_full = median_seconds(full, a.reps)
                 t_path = median_seconds(translate_path, a.reps)
+                t_source = median_seconds(source_prefill, a.reps)
+                t_refresh = median_seconds(refresh, a.reps)
                 st = state["res"].stats
                 req_bytes = sum(len(p) for p in payloads)
                 # taken in turn within each round, so the machine's drift hits the RPC and its bound alike
@@ -116,20 +135,29 @@ def run(a: argparse.Namespace) -> int:
                 row["translate_rpc_region_ms"] = t_region * 1e3  # (f)
                 row["rpc_region_vs_bound"] = row["rpc_serial_bound_ms"] / row["translate_rpc_region_ms"]
                 row["rpc_region_vs_bound_paired"] = paired_ratio(times, ("apply", "echo"), ("rpc_region",))
+                row["refresh_ms"] = t_refresh * 1e3
+                row["path_bound_ms"] = row["apply_in_process_ms"] + row["refresh_ms"]  # (g)
+                row["speedup_bound"] = row["full_prefill_ms"] / row["path_bound_ms"]
+                row["source_prefill_ms"] = t_source * 1e3
+                row["cascade_ttft_ms"] = row["source_prefill_ms"] + row["translate_path_ttft_ms"]  # (h)
+                row["cascade_speedup"] = row["full_prefill_ms"] / row["cascade_ttft_ms"]
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        peak_mb = echo.peak_rss_mb()
     table = [
-        f"map {name} {ms.version}; torch threads {torch.get_num_threads()}; map_threads {laned.lanes.parts if laned.lanes else 1}; medians of {a.reps} "
+        f"map {name} {ms.version}; sidecar peak RSS {peak_mb:.0f} MB; torch threads {torch.get_num_threads()}; map_threads {laned.lanes.parts if laned.lanes else 1}; medians of {a.reps} "
         f"(both applies, echo, RPC and (f) taken in turn each round); r={r}; wire {a.wire_dtype}; "
         f"target attention {target.model.config._attn_implementation}; (c) is the faster of torch's pool and the sidecar's lanes",
         "",
-        "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (c) apply in-process ms: torch pool / lanes | translate RPC ms | (d) echo ms | "
+        "| n | (a) full prefill ms | (b) translate path TTFT ms | a/b | (g) bound: apply + refresh ms | a/g | "
+        "(h) cascade: source prefill + (b) ms | a/h | (c) apply in-process ms: torch pool / lanes | translate RPC ms | (d) echo ms | "
         "RPC serial bound (c)+(d) ms | bound/RPC | per round: median [quartiles] | (f) RPC, response region ms | bound/(f) | "
         "per round: median [quartiles] | (e) sidecar compute ms | translate MiB/s | echo MiB/s | translate/echo |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in rows:
         table.append(f"| {w['n']} | {w['full_prefill_ms']:.1f} | {w['translate_path_ttft_ms']:.1f} | {w['speedup']:.2f}x | "
+                     f"{w['path_bound_ms']:.1f} | {w['speedup_bound']:.2f}x | {w['cascade_ttft_ms']:.1f} | {w['cascade_speedup']:.2f}x | "
                      f"{w['apply_torch_pool_ms']:.1f} / {w['apply_lanes_ms']:.1f} | {w['translate_rpc_ms']:.1f} | {w['echo_ms']:.1f} | "
                      f"{w['rpc_serial_bound_ms']:.1f} | {w['rpc_vs_bound']:.2f} | {spread(w['rpc_vs_bound_paired'])} | "
                      f"{w['translate_rpc_region_ms']:.1f} | {w['rpc_region_vs_bound']:.2f} | {spread(w['rpc_region_vs_bound_paired'])} | "
@@ -137,7 +165,8 @@ def run(a: argparse.Namespace) -> int:
                      f"{w['translate_MiB_s']:.0f} | {w['echo_MiB_s']:.0f} | {w['throughput_vs_echo']:.2f} |")
     print("\n".join(table))
     if a.json:
-        Path(a.json).write_text(json.dumps({"map": name, "version": ms.version, "attention": target.model.config._attn_implementation, "rows": rows}, indent=1) + "\n")
+        Path(a.json).write_text(json.dumps({"map": name, "version": ms.version, "attention": target.model.config._attn_implementation,
+                                            "sidecar_peak_rss_mb": peak_mb, "reps": a.reps, "rows": rows}, indent=1) + "\n")
     return 0
 
 
