@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from kvferry import paths
+from kvferry.pretrained import model_path
 from kvferry.quiet import quiet_transformers
 
 
@@ -244,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     f = sub.add_parser("fit", help="fit closed-form ridge maps source->target and write a versioned artifact")
-    f.add_argument("--source", type=Path, default=paths.model_dir("S"), help="source HF model directory")
-    f.add_argument("--target", type=Path, default=paths.model_dir("T"), help="target HF model directory")
+    f.add_argument("--source", type=model_path, default=paths.model_dir("S"), help="source: an HF model folder, or a known model by name (kvferry models fetch)")
+    f.add_argument("--target", type=model_path, default=paths.model_dir("T"), help="target: an HF model folder, or a known model by name")
     f.add_argument("--source-name", default=None, help="name recorded for the source (default: folder name)")
     f.add_argument("--target-name", default=None, help="name recorded for the target (default: folder name)")
     f.add_argument("--corpus", nargs="+", default=[str(paths.data_file("calib.jsonl"))], help="text files, folders or JSONL")
@@ -282,8 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dl = sub.add_parser("distill", help="refine a map artifact through the frozen target (KL of the tail after the mapped prefix)")
     dl.add_argument("map", type=Path, help="the starting artifact <root>/<source>__<target>/<version>")
-    dl.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    dl.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    dl.add_argument("--source", type=model_path, default=paths.model_dir("S"))
+    dl.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     dl.add_argument("--corpus", nargs="+", default=[str(paths.data_file("calib.jsonl"))], help="training text: files, folders or JSONL")
     dl.add_argument("--heldout", nargs="*", default=None,
                     help="held-out text for choosing the epoch (default: the corpus's last tenth of windows)")
@@ -314,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="measure a map's evidence on held-out text (JSON + table)")
     e.add_argument("map", type=Path, help="artifact directory <root>/<source>__<target>/<version>")
-    e.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    e.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    e.add_argument("--source", type=model_path, default=paths.model_dir("S"))
+    e.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     e.add_argument("--heldout", nargs="+", default=[str(paths.data_file("heldout.jsonl"))])
     e.add_argument("--prompts", type=int, default=100)
     e.add_argument("--min-len", type=int, default=128)

@@ -351,6 +351,20 @@ def fetch(name: str, install: bool = True, force: bool = False) -> Path:
     return dest
 
 
+def model_path(text: str) -> Path:
+    """A model argument as a folder: an existing folder as it is; a known pretrained model's name
+    (``qwen2.5-coder-1.5b``) or a depth cut's (``smollm2-135m-l18``) as its converted folder, fetched or cut on first
+    use; anything else as a path (loading it says what is wrong)."""
+    if Path(text).is_dir() or "/" in text:
+        return Path(text)
+    if text in SPECS:
+        return fetch(text)
+    base, _, layers = text.rpartition("-l")
+    if base in SPECS and layers.isdigit():
+        return cut(base, int(layers))
+    return Path(text)
+
+
 def cut(name: str, layers: int, install: bool = True) -> Path:
     """A depth-cut member: the first ``layers`` decoder layers of ``name`` with its final norm and head."""
     import torch

@@ -144,8 +144,7 @@ def copy_probe(ms: MapSet, source: LoadedModel, target: LoadedModel, texts, sett
     """The probe's evidence: per gap, each arm's mean accuracy and the mapped arms' retention of ``full``."""
     s = settings or CopySettings()
     examples = examples_for(target.tokenizer, texts, s)
-    sums: dict[int, dict[str, float]] = {g: {arm: 0.0 for arm in COPY_ARMS} for g in s.gaps}
-    counts = {g: 0 for g in s.gaps}
+    per: dict[int, list[dict]] = {g: [] for g in s.gaps}
     iterator = examples
     if progress:
         from tqdm import tqdm
@@ -154,15 +153,14 @@ def copy_probe(ms: MapSet, source: LoadedModel, target: LoadedModel, texts, sett
     for ex in iterator:
         ids = torch.tensor([ex.prompt[:-1]])
         mapped = apply(ms, capture_kv(source.model, ids), 0)
-        for arm, acc in score_example(ex, target, s.refresh, mapped, memo).items():
-            sums[ex.gap][arm] += acc
-        counts[ex.gap] += 1
+        per[ex.gap].append(score_example(ex, target, s.refresh, mapped, memo))
     gaps = {}
     for g in s.gaps:
-        row = {arm: sums[g][arm] / counts[g] for arm in COPY_ARMS}
+        row = {arm: sum(p[arm] for p in per[g]) / len(per[g]) for arm in COPY_ARMS}
         full = row["full"]
         row["retention"] = row["mapped_refresh"] / full if full > 0 else None
-        row["prompts"] = counts[g]
+        row["prompts"] = len(per[g])
+        row["per_prompt"] = [{arm: round(p[arm], 6) for arm in COPY_ARMS} for p in per[g]]  # in make_examples' order
         gaps[str(g)] = row
     return {"settings": s.as_dict(), "gaps": gaps}
 

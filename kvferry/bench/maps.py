@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from kvferry import paths
+from kvferry.pretrained import model_path
 
 VARIANTS = {
     "k1_same": dict(k=1, inputs="same"),
@@ -58,8 +59,8 @@ def run(a: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("maps", help="fit + evaluate map variants (k, inputs, per-head) side by side")
-    b.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    b.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    b.add_argument("--source", type=model_path, default=paths.model_dir("S"))
+    b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--corpus", nargs="+", default=[paths.data_file("calib.jsonl")])
     b.add_argument("--heldout", nargs="+", default=[paths.data_file("heldout.jsonl")])
     b.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvferry import paths
+from kvferry.pretrained import model_path
 
 
 def pearson(xs: list[float], ys: list[float]) -> float:
@@ -104,8 +105,8 @@ def run(a: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("rollout", help="correlation of the free drift signal with shadow-check KL")
-    b.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    b.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    b.add_argument("--source", type=model_path, default=paths.model_dir("S"))
+    b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--version", default="", help="base map version (default: the newest)")
     b.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.005, 0.01, 0.02, 0.04],

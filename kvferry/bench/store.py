@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kvferry import paths
+from kvferry.pretrained import model_path
 
 
 def run(a: argparse.Namespace) -> int:
@@ -147,8 +148,8 @@ def run(a: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("redis", help="prefix-store hit path vs raw Redis GET; hit vs miss TTFT")
-    b.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    b.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    b.add_argument("--source", type=model_path, default=paths.model_dir("S"))
+    b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--version", default="")
     b.add_argument("--redis-url", default="")

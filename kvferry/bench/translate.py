@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvferry import paths
+from kvferry.pretrained import model_path
 
 
 def run(a: argparse.Namespace) -> int:
@@ -172,8 +173,8 @@ def run(a: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("translate", help="TTFT: translate path vs full prefill, apply, gRPC echo")
-    b.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    b.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    b.add_argument("--source", type=model_path, default=paths.model_dir("S"))
+    b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--version", default="")
     b.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 from kvferry import paths
+from kvferry.pretrained import model_path
 
 
 def run(a: argparse.Namespace) -> int:
@@ -76,8 +77,8 @@ def run(a: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("vllm", help="vLLM TTFT with the kvferry connector vs without (needs vLLM)")
-    b.add_argument("--source", type=Path, default=paths.model_dir("S"))
-    b.add_argument("--target", type=Path, default=paths.model_dir("T"))
+    b.add_argument("--source", type=model_path, default=paths.model_dir("S"))
+    b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--map", default="S__T")
     b.add_argument("--version", default="")
