@@ -8,12 +8,16 @@ import os
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvferry.common.settings import read_settings
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.gates import Gates
 
-from .limits import Limits
+if TYPE_CHECKING:
+    from kvferry.mappings.gates import Gates
+
+    from .limits import Limits
+
 
 
 @dataclass(frozen=True)
@@ -169,13 +173,17 @@ class SidecarConfig:
         return Authenticator(mtls_identity=True) if self.auth_mtls_tenant else None
 
     @property
-    def gates(self) -> Gates:
+    def gates(self) -> "Gates":
+        from kvferry.mappings.gates import Gates  # imported when used: `kvferry --help` builds this config's flags
+
         return Gates(arm=self.gate_arm, min_top10=self.gate_min_top10, max_kl=self.gate_max_kl,
                      min_copy_retention=self.gate_min_copy_retention,
                      max_completion_drop=self.gate_max_completion_drop)
 
     @property
-    def limits(self) -> Limits:
+    def limits(self) -> "Limits":
+        from .limits import Limits
+
         return Limits(max_tokens=self.max_tokens, max_request_bytes=self.max_request_bytes,
                       max_message_bytes=self.max_message_bytes)
 

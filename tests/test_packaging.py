@@ -1,6 +1,8 @@
 import subprocess
 import sys
 import zipfile
+
+import pytest
 from pathlib import Path
 
 from conftest import ROOT
@@ -87,3 +89,33 @@ print('ok')
     r = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=180, cwd=tmp_path,
                        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_the_command_line_parser_imports_no_torch():
+    """`kvferry --help` builds every subcommand's flags; none of it needs torch, grpc or transformers, so it stays
+    fast (the heavy imports happen in the command that runs)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvferry.cli as c; c.build_parser(); "
+            "print(sorted(m for m in ('torch', 'grpc', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_public_names_import_from_the_packages():
+    """`from kvferry.client import TranslateClient, Cascade, ...` and the same for kvferry.sidecar and
+    kvferry.mappings: every name in each package's __all__ resolves, and is the object its module defines."""
+    import importlib
+
+    for package in ("kvferry.client", "kvferry.sidecar", "kvferry.mappings"):
+        mod = importlib.import_module(package)
+        assert mod.__all__
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            assert getattr(obj, "__name__", name) == name or callable(obj), (package, name)
+        with pytest.raises(AttributeError):
+            getattr(mod, "no_such_name")
+    from kvferry.client import Cascade, TranslateClient  # noqa: F401
+    from kvferry.mappings import Gates, fit_pair  # noqa: F401
+    from kvferry.sidecar import BackgroundSidecar, SidecarConfig  # noqa: F401

@@ -16,7 +16,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 
 from kvferry import paths
 
@@ -33,6 +32,7 @@ def proc_memory(pid: int) -> dict[str, int]:
 
 async def _drive(address: str, a: argparse.Namespace, ms, pid: int) -> dict:
     import grpc
+    import torch
 
     from kvferry.client.client import AsyncTranslateClient, ClientOptions
 

@@ -15,7 +15,6 @@ import math
 import tempfile
 from pathlib import Path
 
-import torch
 
 from kvferry import paths
 from kvferry.pretrained import model_path
@@ -35,6 +34,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def run(a: argparse.Namespace) -> int:
+    import torch
+
     from kvferry.quiet import quiet_transformers
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient

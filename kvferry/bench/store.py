@@ -26,13 +26,14 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 
 from kvferry import paths
 from kvferry.pretrained import model_path
 
 
 def run(a: argparse.Namespace) -> int:
+    import torch
+
     import redis
 
     from kvferry.quiet import quiet_transformers

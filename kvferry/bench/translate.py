@@ -29,13 +29,14 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
 
 from kvferry import paths
 from kvferry.pretrained import model_path
 
 
 def run(a: argparse.Namespace) -> int:
+    import torch
+
     from kvferry.quiet import quiet_transformers
     from .harness import ServerProcess, long_ids, median_seconds, paired_ratio, round_robin_ms, shm_folder, spread
     from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
