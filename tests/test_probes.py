@@ -134,7 +134,7 @@ def test_the_downstream_gate():
 
 
 def test_shipped_evidence_reads_every_domain():
-    """The served SmolLM2 l18 map keeps copying but its prose top-10 is under the bar: the worst domain refuses it."""
+    """The SmolLM2 l18 map keeps copying but its prose top-10 is under the bar: the worst domain refuses it."""
     ev = json.loads((DATA.parent / "maps" / "smollm2-135m-l18__smollm2-135m" / "0.3.0" / "manifest.json").read_text())["evidence"]
     problems = Gates().failures(ev)
     assert problems and all(p.startswith("prose: mapped_refresh top10") for p in problems)

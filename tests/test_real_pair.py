@@ -29,8 +29,9 @@ from conftest import DATA, ROOT
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
 
 LOSES, KEEPS = 10, 25  # depth cuts whose shipped maps lose / keep long-range copying (see their evidence)
-DEEP = 18  # its maps keep copying; 0.1.0 (research scripts) is refused on top-10 alone, 0.2.0 (kvferry fit --window,
-# then kvferry distill) and 0.3.0 (0.2.0 distilled further; evidence on 12 copy prompts per gap) pass every gate
+DEEP = 18  # its maps keep copying; 0.1.0 (research scripts) is refused on top-10 alone (code and prose), 0.2.0
+# (kvferry fit --window, then kvferry distill) and 0.3.0 (0.2.0 distilled further) pass on code and on copying but
+# fall short of the top-10 bar on English prose, so the gate, which reads the worst domain, refuses them too
 SHORT_TOP10 = "0.1.0"
 
 
@@ -101,7 +102,9 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
     assert Gates().copy_failures(_map(KEEPS).evidence) == []
     short = Gates().failures(_map(DEEP, SHORT_TOP10).evidence)  # every reason is the next-token top-10 criterion
     assert short and all("top10" in p for p in short) and Gates().copy_failures(_map(DEEP, SHORT_TOP10).evidence) == [], short
-    assert Gates().failures(_map(DEEP).evidence) == [] == Gates().failures(_map(DEEP, "0.2.0").evidence)
+    for version in (None, "0.2.0"):  # keep copying, pass on code; refused on prose next-token top-10 alone
+        prose = Gates().failures(_map(DEEP, version).evidence)
+        assert prose and all(p.startswith("prose: mapped_refresh top10") for p in prose), prose
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"))
     s, exs = examples
     ex = next(e for e in exs if e.gap == s.gaps[0])
@@ -112,16 +115,17 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
         assert not listed[loses].servable and "long-range copy" in listed[loses].gate_reason
         assert listed[(_map(KEEPS).name, _map(KEEPS).version)].servable
         assert not listed[deep].servable and "top10" in listed[deep].gate_reason
-        assert listed[(_map(DEEP).name, _map(DEEP).version)].servable
+        latest_deep = listed[(_map(DEEP).name, _map(DEEP).version)]
+        assert not latest_deep.servable and "prose: mapped_refresh top10" in latest_deep.gate_reason
         cascade = Cascade(target.model, c, ms.name, MapRollout(refresh=s.refresh, min_tokens=64), sources[LOSES].identity)
         res = cascade.generate(ids, capture_kv(sources[LOSES].model, ids), 8)
         gold = cascade.full_prefill(ids, 8)
         cascade.close()
-        served = Cascade(target.model, c, _map(DEEP).name, MapRollout(refresh=s.refresh, min_tokens=64), sources[DEEP].identity)
-        deep_res = served.generate(ids, capture_kv(sources[DEEP].model, ids), 8)
+        served = Cascade(target.model, c, _map(KEEPS).name, MapRollout(refresh=s.refresh, min_tokens=64), sources[KEEPS].identity)
+        keeps_res = served.generate(ids, capture_kv(sources[KEEPS].model, ids), 8)
         served.close()
     assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible") and res.tokens == gold.tokens
-    assert deep_res.path == "mapped" and _map(DEEP).version in deep_res.reason, deep_res.reason
+    assert keeps_res.path == "mapped" and _map(KEEPS).version in keeps_res.reason, keeps_res.reason
 
 
 @pytest.mark.parametrize("cut", [LOSES, DEEP, KEEPS])
@@ -129,7 +133,7 @@ def test_copy_probe_through_the_sidecar_matches_the_evidence(real, stream, sidec
     """One gap's row, recomputed with every prefix translated by a real sidecar (contiguous and paged), agrees
     with the evidence the gate read; the sidecar's cache equals in-process apply. The gap: for the map that loses
     copying, the one where its evidence keeps least (what the gate refuses it on); for the maps that keep it (the
-    latest 18-layer one, windowed, and the 25-layer one, both served), the first (the shortest prompts)."""
+    latest 18-layer one, windowed, and the 25-layer one), the first (the shortest prompts)."""
     target, sources = real
     ms, source = _map(cut), sources[cut]
     s, exs = _examples(ms, stream)
