@@ -27,6 +27,7 @@ from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from kvferry.common import wire
+from kvferry.common.status import error_for
 from .importers import contiguous_layers
 from .regions import Lease, RegionPool
 from kvferry.common.messages import ALL_PAGES, CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
@@ -178,6 +179,11 @@ def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source
     return TranslateSpec(map_name, version, source_geometry, tokenizer, n, start_position, _token_ids(token_ids),
                          dtype, layout, block_size, target_dtype, prefix_key, tenant,
                          pages_per_block if layout == PAGED else 0)
+
+
+SPEC_KEYWORDS = frozenset(("source_geometry", "tokenizer", "token_ids", "start_position", "layout", "block_size",
+                           "pages_per_block", "target_dtype", "tenant", "prefix_key", "source_dtype"))
+"""make_spec's keywords, which translate() takes by name."""
 
 
 def _token_ids(token_ids) -> tuple[int, ...]:
@@ -399,14 +405,25 @@ class TranslateClient:
         self.close()
 
     def list_mappings(self, name_prefix: str = "") -> list[pb.MappingInfo]:
-        return list(self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix), timeout=self.options.timeout,
-                                                     metadata=self.options.metadata()).mappings)
+        try:
+            return list(self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
+                                                         timeout=self.options.timeout, metadata=self.options.metadata()).mappings)
+        except grpc.RpcError as err:
+            raise error_for(err) from None
 
-    def translate(self, cache, map_name: str, version: str = "", timeout: float | None = -1.0, **spec_kw) -> TranslateResult:
-        """Translate a source cache (HF cache or list of (K, V) [1, H, T, D]) through ``map_name``."""
+    def translate(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
+                  token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
+                  pages_per_block: int = ALL_PAGES, target_dtype: torch.dtype | None = None, tenant: str = "",
+                  prefix_key: str = "", source_dtype: torch.dtype | None = None,
+                  timeout: float | None = None) -> TranslateResult:
+        """Translate a source cache (an HF cache or a list of (K, V) [1, H, T, D]; None with ``prefix_key`` and
+        ``token_ids`` for a key-only request) through ``map_name`` (``version``: exact, or "" for the latest servable).
+        The keywords are the request header's (make_spec); ``timeout``: seconds for the whole call, retries included
+        (None: ClientOptions.timeout). A failed call raises the service's typed error (kvferry.common.status: NotFound,
+        InvalidInput, Unavailable, ...; each is also a grpc.RpcError)."""
         layers = cache_layers(cache)
-        spec = make_spec(layers, map_name, version, **spec_kw)
-        timeout = self.options.timeout if timeout == -1.0 else timeout
+        spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
+        timeout = self.options.timeout if timeout is None else timeout
         if self.direct is not None and spec.prefix_key:
             try:
                 if self.direct.maps_stale:
@@ -431,7 +448,7 @@ class TranslateClient:
                     continue  # the same attempt, through Translate
                 wait = _delay(self.options, attempt, err)
                 if attempt >= self.options.retries or not _retryable(err) or not deadline.allows(wait):
-                    raise
+                    raise error_for(err) from None
                 self.endpoints.fail_over()
                 time.sleep(wait)
                 attempt += 1
@@ -462,14 +479,22 @@ class AsyncTranslateClient:
         await self.close()
 
     async def list_mappings(self, name_prefix: str = "") -> list[pb.MappingInfo]:
-        resp = await self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
-                                                      timeout=self.options.timeout, metadata=self.options.metadata())
+        try:
+            resp = await self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
+                                                          timeout=self.options.timeout, metadata=self.options.metadata())
+        except grpc.RpcError as err:
+            raise error_for(err) from None
         return list(resp.mappings)
 
-    async def translate(self, cache, map_name: str, version: str = "", timeout: float | None = -1.0, **spec_kw) -> TranslateResult:
+    async def translate(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
+                        token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
+                        pages_per_block: int = ALL_PAGES, target_dtype: torch.dtype | None = None, tenant: str = "",
+                        prefix_key: str = "", source_dtype: torch.dtype | None = None,
+                        timeout: float | None = None) -> TranslateResult:
+        """As TranslateClient.translate."""
         layers = cache_layers(cache)
-        spec = make_spec(layers, map_name, version, **spec_kw)
-        timeout = self.options.timeout if timeout == -1.0 else timeout
+        spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
+        timeout = self.options.timeout if timeout is None else timeout
         if self.direct is not None and spec.prefix_key:
             try:
                 if self.direct.maps_stale:
@@ -494,7 +519,7 @@ class AsyncTranslateClient:
                     continue  # the same attempt, through Translate
                 wait = _delay(self.options, attempt, err)
                 if attempt >= self.options.retries or not _retryable(err) or not deadline.allows(wait):
-                    raise
+                    raise error_for(err) from None
                 self.endpoints.fail_over()
                 await asyncio.sleep(wait)
                 attempt += 1

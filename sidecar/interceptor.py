@@ -12,8 +12,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kvferry.common import errors as service
-from kvferry.mappings import errors as e
+from kvferry.common.status import status_for
 
 from .auth import CALLER, PROTECTED_PREFIX
 
@@ -21,29 +20,6 @@ log = logging.getLogger("kvferry.rpc")
 
 RETRY_AFTER_KEY = "kvferry-retry-after-ms"
 """Plain trailing metadata beside google.rpc.RetryInfo, for clients without a rich-status parser."""
-
-STATUS = {
-    service.NotFound: grpc.StatusCode.NOT_FOUND,
-    e.Incompatible: grpc.StatusCode.FAILED_PRECONDITION,
-    e.GateFailed: grpc.StatusCode.FAILED_PRECONDITION,
-    e.InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    service.TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    service.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    service.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
-    e.ArtifactError: grpc.StatusCode.FAILED_PRECONDITION,
-    service.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    service.CallerGone: grpc.StatusCode.CANCELLED,
-    service.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    for cls in type(exc).__mro__:
-        if cls in STATUS:
-            return STATUS[cls]
-    return grpc.StatusCode.INTERNAL
-
 
 def retry_details(code: grpc.StatusCode, msg: str, retry_after: float) -> tuple:
     """Trailing metadata carrying google.rpc.Status with a RetryInfo detail (and the plain millisecond hint)."""

@@ -230,3 +230,32 @@ def test_a_sane_retry_hint_is_honoured_within_the_deadline():
         assert len(calls) == 3 and all(b - a >= 0.2 for a, b in zip(calls, calls[1:]))
     finally:
         server.stop(None)
+
+
+def test_failed_calls_raise_the_services_typed_errors(sidecar_factory, maps_dir, family):
+    """One table (kvferry.common.status) both ways: the sidecar's domain error becomes a status, and the client
+    raises that domain class again, which is also a grpc.RpcError with the status's code and details."""
+    from kvferry.common.errors import NotFound, Unavailable
+    from kvferry.common.status import STATUS, ServiceError, _CLIENT_CLASSES
+    from kvferry.mappings.errors import InvalidInput, KvferryError
+
+    for code, cls in _CLIENT_CLASSES.items():
+        assert cls in STATUS and STATUS[cls] == code or code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
+    s = family["S"].identity
+    kw = dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+        with pytest.raises(NotFound) as e:
+            c.translate(kv, "no__such-map", **kw)
+        assert isinstance(e.value, grpc.RpcError) and isinstance(e.value, ServiceError) and isinstance(e.value, KvferryError)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no__such-map" in e.value.details()
+        with pytest.raises(InvalidInput):
+            c.translate(kv, "S__S-self", tenant="bad tenant", **kw)
+        with pytest.raises(TypeError):
+            c.translate(kv, "S__S-self", not_a_header_field=1)  # named arguments only: a typo is an error
+    with TranslateClient(ClientOptions(target="127.0.0.1:1", retries=0, timeout=2)) as c:
+        with pytest.raises(Unavailable):
+            c.translate(kv, "S__S-self", **kw)
+        with pytest.raises(Unavailable):
+            c.list_mappings()
