@@ -12,6 +12,7 @@ prefill off the critical path. A map whose live quality crosses its gate is swit
 from __future__ import annotations
 
 import logging
+import threading
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -194,7 +195,9 @@ class Cascade:
         cache = to_dynamic_cache([(k[:, :, : n - r], v[:, :, : n - r]) for k, v in mapped], self.target.config,
                                  device=self.target.device, dtype=self.target.dtype)
         t2 = time.perf_counter()
-        tap = QueryTap(self.target, self._target_geometry.rope) if send > n - r else None  # records this thread's pass only
+        here = threading.get_ident()
+        tap = (QueryTap(self.target, self._target_geometry.rope, lambda: threading.get_ident() == here)  # this thread's pass
+               if send > n - r else None)
         try:
             logits = self.target(input_ids=prompt_ids[:, n - r :], past_key_values=cache).logits[0, -1]
             ttft = time.perf_counter() - t0

@@ -8,7 +8,7 @@ is rounded to bfloat16 before any cast to the output dtype either way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 
 import torch
 
@@ -18,8 +18,13 @@ from .errors import InvalidInput
 from .features import from_features, to_features
 from .precision import matmul_dtype
 
-if TYPE_CHECKING:
-    from .lanes import Lanes
+
+
+class TokenLanes(Protocol):
+    """What ``apply`` needs of a caller's threads that map token ranges at once (the sidecar's lanes): an applier
+    with StreamingApplier's ``push`` and ``drain``."""
+
+    def applier(self, ms: MapSet, position: int, out_dtype, tokens: int, context: int): ...
 
 
 def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.Tensor, dim: int) -> None:
@@ -221,10 +226,10 @@ class StreamingApplier:
 
 @torch.no_grad()
 def apply(ms: MapSet, source_kv: list[LayerKV], positions: int = 0, context: int = 0,
-          lanes: Lanes | None = None) -> list[LayerKV]:
+          lanes: TokenLanes | None = None) -> list[LayerKV]:
     """Map a whole source cache whose first mapped token sits at absolute position ``positions``. ``context``: for a
     windowed map starting past position 0, the cache's first tokens are the ``context`` before it (read, not mapped).
-    ``lanes``: map token ranges on those threads at once (lanes.py)."""
+    ``lanes``: map token ranges on those threads at once (the sidecar's kvferry.sidecar.lanes)."""
     if len(source_kv) != ms.source.geometry.layers:
         raise InvalidInput(f"source cache has {len(source_kv)} layers; the map expects {ms.source.geometry.layers}")
     n = int(source_kv[0][0].shape[2]) - context

@@ -9,8 +9,8 @@ tail). A map that drifts from what the target would compute shows here before us
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -40,19 +40,20 @@ class QueryTap:
     """Captures each attention layer's queries during a forward pass (hooks on q_proj; nothing recomputed).
 
     ``queries(positions)`` returns per layer [heads, T, head_dim] with the model's query norm (Qwen3) and
-    RoPE applied, as the attention saw them. Works for the Llama-style classes kvferry supports. Only
-    forward passes on the creating thread are recorded, so other requests sharing the model do not mix in."""
+    RoPE applied, as the attention saw them. Works for the Llama-style classes kvferry supports. ``accept``: a
+    forward pass is recorded only while it returns true (a server sharing the model between requests passes a
+    check of the calling thread, so other requests' passes do not mix in)."""
 
-    def __init__(self, model, rope: RopeSpec):
+    def __init__(self, model, rope: RopeSpec, accept: Callable[[], bool] | None = None):
         self.rope = rope
-        self.owner = threading.get_ident()
+        self.accept = accept
         self.attn = [layer.self_attn for layer in model.model.layers]
         self.raw: list[torch.Tensor | None] = [None] * len(self.attn)
         self.handles = [a.q_proj.register_forward_hook(self._hook(i)) for i, a in enumerate(self.attn)]
 
     def _hook(self, i: int):
         def hook(module, args, output):
-            if threading.get_ident() == self.owner:
+            if self.accept is None or self.accept():
                 self.raw[i] = output.detach()
 
         return hook

@@ -9,7 +9,7 @@ and stored bytes sent as they are may run anywhere: they start no torch parallel
 
 With ``map_threads`` > 1 (the default on a multi-core CPU) the compute thread runs torch on one core and a
 translation's tokens are cut into that many lanes, each mapped through every layer on a lane thread of its own that
-runs torch on one core (mappings/lanes.py says why that beats torch's own pool while transfers share the cores). The
+runs torch on one core (sidecar/lanes.py says why that beats torch's own pool while transfers share the cores). The
 compute thread still orders all the work: it validates each chunk, hands each lane its part and sends what they
 finished, without waiting for them.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from kvferry.mappings.lanes import Lanes, one_torch_thread, started, torch_threads_kept
+from kvferry.sidecar.lanes import Lanes, one_torch_thread, started, torch_threads_kept
 
 THREAD_NAME = "kvferry-compute"
 

@@ -16,7 +16,7 @@ from kvferry.common.prefix_cache import Lookup
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import Incompatible, InvalidInput
-from kvferry.mappings.lanes import Lanes
+from kvferry.sidecar.lanes import Lanes
 
 from .limits import Limits
 

@@ -19,7 +19,7 @@ from kvferry.common.stores import StoreUnavailable, open_store
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.lanes import Lanes
+from kvferry.sidecar.lanes import Lanes
 from kvferry.common.errors import NotFound
 
 from .compute import ComputeThread

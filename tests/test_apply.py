@@ -177,13 +177,13 @@ LANE_CHUNKS = {  # chunks sent as (start, end) token ranges, each for every laye
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("map_dtype", [torch.float32, torch.bfloat16])
 def test_token_lanes_on_threads_give_the_whole_maps_cache_in_token_order(map_dtype, out_dtype, chunks):
-    """The sidecar maps a translation's tokens in lanes, one thread each (mappings/lanes.py). Through a real
+    """The sidecar maps a translation's tokens in lanes, one thread each (sidecar/lanes.py). Through a real
     cross-model map (4 -> 6 layers, 2 -> 3 kv heads), a batch of two, a late start and chunks that straddle the lanes,
     each target layer leaves in token order and the cache is the one the whole map gives, in the dtype asked for and
     rounded as the map's dtype says. Ranges too short to share make contiguous lanes; longer ones are each cut among
     the lanes, so every lane works as each range arrives."""
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.lanes import Lanes
+    from kvferry.sidecar.lanes import Lanes
 
     ms = load(ROOT / "maps" / "S__T" / "1.0.0").to(dtype=map_dtype)
     g = ms.source.geometry
@@ -218,7 +218,7 @@ def test_lane_plans_share_each_range_the_client_sends():
     """kvferry's client sends 2 MiB token ranges (2,730 tokens of a SmolLM2 layer's float32 K) for every layer before
     the next range: each range is cut between the lanes, a short last range goes to the lane with the least work, and
     one range for all, or ranges under two lanes' minimum, give contiguous lanes."""
-    from kvferry.mappings.lanes import plan
+    from kvferry.sidecar.lanes import plan
 
     assert plan(8192, 2730, 2) == [(0, 1365, 0), (1365, 2730, 1), (2730, 4095, 0), (4095, 5460, 1),
                                    (5460, 6825, 0), (6825, 8190, 1), (8190, 8192, 0)]
@@ -236,7 +236,7 @@ def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(
     import threading
     import time
 
-    from kvferry.mappings import lanes as lanes_module
+    from kvferry.sidecar import lanes as lanes_module
     from kvferry.mappings.artifact import load
 
     ms = load(ROOT / "maps" / "S__T" / "1.0.0")
@@ -297,7 +297,7 @@ def test_lanes_run_on_one_core_and_threads_started_after_them_do_not():
     sidecar's compute thread keep one core each; a thread started after them has the count it had before."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvferry.mappings.lanes import Lanes
+    from kvferry.sidecar.lanes import Lanes
     from kvferry.sidecar.compute import ComputeThread
 
     def later() -> int:

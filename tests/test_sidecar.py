@@ -551,7 +551,7 @@ def test_a_layers_lane_pieces_leave_in_one_message(block_tokens):
     from kvferry.common.messages import BlockParts, Chunk, TranslateSpec
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.lanes import Lanes
+    from kvferry.sidecar.lanes import Lanes
     from kvferry.sidecar.limits import Limits
     from kvferry.sidecar.pipeline import TranslateSession
     from conftest import ROOT

@@ -105,12 +105,12 @@ def test_a_later_start_needs_the_tokens_before_it(per_token, source):
 
 @pytest.mark.parametrize("chunk", [1, 4, 9, 50])
 def test_token_lanes_read_the_tokens_before_them(per_token, source, chunk):
-    """A translation's tokens mapped in lanes on several threads (mappings/lanes.py): each lane's window reaches back
+    """A translation's tokens mapped in lanes on several threads (sidecar/lanes.py): each lane's window reaches back
     into the lane before it, and into the chunk before; the answer is the whole map's, through a real cross-model
     map, from position 0 and from a later start with its context. Chunks of 4 and 9 tokens are each shared among the
     lanes (in segments of 2 or 3 tokens, each reading the segment before: a chunk reaches the segments after its own);
     chunks of 1 make contiguous lanes, planned only after the context's own chunks arrived."""
-    from kvferry.mappings.lanes import Lanes
+    from kvferry.sidecar.lanes import Lanes
 
     win = windowed(per_token, 3, 1)
     lanes = Lanes(3, min_slice=2, share_min=2)

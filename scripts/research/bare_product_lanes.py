@@ -1,6 +1,6 @@
 """Issue 16, session 27: does torch's pool, spinning after its own product, slow the single-threaded lanes that run
 right after it? A bare 2,048 x 512 x 1,152 float32 product (the tiny map's fused group) on the pool (two threads),
-then split into two halves on two lanes (one torch thread each, as mappings/lanes.py runs them) right after the
+then split into two halves on two lanes (one torch thread each, as sidecar/lanes.py runs them) right after the
 pool's, after 10 ms and 0.2 s idle, and after the lanes' own. Medians of ``--reps``, printed:
 
     .venv/bin/python scripts/research/bare_product_lanes.py --reps 11
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvferry.mappings.lanes import one_torch_thread, started, torch_threads_kept
+from kvferry.sidecar.lanes import one_torch_thread, started, torch_threads_kept
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Issue 16, sessions 20-21: a whole l25-sized map, pushed layer by layer, three ways: on torch's two-thread pool
 ("pool"); in two token lanes fed by a one-core thread, as the sidecar maps since session 21 ("lanes",
-mappings/lanes.py); and each of two single-threaded threads mapping its own half of the tokens through every layer with
+sidecar/lanes.py); and each of two single-threaded threads mapping its own half of the tokens through every layer with
 no thread feeding them ("halves": the bound of the lanes). On an idle machine and beside a process that keeps part of
 a core busy (a stand-in for the transfer threads that share the cores with the map). Session 20 measured a fourth
 mode, each step cut into token slices on two threads (mappings/split.py, removed in session 21): run this script at
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import load
-from kvferry.mappings.lanes import Lanes, one_torch_thread
+from kvferry.sidecar.lanes import Lanes, one_torch_thread
 path, n, mode, reps, duty = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
 ms = load(path)
 g = ms.source.geometry

@@ -25,8 +25,8 @@ from typing import Callable, Iterator, NamedTuple
 
 import torch
 
-from .apply import StreamingApplier, check_push
-from .artifact import MapSet
+from kvferry.mappings.apply import StreamingApplier, check_push
+from kvferry.mappings.artifact import MapSet
 
 MIN_SLICE = 128  # tokens: a lane gets at least this many, or fewer lanes run
 SHARE_MIN = 1024  # tokens: a range the client sends is shared among lanes only in pieces of at least this many
