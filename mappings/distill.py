@@ -330,17 +330,54 @@ def _run_key(ms: MapSet, s: DistillSettings, train: list[TailSample], held: list
 
 
 def _save_checkpoint(path: str | Path, state: dict) -> None:
+    """The training state as safetensors (every tensor) with the rest as JSON in its metadata: no pickle."""
+    import json
     import os
 
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def put(obj):  # tensors out by name, the structure kept as JSON
+        if isinstance(obj, torch.Tensor):
+            name = f"t{len(tensors)}"
+            tensors[name] = obj.detach().contiguous().clone()
+            return {"__tensor__": name}
+        if isinstance(obj, dict):
+            return {"__dict__": [[put(k), put(v)] for k, v in obj.items()]}
+        if isinstance(obj, (list, tuple)):
+            return {"__list__": [put(v) for v in obj], "tuple": isinstance(obj, tuple)}
+        return obj
+
+    meta = json.dumps(put(state))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, str(path) + ".tmp")
-    os.replace(str(path) + ".tmp", path)
+    tmp = Path(str(path) + ".tmp")
+    save_file(tensors, str(tmp), metadata={"state": meta})
+    os.replace(tmp, path)
 
 
 def _load_checkpoint(path: str | Path, key: str) -> dict | None:
+    import json
+
+    from safetensors import safe_open
+
     path = Path(path)
     if not path.is_file():
         return None
-    state = torch.load(path, weights_only=False)
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        meta = json.loads(f.metadata()["state"])
+
+    def get(obj):
+        if isinstance(obj, dict) and "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if isinstance(obj, dict) and "__dict__" in obj:
+            return {get(k): get(v) for k, v in obj["__dict__"]}
+        if isinstance(obj, dict) and "__list__" in obj:
+            items = [get(v) for v in obj["__list__"]]
+            return tuple(items) if obj["tuple"] else items
+        return obj
+
+    state = get(meta)
     return state if state.get("key") == key else None

@@ -72,6 +72,11 @@ def family():
     return _Family()
 
 
+def sample(sc, name: str, **labels) -> float:
+    """A running sidecar's metric, read through its registry (prometheus_client's public API); 0 when never set."""
+    return sc.sidecar.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
 # A passing long-range copy probe, for hand-written evidence of exact (identity) maps, which keep exactly what
 # the target's full prefill has; maps fitted and evaluated for real carry their own.
 PASSING_COPY = {"settings": {"gaps": [500], "prompts": 1, "passage": 120, "cue": 40, "score": 40, "refresh": 16, "seed": 0},

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from kvferry.client.cascade import FALLBACKS, Cascade
+from kvferry.client.cascade import Cascade
 from kvferry.client.rollout import MapRollout
 from kvferry.client.client import AsyncTranslateClient, ClientOptions, TranslateClient
 from kvferry.mappings.artifact import save
@@ -110,7 +110,9 @@ def test_mutual_tls(sidecar_factory, maps_dir, tmp_path):
 
 
 def _counter(reason: str) -> float:
-    return FALLBACKS.labels(reason)._value.get()
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("kvferry_client_fallbacks_total", {"reason": reason}) or 0.0
 
 
 def test_cascade_mapped_path_matches_full_prefill_and_falls_back(sidecar_factory, maps_dir, family):

@@ -18,7 +18,7 @@ from kvferry.mappings.artifact import save
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
 
-from conftest import ROOT, make_kv
+from conftest import ROOT, make_kv, sample
 
 SECRET = b"test-secret"
 BS = 16
@@ -287,7 +287,7 @@ def test_prefix_reuse_across_lengths_and_tenants(sidecar_factory, maps_dir, fami
 def _wait_for_writes(sc, n, timeout=10.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if sc.sidecar.metrics.prefix_writes._value.get() >= n:
+        if sample(sc, "kvferry_prefix_writes_total") >= n:
             return
         time.sleep(0.02)
     raise AssertionError("mapped blocks were not written back")
@@ -425,7 +425,7 @@ def test_the_client_falls_back_to_translate_on_a_sidecar_without_translate_by_ke
         again = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
         assert again.stats.cached_blocks == 4
         torch.testing.assert_close(again.layers()[2][1], kv[2][1][:, :, :64])
-    assert sc.sidecar.metrics.requests.labels("Translate", "OK")._value.get() == 2
+    assert sample(sc, "kvferry_requests_total", method="Translate", code="OK") == 2
 
 
 def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, family, redis_url, monkeypatch):
@@ -479,7 +479,7 @@ def test_corrupt_blob_is_a_miss(sidecar_factory, maps_dir, family, redis_url, re
             redis_server.client.set(key, bytes(blob))
         res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
     assert res.stats.cached_blocks == 0
-    assert sc.sidecar.metrics.prefix_blocks.labels("corrupt")._value.get() >= 1
+    assert sample(sc, "kvferry_prefix_blocks_total", outcome="corrupt") >= 1
     torch.testing.assert_close(res.layers()[0][0], kv[0][0], rtol=1e-5, atol=1e-5)
 
 
@@ -492,7 +492,7 @@ def test_redis_down_then_back(sidecar_factory, maps_dir, family, redis_url, redi
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
         res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # streamed KV: still served
         torch.testing.assert_close(res.layers()[3][1], kv[3][1])
-        assert sc.sidecar.metrics.prefix_store_errors._value.get() >= 1
+        assert sample(sc, "kvferry_prefix_store_errors_total") >= 1
         with pytest.raises(grpc.RpcError) as e:
             c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "unreachable" in e.value.details()
@@ -541,7 +541,7 @@ def test_a_corrupt_blob_is_replaced_by_a_good_copy(sidecar_factory, maps_dir, fa
         assert res.stats.cached_blocks < 4  # the corrupt block and the rest were mapped again
         for (k, v), (hk, hv) in zip(mapped.layers(), res.layers()):
             assert torch.equal(k, hk) and torch.equal(v, hv)
-        assert sc.sidecar.metrics.prefix_blocks.labels("corrupt")._value.get() >= 1
+        assert sample(sc, "kvferry_prefix_blocks_total", outcome="corrupt") >= 1
         assert ask().stats.cached_blocks == 4  # the corrupt blob was deleted and a good copy written in its place
 
 
@@ -552,7 +552,7 @@ def test_direct_reads_serve_full_hits_without_the_sidecar(sidecar_factory, maps_
     kv, ids, key = _published(family, redis_url, 72, 10, 900)
     source_keys = set(redis_server.client.keys("kvf:acme:*"))
     direct = DirectReader(RedisStore(redis_url), SECRET, BS)
-    served = lambda: sc.sidecar.metrics.tokens.labels("S__S-self@1.0.0")._value.get()  # noqa: E731
+    served = lambda: sample(sc, "kvferry_tokens_total", map="S__S-self@1.0.0")  # noqa: E731
     with TranslateClient(ClientOptions(target=sc.address, retries=0), direct=direct) as c:
         ask = lambda **kw: c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family), **kw)  # noqa: E731
         first = ask()  # nothing mapped yet: the sidecar maps the stored source blocks and writes them back
@@ -625,7 +625,7 @@ def test_a_full_or_denying_redis_is_a_clean_status_never_internal(sidecar_factor
         with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
             res = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))  # mapped from source
             torch.testing.assert_close(res.layers()[2][0], kv[2][0])
-        assert sc.sidecar.metrics.prefix_store_errors._value.get() >= 1
+        assert sample(sc, "kvferry_prefix_store_errors_total") >= 1
     finally:
         r.config_set("maxmemory", "0")
     r.acl_setuser("deny", enabled=True, passwords=["+deny-pass"], commands=["-@all", "+auth", "+hello", "+ping"])
@@ -675,7 +675,7 @@ def test_key_only_requests_are_sized_before_any_store_work(sidecar_factory, maps
         with pytest.raises(grpc.RpcError) as e:
             c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 48" in e.value.details()
-    assert sc.sidecar.metrics.prefix_writes._value.get() == 0
+    assert sample(sc, "kvferry_prefix_writes_total") == 0
 
 
 GOLDEN = Path(__file__).parent / "golden" / "prefix_v2"

@@ -22,7 +22,7 @@ from kvferry.mappings.errors import InvalidInput
 from kvferry.sidecar.regions import ResponseRegion as SidecarRegion
 from kvferry.v1 import translate_pb2 as pb
 
-from conftest import ROOT, make_kv
+from conftest import ROOT, make_kv, sample
 
 MAP = ROOT / "maps" / "S__T64" / "1.0.0"  # S (2 heads x 32) -> T64 (a wider target): shapes that cannot be confused
 
@@ -97,7 +97,7 @@ def test_an_answer_in_a_region_is_the_answer_in_the_messages(sidecar_factory, sh
         assert len(os.listdir(shm)) == 2  # freed: both kept for reuse (shm_idle_files)
     _settled(sc)
     assert os.listdir(shm) == [] and _open_under(shm) == []  # the closed client removed them; nobody holds one open
-    assert sc.sidecar.metrics.response_regions.labels("taken")._value.get() == 2
+    assert sample(sc, "kvferry_response_regions_total", outcome="taken") == 2
 
 
 def test_what_does_not_fit_the_region_comes_in_the_messages(sidecar_factory, shm, ms):
@@ -129,7 +129,7 @@ def test_a_sidecar_without_shm_dir_answers_in_the_messages(sidecar_factory, shm,
     assert not res.info.response_region and os.listdir(shm) == []  # the client removed the file nobody took
     for (k, v), (wk, wv) in zip(res.layers(), apply(ms, kv, 0)):
         torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
-    assert sc.sidecar.metrics.response_regions.labels("ignored")._value.get() == 1
+    assert sample(sc, "kvferry_response_regions_total", outcome="ignored") == 1
 
 
 def _raw_call(sc, kv, ms, region=None, chunk=64):
@@ -172,7 +172,7 @@ def test_regions_the_sidecar_refuses_or_ignores(sidecar_factory, shm, ms):
         assert all(m.block.key.data and not m.block.key.HasField("region_offset") for m in out[1:-1]), make
         assert secret.read_bytes() == b"untouched"
         assert make == "absent" or os.path.lexists(path)  # the sidecar never removes a file
-    assert sc.sidecar.metrics.response_regions.labels("ignored")._value.get() == 5
+    assert sample(sc, "kvferry_response_regions_total", outcome="ignored") == 5
     # a request chunk claiming its bytes lie in a region
     spec = make_spec(kv, "S__T64", "1.0.0", **_kw(ms))
     reqs = list(encode_requests(spec, kv, 64))
@@ -353,7 +353,7 @@ def test_naming_another_callers_file_writes_nothing_into_it(sidecar_factory, shm
             assert all(m.block.key.data and not m.block.key.HasField("region_offset") for m in out[1:-1])
         assert (shm / name).read_bytes() == before
         _check(held, apply(ms, kv, 0))
-        assert sc.sidecar.metrics.response_regions.labels("refused")._value.get() == 2
+        assert sample(sc, "kvferry_response_regions_total", outcome="refused") == 2
         del held
         nxt = alice.translate(kv, "S__T64", "1.0.0", **_kw(ms))  # the same file, renamed and rekeyed
         (renamed,) = os.listdir(shm)

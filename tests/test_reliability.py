@@ -13,7 +13,7 @@ from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.mappings.artifact import save
 from kvferry.mappings.fit import identity_mapset
 
-from conftest import make_kv
+from conftest import make_kv, sample
 
 WORKERS, PER_WORKER = 4, 12
 
@@ -66,7 +66,7 @@ def test_redis_killed_mid_load_fails_no_streamed_request(sidecar_factory, maps_d
     ok, errors = _load(ClientOptions(target=sc.address, retries=0, timeout=30), family, redis_server.stop, token_ids=True)
     assert not errors, errors[:3]
     assert len(ok) == WORKERS * PER_WORKER
-    assert sc.sidecar.metrics.prefix_store_errors._value.get() >= 1  # the outage was noticed, and served through
+    assert sample(sc, "kvferry_prefix_store_errors_total") >= 1  # the outage was noticed, and served through
 
 
 def test_sigterm_under_load_drains_and_clients_fail_over(sidecar_factory, maps_dir, family):
@@ -88,10 +88,10 @@ def test_sigterm_under_load_drains_and_clients_fail_over(sidecar_factory, maps_d
     assert not errors, errors[:3]
     assert len(ok) == WORKERS * PER_WORKER
     assert health["a"] == health_pb2.HealthCheckResponse.NOT_SERVING
-    served = lambda sc: sc.sidecar.metrics.requests.labels("Translate", "OK")._value.get()  # noqa: E731
+    served = lambda sc: sample(sc, "kvferry_requests_total", method="Translate", code="OK")  # noqa: E731
     assert served(a) > 0 and served(b) > 0  # both took load: a until it drained, b after
     assert served(a) + served(b) == WORKERS * PER_WORKER  # every in-flight stream on a finished
-    refused = a.sidecar.metrics.requests.labels("Translate", "UNAVAILABLE")._value.get()
+    refused = sample(a, "kvferry_requests_total", method="Translate", code="UNAVAILABLE")
     assert refused >= 1 or served(b) == WORKERS * PER_WORKER  # new streams on the draining sidecar were turned away
 
 

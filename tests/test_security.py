@@ -17,7 +17,7 @@ from kvferry.mappings.fit import identity_mapset
 from kvferry.sidecar.auth import Authenticator
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-from conftest import ROOT, make_certs, make_kv
+from conftest import ROOT, make_certs, make_kv, sample
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef00"
 
@@ -312,7 +312,7 @@ def test_callers_cut_off_at_the_deadline_leave_no_traceback(sidecar_factory, map
     kv = make_kv(layers=4, tokens=4096, heads=2, head_dim=32)
     reqs = list(encode_requests(make_spec(kv, "S__S-self", **_kw(family)), kv, 512))
     opts = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)]
-    counted = sc.sidecar.metrics.requests.labels("Translate", "DEADLINE_EXCEEDED")
+    counted = lambda: sample(sc, "kvferry_requests_total", method="Translate", code="DEADLINE_EXCEEDED")  # noqa: E731
     caplog.set_level(logging.WARNING)
     cut_off = threading.Event()
 
@@ -327,12 +327,12 @@ def test_callers_cut_off_at_the_deadline_leave_no_traceback(sidecar_factory, map
     for t in threads:
         t.start()
     deadline = time.monotonic() + 20
-    while counted._value.get() < 3 and time.monotonic() < deadline:
+    while counted() < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     cut_off.set()
     for t in threads:
         t.join()
-    assert counted._value.get() == 3
+    assert counted() == 3
     while sc.sidecar.servicer.active and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -20,7 +20,7 @@ from kvferry.sidecar.background import BackgroundSidecar  # noqa: E402
 from kvferry.sidecar.config import SidecarConfig  # noqa: E402
 from kvferry.bench.vllm_driver import EngineProcess  # noqa: E402
 
-from conftest import DATA, MODELS, PASSING_COPY  # noqa: E402
+from conftest import DATA, MODELS, PASSING_COPY, sample  # noqa: E402
 
 SECRET, PREFIX_BLOCK, PROMPTS, LENGTH = "v" * 32, 128, 8, 400
 
@@ -82,7 +82,7 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
         update_policy_file(policy, "S__S-self", enabled=True)
         with EngineProcess(MODELS / "S", "kv_consumer", {**consumer(MODELS / "S", "S__S-self"), "policy_file": str(policy),
                                                          "direct_reads": True}) as engine:
-            served = lambda: sidecar.sidecar.metrics.tokens.labels("S__S-self@1.0.0")._value.get()  # noqa: E731
+            served = lambda: sample(sidecar, "kvferry_tokens_total", map="S__S-self@1.0.0")  # noqa: E731
             before = served()
             exact = engine.batch(prompts)  # the sidecar maps the stored source blocks and stores the mapped ones
             after = served()

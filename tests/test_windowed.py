@@ -20,7 +20,7 @@ from kvferry.mappings.errors import ArtifactError, InvalidInput
 from kvferry.mappings.features import to_features
 from kvferry.mappings.geometry import digest
 
-from conftest import ROOT, make_kv
+from conftest import ROOT, make_kv, sample
 
 SECRET, BS = "windowed-secret", 16
 
@@ -174,7 +174,7 @@ def test_sidecar_maps_past_a_cached_prefix_with_its_context(sidecar_factory, map
         assert first.stats.cached_blocks == 0
         assert {(m.version, m.context_tokens) for m in c.list_mappings("S__T")} == {("1.0.0", 0), ("2.0.0", 2)}
         deadline = time.time() + 10
-        while sc.sidecar.metrics.prefix_writes._value.get() < 3 and time.time() < deadline:
+        while sample(sc, "kvferry_prefix_writes_total") < 3 and time.time() < deadline:
             time.sleep(0.02)
         longer = c.translate(kv, "S__T", "2.0.0", token_ids=ids, **kw)
         assert longer.stats.cached_blocks == 3
