@@ -330,7 +330,7 @@ def _run_key(ms: MapSet, s: DistillSettings, train: list[TailSample], held: list
 
 
 def _save_checkpoint(path: str | Path, state: dict) -> None:
-    """The training state as safetensors (every tensor) with the rest as JSON in its metadata: no pickle."""
+    """The training state as safetensors (every tensor) with the rest as JSON in its metadata: nothing that runs code."""
     import json
     import os
 
