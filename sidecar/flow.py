@@ -93,6 +93,11 @@ class TranslateFlow:
         self.metrics.compute.labels(label).observe(stats.compute_seconds)
         return stats
 
+    @property
+    def settled(self) -> bool:
+        """No write-back of a finished translation is still running."""
+        return not self._background
+
     def _write_back_done(self, task: asyncio.Task) -> None:
         """A write-back that failed in a way the prefix service did not expect is counted and logged once, here:
         never an unretrieved task exception, never the caller's problem (its answer was already sent)."""

@@ -72,6 +72,17 @@ def family():
     return _Family()
 
 
+def wait_until(condition, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` until it holds; fail after ``timeout`` seconds (a wait on an event, not a fixed sleep)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout:g} s")
+        time.sleep(0.01)
+
+
 def sample(sc, name: str, **labels) -> float:
     """A running sidecar's metric, read through its registry (prometheus_client's public API); 0 when never set."""
     return sc.sidecar.metrics.registry.get_sample_value(name, labels) or 0.0

@@ -73,13 +73,14 @@ def test_unavailable_is_retried_until_the_server_appears(maps_dir):
     import threading
 
     holder = {}
-    threading.Timer(0.4, lambda: holder.setdefault("sc", RunningSidecar(maps_dir=str(maps_dir), force_maps=True, port=port))).start()
+    timer = threading.Timer(0.4, lambda: holder.setdefault("sc", RunningSidecar(maps_dir=str(maps_dir), force_maps=True, port=port)))
+    timer.start()
     try:
         with TranslateClient(opts) as c:
             res = c.translate(kv, "S__S-self")
         assert res.attempts > 1 and res.info.map_version == "1.0.0"
     finally:
-        time.sleep(0.5)
+        timer.join()
         if "sc" in holder:
             holder["sc"].stop()
 

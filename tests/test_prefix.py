@@ -18,7 +18,7 @@ from kvferry.mappings.artifact import save
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
 
-from conftest import ROOT, make_kv, sample
+from conftest import ROOT, make_kv, sample, wait_until
 
 SECRET = b"test-secret"
 BS = 16
@@ -222,8 +222,7 @@ def test_memory_store_is_bounded_and_expires():
     s.put_many([("c", b"z" * 40)], ttl=60)  # evicts the least recently used
     assert s.get_many(["a", "b", "c"]) == [None, b"y" * 40, b"z" * 40] and s.nbytes == 80
     s.put_many([("d", b"w")], ttl=0.05)
-    time.sleep(0.1)
-    assert s.get_many(["d"]) == [None]
+    wait_until(lambda: s.get_many(["d"]) == [None], 5, "the entry's expiry")
 
 
 def test_redis_store_set_if_absent_and_ttl(redis_url):
@@ -232,8 +231,8 @@ def test_redis_store_set_if_absent_and_ttl(redis_url):
     assert s.put_many([("k", b"second")], ttl=60) == 0  # concurrent writers: the first value stands, whole
     assert s.get_many(["k", "missing"]) == [b"first", None]
     s.put_many([("short", b"v")], ttl=0.1)
-    time.sleep(0.3)
-    assert s.get_many(["short"]) == [None]
+    assert s.get_many(["short"]) == [b"v"]
+    wait_until(lambda: s.get_many(["short"]) == [None], 5, "Redis's expiry")
     with pytest.raises(StoreUnavailable, match="unreachable"):
         RedisStore("redis://127.0.0.1:1/0", timeout=0.2).get_many(["k"])
 
@@ -657,7 +656,7 @@ def test_a_callers_claim_never_becomes_another_callers_answer(sidecar_factory, m
             c.translate(fake, "S__S-self", token_ids=ids, **_kw(family))  # caller X
             if write_back:
                 _wait_for_writes(sc, 2)
-            time.sleep(0.2)
+            wait_until(lambda: sc.sidecar.servicer.flow.settled, 10, "the first call's write-back, if any")
             got = c.translate(real, "S__S-self", token_ids=ids, **_kw(family))  # caller Y, same tenant
         assert (got.stats.cached_blocks == 2) == poisoned
         assert torch.allclose(got.layers()[0][1], fake[0][1], atol=1e-4) == poisoned  # values: no RoPE round trip

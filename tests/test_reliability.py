@@ -13,7 +13,7 @@ from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.mappings.artifact import save
 from kvferry.mappings.fit import identity_mapset
 
-from conftest import make_kv, sample
+from conftest import make_kv, sample, wait_until
 
 WORKERS, PER_WORKER = 4, 12
 
@@ -53,7 +53,7 @@ def _load(options: ClientOptions, family, during, token_ids: bool = False):
     for t in threads:
         t.start()
     started.wait()
-    time.sleep(0.2)
+    wait_until(lambda: len(ok) + len(errors) >= WORKERS, 60, "a request per worker")  # the load is under way
     during()
     for t in threads:
         t.join(120)
@@ -77,10 +77,11 @@ def test_sigterm_under_load_drains_and_clients_fail_over(sidecar_factory, maps_d
     def drain_a():
         done = threading.Thread(target=lambda: a.call(a.sidecar.drain()))
         done.start()
-        time.sleep(0.3)
         with grpc.insecure_channel(a.address) as ch:
-            health["a"] = health_pb2_grpc.HealthStub(ch).Check(
+            check = lambda: health_pb2_grpc.HealthStub(ch).Check(  # noqa: E731
                 health_pb2.HealthCheckRequest(service="kvferry.v1.TranslateService"), timeout=5).status
+            wait_until(lambda: check() != health_pb2.HealthCheckResponse.SERVING, 10, "the drain's health change")
+            health["a"] = check()
         done.join(30)
 
     opts = ClientOptions(target=a.address, endpoints=(b.address,), retries=4, backoff=0.02, timeout=30)

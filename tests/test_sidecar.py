@@ -11,7 +11,7 @@ from kvferry.mappings.artifact import save
 from kvferry.mappings.capture import capture_kv
 from kvferry.mappings.fit import identity_mapset
 
-from conftest import make_kv
+from conftest import make_kv, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -400,8 +400,8 @@ def test_health_not_serving_without_maps_and_while_draining(sidecar_factory, tmp
             time.sleep(0.01)
         drain = threading.Thread(target=lambda: full.call(full.sidecar.drain(5)))
         drain.start()
-        time.sleep(0.3)
-        assert check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until(lambda: check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.NOT_SERVING, 10,
+                   "the drain's health change")
         assert check(ch, "") == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as e:  # new streams are turned away while draining
             list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=5))
@@ -673,9 +673,11 @@ def test_cancel_while_the_sidecar_is_sending_is_clean(sidecar, caplog):
     deadline = time.time() + 10
     while servicer.active and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.3)
-    counts = {s.labels["code"]: s.value for m in sidecar.sidecar.metrics.registry.collect()
-              if m.name == "kvferry_requests" for s in m.samples if s.labels.get("method") == "Translate" and s.name.endswith("_total")}
+    codes = lambda: {s.labels["code"]: s.value for m in sidecar.sidecar.metrics.registry.collect()  # noqa: E731
+                     if m.name == "kvferry_requests" for s in m.samples
+                     if s.labels.get("method") == "Translate" and s.name.endswith("_total")}
+    wait_until(lambda: sum(codes().values()) >= 3, 10, "every call counted")
+    counts = codes()
     assert servicer.active == 0 and "INTERNAL" not in counts, counts
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
