@@ -91,3 +91,31 @@ def test_evaluate_records_copy_and_prose_evidence(family):
     assert ev["copy"]["gaps"]["200"]["mapped_refresh"] == ev["copy"]["gaps"]["200"]["full"]
     assert ev["prose"]["arms"]["mapped_refresh"]["top1"] == 1.0
     assert ev["prose"]["arms"]["no_context"]["kl"] > 0
+
+
+def test_the_mapped_arms_read_the_maps_cache_not_the_targets(family):
+    """A map that destroys the prefix (every weight zero: each token's K and V is the mean) scores what the target
+    scores on that destroyed cache, prompt by prompt, and not what full prefill scores: the mapped arms cannot be
+    reading the target's own cache."""
+    import torch
+
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.artifact import LayerMap, MapSet
+    from kvferry.mappings.capture import capture_kv, kv_slice
+    from kvferry.mappings.copy_probe import continuation_accuracy, examples_for
+
+    s = family["S"]
+    ident = identity_mapset(s.identity)
+    zero = MapSet(s.identity, s.identity, {k: LayerMap(m.target_layer, m.kind, m.source_layers, torch.zeros_like(m.weight),
+                                                       m.bias, m.lam, m.heldout_r2, m.inputs) for k, m in ident.maps.items()},
+                  "0.0.2", {"kind": "test"}, {})
+    cs = CopySettings(gaps=(100,), prompts=3, refresh=8)
+    texts = list(read_corpus(HELDOUT))
+    ev = copy_probe(zero, s, s, texts, cs)
+    per = ev["gaps"]["100"]["per_prompt"]
+    for ex, row in zip(examples_for(s.tokenizer, texts, cs), per):
+        n = len(ex.prompt)
+        mapped = apply(zero, capture_kv(s.model, torch.tensor([ex.prompt[:-1]])), 0)
+        assert row["mapped_refresh"] == pytest.approx(
+            continuation_accuracy(s.model, kv_slice(mapped, 0, n - 8), ex.prompt[n - 8:], ex.answer), abs=1e-6)
+    assert any(row["mapped"] != row["full"] for row in per)

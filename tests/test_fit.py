@@ -31,14 +31,35 @@ def test_self_map_gives_the_models_own_logits(family, min_gain):
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+def _r2(mapped, true, spec) -> float:
+    """R² of mapped against true cache tensors in the maps' position-free space (keys un-rotated with ``spec``)."""
+    from kvferry.mappings.features import to_features
+
+    pos = torch.arange(true.shape[2])
+    a, b = to_features(mapped, spec, pos)[0].double(), to_features(true, spec, pos)[0].double()
+    return float(1 - ((a - b) ** 2).sum() / ((b - b.mean(0)) ** 2).sum())
+
+
 @pytest.mark.parametrize("pair", [("qwen3", "llama_wide"), ("mistral", "llama"), ("qwen2", "qwen2")])
 def test_cross_architecture_fit(tiny_models, pair):
+    """Maps between architectures are fitted, applied and shaped as the target's cache. Where the two models hold the
+    same weights (one seed, one size: Mistral and Llama share the layout), the map must reproduce the target's cache
+    layer by layer (an all-zero, constant or K/V-swapped map would not); between unrelated random models it must
+    still explain part of the target's K and V on held-out windows."""
     src, tgt = load_model(tiny_models[pair[0]]), load_model(tiny_models[pair[1]])
     ms = fit_pair(src, tgt, CALIB, FitSettings(k=2, seq_len=128, max_tokens=8192), progress=False)
-    assert len(ms.maps) == 2 * tgt.identity.geometry.layers
+    g = tgt.identity.geometry
+    assert len(ms.maps) == 2 * g.layers
     assert all(len(m.source_layers) == min(2, src.identity.geometry.layers) for m in ms.maps.values())
-    out = apply(ms, capture_kv(src.model, torch.randint(2, 4096, (1, 30))))
-    assert out[0][0].shape == (1, tgt.identity.geometry.kv_heads, 30, tgt.identity.geometry.head_dim)
+    ids = torch.randint(2, 4096, (1, 30))
+    out, want = apply(ms, capture_kv(src.model, ids)), capture_kv(tgt.model, ids)
+    assert out[0][0].shape == (1, g.kv_heads, 30, g.head_dim)
+    if pair[0] != "qwen3":  # the same weights on both sides
+        for (k, v), (wk, wv) in zip(out, want):
+            assert _r2(k, wk, g.rope) > 0.999 and _r2(v, wv, None) > 0.999
+            assert _r2(v, wk, g.rope) < 0.5  # K and V are different things: a swapped map would be caught
+    else:
+        assert all(m.heldout_r2 > 0.1 for m in ms.maps.values()), {k: m.heldout_r2 for k, m in ms.maps.items()}
 
 
 def test_subsampling_and_too_little_text(family, tmp_path):
