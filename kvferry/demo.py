@@ -1,8 +1,8 @@
 """``kvferry demo``: the main job end to end.
 
-On the real pair (SmolLM2-135M, its first 10 layers as the source; ``--family real``, the default) see
-:mod:`kvferry.demo_real`. If the real model cannot be installed, or with ``--family tiny``, the shipped
-tiny family:
+By default (``--family all``) the Qwen2.5-Coder pair (:mod:`kvferry.demo_qwen`), then the SmolLM2 depth cuts
+(:mod:`kvferry.demo_real`; ``--family real`` alone). If a real model cannot be installed, or with ``--family tiny``,
+the shipped tiny family:
 
 1. Fit S->T and S->T64 on the shipped calibration split, evaluate each on held-out text, write
    the evidence into the artifacts, print the evidence tables and the gate verdicts.
@@ -62,10 +62,24 @@ def _long_prompt(tokenizer) -> tuple[str, str]:
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.family == "real":
-        from kvferry import demo_real
-        from kvferry.mappings.errors import InvalidInput
+    """The Qwen2.5-Coder pair first, then the fast fixtures: SmolLM2 depth cuts (or the tiny family when a real model
+    cannot be installed here)."""
+    from kvferry.mappings.errors import InvalidInput
 
+    if a.family in ("all", "qwen"):
+        from kvferry import demo_qwen
+
+        try:
+            demo_qwen.run(a)
+        except (InvalidInput, OSError, ImportError) as e:
+            print(f"== the Qwen2.5-Coder pair could not run here ({e})\n", flush=True)
+        if a.family == "qwen":
+            return 0
+    if a.family in ("all", "real"):
+        from kvferry import demo_real
+
+        print("== fast fixtures: SmolLM2-135M and its depth cuts (a cut's source is the target's own first layers)\n",
+              flush=True)
         try:
             return demo_real.run(a)
         except demo_real.RealModelUnavailable as e:
