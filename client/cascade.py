@@ -83,7 +83,7 @@ class Cascade:
     """``rollout``: a MapRollout for fixed controls, or a PolicyStore (a reloadable policy file) shared by engines.
     ``fold_gqa``: switch an ``sdpa`` target to kvferry_sdpa (attention.py: the same outputs, without copying the
     imported cache once per query head in the refresh and decode steps). Off by default: side by side on SmolLM2-135M
-    it was not faster (docs/real_pair.md, session 9)."""
+    it was not faster."""
 
     def __init__(self, target_model, client: TranslateClient | None, map_name: str,
                  rollout: MapRollout | PolicyStore = MapRollout(), source_identity=None, seed: int | None = None,

@@ -58,7 +58,7 @@ class ClientOptions:
     chunk_tokens: int = 0
     """Tokens per source chunk; 0 (the default): as many as fill ``CHUNK_BYTES`` (2 MiB) of one layer's K or V,
     within max_message_bytes. Each message costs the sidecar a fixed amount, so far smaller chunks are slower: at
-    512 tokens the RPC took 1.5-2.3x as long as at 2 MiB chunks (docs/benchmarks.md, session 11)."""
+    512 tokens the RPC took 1.5-2.3x as long as at 2 MiB chunks."""
     tls_root_certs: str = ""
     """PEM CA bundle to verify the server; enables TLS."""
     tls_client_cert: str = ""
@@ -74,7 +74,7 @@ class ClientOptions:
     shm_dir: str = ""
     """A folder shared with the sidecar alone (its shm_dir: a memory-backed volume of the pod both containers
     mount): the sidecar then writes each answer's tensor bytes into a file the client keeps there (client/regions.py)
-    instead of into the messages, skipping gRPC's copies of large answers (docs/benchmarks.md, session 28). An
+    instead of into the messages, skipping gRPC's copies of large answers. An
     answer's tensors view that file. A sidecar without shm_dir answers in the messages. Empty: always in the
     messages."""
     shm_region_bytes: int = 1 << 30
@@ -188,7 +188,7 @@ SPEC_KEYWORDS = frozenset(("source_geometry", "tokenizer", "token_ids", "start_p
 
 def _token_ids(token_ids) -> tuple[int, ...]:
     """Token ids as a tuple of ints. A list or tuple of ints is taken as it is (0.15 ms per 8k ids to check, against
-    0.34 ms for an int() per id; docs/benchmarks.md, session 15); anything else is converted id by id."""
+    0.34 ms for an int() per id); anything else is converted id by id."""
     if isinstance(token_ids, torch.Tensor):
         return tuple(token_ids.tolist())
     if type(token_ids) in (list, tuple) and set(map(type, token_ids)) <= {int}:  # C loops, not a generator
@@ -369,7 +369,7 @@ class _Endpoints:
 SINGLE_THREADED_STREAMS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 """gRPC Python's option to receive a unary-stream call's messages (TranslateByKey) on the thread that iterates them,
 with no helper thread started per call to hand each message over: a thread start fewer per call, 0.15-0.3 ms less for
-a one-block hit here, no change beyond the noise for longer ones (docs/benchmarks.md, session 17). Experimental in
+a one-block hit here, no change beyond the noise for longer ones. Experimental in
 gRPC; a gRPC without it ignores it."""
 
 

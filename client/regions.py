@@ -2,7 +2,7 @@
 which it writes a response's tensor bytes instead of the messages.
 
 Each client keeps a few such files and reuses them: the sidecar then writes into memory the folder already holds. A
-fresh file per call cost as much in page allocation as skipping gRPC's copies saved (docs/benchmarks.md, session 28).
+fresh file per call cost as much in page allocation as skipping gRPC's copies saved.
 A file is renamed before every call (a name serves one call), and goes back to its pool only once nothing views its
 previous answer. Each file carries an exclusive flock while its client lives, so a new pool removes the files of
 clients that died (a process's locks end with it)."""

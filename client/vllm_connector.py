@@ -264,7 +264,7 @@ class KvferryConnector(KVConnectorBase_V1):
         key = block_hashes(self._secret, self._namespace(source), load.token_ids, self.cfg.prefix_block_size)[-1].hex()
         # Contiguous blocks, paged here: a paged answer is a message per page, which made a key-only hit 3x / 4x
         # slower than the same hit contiguous at 2048 / 8192 tokens in pages of 128 (vLLM's CPU default), 15x / 23x
-        # in pages of 16 (its GPU default) (docs/benchmarks.md, session 18).
+        # in pages of 16 (its GPU default).
         res = self.client().translate(None, self.cfg.map_name, load.version, token_ids=load.token_ids, prefix_key=key,
                                       tenant=self.cfg.tenant, source_geometry=source[0], tokenizer=source[1])
         if res.info.num_tokens < len(load.token_ids):

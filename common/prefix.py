@@ -162,7 +162,7 @@ class StoredBlock:
     def layers(self) -> list[LayerKV]:
         """Every layer's (K, V), viewing the blob (no copy). When the tensors tile the payload's first bytes, as
         encode_block writes them, the views come from one view of those bytes split in one call (a third of the
-        cost of a view per tensor, docs/benchmarks.md, session 18); else layer by layer."""
+        cost of a view per tensor); else layer by layer."""
         if not self.tiled:
             return [self.layer(i) for i in range(len(self.offsets))]
         tensors = self.tiles().unbind(0)
@@ -282,7 +282,7 @@ _VERIFIED_HEADERS_MAX = 256
 """Headers already verified, with their block hash taken out: the blocks of one map and geometry share one header
 but for the hash, so a header equal to a verified one once this block's hash is taken out holds the same names,
 dtypes, shapes and offsets, and its metadata names this block (the hash occurs once in each, at the same place).
-Skips the JSON parse and the checks (18 of a 6-layer block's 28 us to verify, docs/benchmarks.md, session 15)."""
+Skips the JSON parse and the checks (18 of a 6-layer block's 28 us to verify)."""
 
 
 def _header_template(raw: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int]) -> tuple | None:

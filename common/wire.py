@@ -192,7 +192,7 @@ def spec_from_pb(h: pb.TranslateHeader) -> TranslateSpec:
 
 def _token_ids(repeated) -> tuple[int, ...]:
     """A header's token ids as a tuple of ints. numpy reads protobuf's repeated uint32 field in one call: 0.14 ms for
-    8k ids against 0.30 ms for tuple() over the field (docs/benchmarks.md, session 15)."""
+    8k ids against 0.30 ms for tuple() over the field)."""
     return tuple(np.array(repeated, dtype=np.uint32).tolist()) if len(repeated) else ()
 
 

@@ -38,7 +38,7 @@ class CopySettings:
     gaps: tuple[int, ...] = (500, 1000, 3000)
     """Tokens of other text between the passage and its repetition."""
     prompts: int = 12
-    """Prompts per gap (one prompt is 1/12 of a gap's accuracy: evidence before session 14 used 6)."""
+    """Prompts per gap (one prompt is 1/12 of a gap's accuracy)."""
     passage: int = 120
     """Passage length in tokens."""
     cue: int = 40

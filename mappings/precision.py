@@ -4,7 +4,7 @@ A bfloat16 map is applied as if its inputs and weights were rounded to bfloat16 
 (that is what its evidence measured). Products of two bfloat16 numbers are exact in float32 and the kernels
 accumulate in float32 either way, so running such a map in float32 gives the same result up to summation order. It
 matters on CPUs without AVX-512: there torch has no oneDNN bfloat16 GEMM and falls back to a scalar loop that
-measured 40-70x slower than float32 (scripts/research/bf16_matmul_ab.py).
+measured 40-70x slower than float32.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class SidecarConfig:
     map_threads: int = 0
     """Token lanes a translation is mapped in, each a thread running torch on one core (compute.py, lanes.py); 0: as
     many as torch has CPU threads (``threads`` or torch's default); 1: the compute thread alone, on torch's intra-op
-    pool. Lanes stall less than torch's pool while transfers share the cores (docs/benchmarks.md, sessions 20-21).
+    pool. Lanes stall less than torch's pool while transfers share the cores.
     Off a CPU, 1."""
     tls_cert: str = ""
     """PEM server certificate; with tls_key, serve TLS."""

@@ -3,10 +3,9 @@ running torch on one core, and the lanes never wait for one another. Each range 
 lanes (``plan``), so they all work while the rest of the upload arrives.
 
 Why: torch's intra-op pool ends every operation at a barrier that waits for its slowest thread, and token slices of
-each map step on several threads (session 20) still meet once a step. While transfers share the cores, a preempted
+each map step on several threads still meet once a step. While transfers share the cores, a preempted
 thread stalls every meeting. Lanes meet only where their outputs are joined, and the thread feeding them does not
-wait for them. ``scripts/research/split_contention.py`` and ``translate_ab.py`` measure them against the others
-(docs/benchmarks.md, sessions 20-22).
+wait for them (docs/benchmarks.md, "Translate").
 
 Maps are per token, so a lane needs only its own tokens' source features; a windowed map's lane also reads the
 ``context`` tokens before its first (pushed to it, read, never mapped), as any translation starting past position 0
@@ -30,7 +29,7 @@ from kvferry.mappings.artifact import MapSet
 
 MIN_SLICE = 128  # tokens: a lane gets at least this many, or fewer lanes run
 SHARE_MIN = 1024  # tokens: a range the client sends is shared among lanes only in pieces of at least this many
-# (SmolLM2 l25 at 8192 tokens, docs/benchmarks.md session 22: pieces of 1,024-1,365 tokens beat contiguous lanes, pieces
+# (SmolLM2 l25 at 8192 tokens: pieces of 1,024-1,365 tokens beat contiguous lanes, pieces
 # of 256-512 lose to them, since every piece of every chunk is one more step handed to a lane)
 
 

@@ -89,7 +89,7 @@ def near_valid(draw):
     return msgs
 
 
-# The shapes that found holes when the sidecar was attacked (issue 14): strings far past any identifier limit,
+# The shapes that found holes when the sidecar was attacked: strings far past any identifier limit,
 # huge repeated fields under a tiny declared size, 1-token chunks, non-finite values.
 long_text = st.one_of(st.text(max_size=40), st.integers(200, 70_000).map(lambda n: "x" * n))
 

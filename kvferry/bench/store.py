@@ -113,7 +113,7 @@ def run(a: argparse.Namespace) -> int:
                 row["direct_vs_get"] = t_get / t_direct * out_bytes / nbytes
                 row["floor_vs_get"] = row["grpc_floor_MiB_s"] / row["raw_get_MiB_s"]
                 row["hit_serial_bound_ms"] = row["raw_get_ms"] + row["grpc_floor_ms"]  # GET, then send the same bytes
-                row["bound_vs_hit"] = row["hit_serial_bound_ms"] / row["hit_ms"]  # issue 16's target: >= 0.8
+                row["bound_vs_hit"] = row["hit_serial_bound_ms"] / row["hit_ms"]  # the target: >= 0.8
                 # the same ratios taken within each round (median and quartiles over the rounds)
                 row["bound_vs_hit_paired"] = paired_ratio(times, ("get", "floor"), ("hit",))
                 row["region_hit_ms"] = t_region * 1e3  # the same hit, its bytes through a response region
@@ -139,7 +139,7 @@ def run(a: argparse.Namespace) -> int:
               f"{w['direct_ms']:.1f} | {w['direct_vs_get']:.2f} | {spread(w['direct_vs_get_paired'])} | "
               f"{w['hit_MiB_s']:.0f} | {w['raw_get_MiB_s']:.0f} | {w['hit_vs_get']:.2f} | {w['floor_vs_get']:.2f} | "
               f"{w['hit_ttft_ms']:.1f} | {w['direct_ttft_ms']:.1f} | {w['miss_ttft_ms']:.1f} |")
-    print("\ntargets (issue 16): bound/hit >= 0.8 (and the region hit against the same bound); direct/GET >= 0.6. The first "
+    print("\ntargets: bound/hit >= 0.8 (and the region hit against the same bound); direct/GET >= 0.6. The first "
           "ratio of each pair is of the medians; \"per round\" takes the ratio within each round (the calls ran back to "
           "back) and gives its median and quartiles")
     if a.json:

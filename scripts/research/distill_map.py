@@ -1,4 +1,4 @@
-"""Issue 13 lever: a map set distilled through the frozen target (kvferry.mappings.distill), scored side by side.
+"""A map set distilled through the frozen target (kvferry.mappings.distill), scored side by side.
 
 ``kvferry distill`` is the product command; this script runs the same distillation and then the copy probe on
 fresh held-out prompts, with the starting map and the distilled one side by side (the target recomputes the last

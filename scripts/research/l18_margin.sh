@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 14 (issue 13): continue the served l18 map's distillation on twice the train-split text, then evaluate it with
+# Continue the l18 map's distillation on twice the train-split text, then evaluate it with
 # 12 copy prompts per gap beside the shipped 0.2.0 re-measured the same way (copies in runs/; maps/ untouched).
 #   bash scripts/research/l18_margin.sh     (after make real-models; about 45 minutes on 2 cores)
 set -euo pipefail

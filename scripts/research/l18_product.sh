@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 18-layer windowed map made with product commands only (issue 13): kvferry fit with a window over target
+# The 18-layer windowed map made with product commands only: kvferry fit with a window over target
 # layers 18-24, kvferry distill through the target, kvferry eval at every real-pair map's settings.
 # Writes runs/maps/smollm2-135m-l18__smollm2-135m/{0.9.0,0.9.1} and logs in runs/logs; never touches maps/.
 #   bash scripts/research/l18_product.sh            (after make real-models; about an hour on 2 cores)

@@ -1,4 +1,4 @@
-"""Issue 13 lever: keys of the late target layers from a short window of source tokens.
+"""Keys of the late target layers from a short window of source tokens.
 
 The diagnosis (docs/real_pair.md): with the 10-layer source, copying is lost in the *keys* of target layers
 ~10-24, which read what those layers' attention moved between positions (previous-token heads feed the induction

@@ -1,4 +1,4 @@
-"""How a real `kvferry serve` counts callers that cancel and close their channel in the same instant (issue 14).
+"""How a real `kvferry serve` counts callers that cancel and close their channel in the same instant.
 
 Half the calls cancel mid-upload (the caller stalls after a few chunks), half mid-download (after the first block);
 each caller then closes its channel at once, the case where gRPC may never tell the server about the cancel.

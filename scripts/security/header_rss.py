@@ -1,4 +1,4 @@
-"""RSS of a real `kvferry serve` while callers send huge headers (issue 14's attack), round after round.
+"""RSS of a real `kvferry serve` while callers send huge headers, round after round.
 
 Four concurrent streams per round, each a single header of ``--ids`` token_ids (num_tokens equal, so only the size
 limits can refuse it). Prints the server's RSS before, after each round and the peak. Example:
