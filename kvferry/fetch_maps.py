@@ -1,4 +1,4 @@
-"""``kvferry fetch-maps``: download a .tar.gz of map artifacts and unpack it safely (initContainers)."""
+"""``kvferry maps fetch``: download a .tar.gz of map artifacts and unpack it safely (initContainers)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ for T in T T64; do
 done
 $K fit --source models/S --target models/T --out $M --version 1.1.0 --dtype bfloat16 --overwrite --quiet | tee $R/fit_S__T_1.1.0.txt
 $K eval maps/S__T/1.1.0 --source models/S --target models/T --prompts 100 --json $R/eval_S__T_1.1.0.json --quiet | tee $R/eval_S__T_1.1.0.txt
-for a in maps/S__T/1.0.0 maps/S__T/1.1.0 maps/S__T64/1.0.0; do $K inspect $a; done | tee $R/inspect.txt
+for a in maps/S__T/1.0.0 maps/S__T/1.1.0 maps/S__T64/1.0.0; do $K maps inspect $a; done | tee $R/inspect.txt
 $K --threads 2 bench translate --json $R/bench_translate.json | tee $R/bench_translate.txt
 $K --threads 2 bench translate --version 1.0.0 --json $R/bench_translate_fp32.json | tee $R/bench_translate_fp32.txt
 $K --threads 2 bench redis --json $R/bench_redis.json | tee $R/bench_redis.txt

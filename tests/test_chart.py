@@ -67,7 +67,7 @@ def test_chart_agrees_with_the_binary(values, tmp_path):
     assert pod["securityContext"]["runAsNonRoot"]
     for init in pod.get("initContainers", []):
         if init.get("args"):
-            build_parser().parse_args(init["args"])  # fetch-maps
+            build_parser().parse_args(init["args"])  # maps fetch
     test_pod = _one(docs, "Pod")
     build_parser().parse_args(test_pod["spec"]["containers"][0]["args"])  # kvferry health
 

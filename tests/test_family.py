@@ -56,13 +56,13 @@ def test_inspect_prints_the_manifest_r2_and_the_gate_verdict():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "kvferry", "inspect", str(ROOT / "maps" / "S__T" / "1.1.0")],
+    r = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", str(ROOT / "maps" / "S__T" / "1.1.0")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     manifest = json.loads((ROOT / "maps" / "S__T" / "1.1.0" / "manifest.json").read_text())
     k = [m["heldout_r2"] for m in sorted(manifest["maps"], key=lambda m: m["target_layer"]) if m["kind"] == "k"]
     assert "held-out R² of K by target layer: " + ", ".join(f"{x:.2f}" for x in k) in r.stdout
     assert "serving gates (defaults): pass" in r.stdout
-    gated = subprocess.run([sys.executable, "-m", "kvferry", "inspect", str(ROOT / "maps" / "smollm2-135m-l10__smollm2-135m" / "0.1.0")],
+    gated = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", str(ROOT / "maps" / "smollm2-135m-l10__smollm2-135m" / "0.1.0")],
                            capture_output=True, text=True, timeout=120)
     assert gated.returncode == 0 and "serving gates (defaults): fail: " in gated.stdout and "long-range copy" in gated.stdout

@@ -84,10 +84,17 @@ absent = [m for m in {SERVER_ONLY!r} if importlib.util.find_spec(m) is not None]
 assert not absent, absent
 import kvferry.client.client, kvferry.client.importers, kvferry.client.cascade, kvferry.client.rollout
 import kvferry.client.direct, kvferry.mappings.apply
+from kvferry import paths
+# installed, the root never depends on the folder it runs in (this one looks like a checkout)
+assert paths.repo_root() == __import__('pathlib').Path(sys.argv[1]) / "kvferry", paths.repo_root()
 print('ok')
 """
-    r = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                       env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
+    work = tmp_path / "work"
+    (work / "models" / "tokenizer").mkdir(parents=True)  # a decoy checkout in the working directory
+    r = subprocess.run([str(python), "-c", probe, str(tmp_path / "data")], capture_output=True, text=True, timeout=180,
+                       cwd=work, env={**{k: v for k, v in os.environ.items()
+                                             if k not in ("PYTHONPATH", "VIRTUAL_ENV", "KVFERRY_HOME")},
+                                          "XDG_DATA_HOME": str(tmp_path / "data")})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 

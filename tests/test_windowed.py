@@ -128,7 +128,7 @@ def test_artifact_keeps_the_window_and_says_format_2(per_token, tmp_path):
     back = load(dest)
     assert back.context == 2 and all(m.window == 3 for m in back.maps.values())
     assert json.loads((save(per_token, tmp_path / "plain") / "manifest.json").read_text())["format_version"] == 1
-    shown = subprocess.run([sys.executable, "-m", "kvferry", "inspect", str(dest)], capture_output=True, text=True, check=True)
+    shown = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", str(dest)], capture_output=True, text=True, check=True)
     assert "windowed maps (read the 2 source tokens before each token" in shown.stdout
     # a windowed manifest relabelled as format 1 (checksum recomputed) would be read as per-token maps by older readers
     man["format_version"] = 1

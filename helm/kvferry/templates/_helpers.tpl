@@ -182,7 +182,7 @@ volumeMounts:
 - name: kvferry-maps
   image: {{ include "kvferry.image" . | toJson }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  args: ["fetch-maps", "--url", {{ .Values.maps.url.href | toJson }}, "--dest", "/maps"]
+  args: ["maps", "fetch", "--url", {{ .Values.maps.url.href | toJson }}, "--dest", "/maps"]
   securityContext:
     {{- toYaml .Values.securityContext | nindent 4 }}
   resources:
