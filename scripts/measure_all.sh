@@ -20,7 +20,7 @@ $K eval maps/S__T/1.1.0 --source models/S --target models/T --prompts 100 --json
 for a in maps/S__T/1.0.0 maps/S__T/1.1.0 maps/S__T64/1.0.0; do $K maps inspect $a; done | tee $R/inspect.txt
 $K --threads 2 bench translate --json $R/bench_translate.json | tee $R/bench_translate.txt
 $K --threads 2 bench translate --version 1.0.0 --json $R/bench_translate_fp32.json | tee $R/bench_translate_fp32.txt
-$K --threads 2 bench redis --json $R/bench_redis.json | tee $R/bench_redis.txt
+$K --threads 2 bench hits --json $R/bench_hits.json | tee $R/bench_hits.txt
 $K --threads 2 bench rollout --json $R/bench_rollout.json | tee $R/bench_rollout.txt
 $K --threads 2 bench load --clients 32 --requests 200 --json $R/bench_load.json | tee $R/bench_load.txt
 make fuzz | tee $R/fuzz.txt

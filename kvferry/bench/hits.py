@@ -1,4 +1,4 @@
-"""``kvferry bench redis``: the prefix store's hit path against a raw GET, and hit vs miss TTFT.
+"""``kvferry bench hits``: the prefix store's hit path against a raw GET, and hit vs miss TTFT.
 
 Side by side in one run, per prompt length n (a real redis-server is started on a free loopback
 port unless --redis-url is given):
@@ -148,7 +148,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("redis", help="prefix-store hit path vs raw Redis GET; hit vs miss TTFT")
+    b = sub.add_parser("hits", help="prefix-store hits through the sidecar vs a raw Redis GET, direct reads; hit vs miss TTFT")
     b.add_argument("--source", type=model_path, default=paths.model_dir("S"))
     b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
