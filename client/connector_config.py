@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvferry.common.stores import STORE_SCHEMES
 from kvferry.common.settings import read_settings
 from kvferry.mappings.errors import InvalidInput
 
@@ -57,8 +58,9 @@ class ConnectorConfig:
     are the boundary."""
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidInput("kvferry connector: redis_url (redis:// or rediss://) is required: the engines share the prefix store")
+        if not self.redis_url.startswith(STORE_SCHEMES):
+            raise InvalidInput(f"kvferry connector: redis_url ({', '.join(STORE_SCHEMES)}) is required: the engines share "
+                               "the prefix store")
         if not (self.prefix_secret or self.prefix_secret_file):
             raise InvalidInput("kvferry connector: prefix_secret (or prefix_secret_file) is required")
         if self.prefix_block_size < 1 or self.min_tokens <= self.refresh or self.refresh < 1:

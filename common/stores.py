@@ -76,29 +76,63 @@ class MemoryStore:
         return self._bytes
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+"""A Redis Cluster (or Valkey cluster): ``redis+cluster://[user:password@]host:port[,host:port...][/?options]``, with
+``rediss+cluster://`` for TLS. Any reachable nodes will do as seeds; the client learns the slot map from them."""
+
+
+STORE_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
+"""What a prefix store's URL may start with (the one answer to "is this a store URL")."""
+
+
 class RedisStore:
-    """redis:// or rediss:// (TLS), with optional ACL user and password; pooled; hiredis when installed."""
+    """redis:// or rediss:// (TLS), with optional ACL user and password; pooled; hiredis when installed. A cluster URL
+    (CLUSTER_SCHEMES) uses redis-py's cluster client: keys are spread over every master by their slot (no hash tags:
+    a tenant's blocks are spread too), and a lookup of many blocks is one pipelined MGET per slot, sent to each master
+    at once, not one cross-slot MGET (which a cluster refuses) nor a round trip per block."""
 
     def __init__(self, url: str, password: str | None = None, username: str | None = None, timeout: float = 2.0,
                  max_connections: int = 32):
         import redis
 
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis URL must start with redis://, rediss:// or unix://, got {redact_url(url)!r}")
-        kw = dict(socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=15,
-                  max_connections=max_connections, retry_on_timeout=False)
+        if not url.startswith(STORE_SCHEMES):
+            raise ValueError(f"redis URL must start with redis://, rediss://, unix:// or redis+cluster:// (rediss+cluster://), "
+                             f"got {redact_url(url)!r}")
+        kw = dict(socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=max_connections)
         if password:
             kw["password"] = password
         if username:
             kw["username"] = username
-        self._redis = redis.Redis.from_url(url, **kw)
+        self.url = url
+        self.cluster = url.startswith(CLUSTER_SCHEMES)
+        self._errors = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+        if self.cluster:
+            self._seeds, self._cluster_kw = _cluster_seeds(url, kw)
+            self._client = None
+            self._lock = threading.Lock()
+            return
+        self._redis = redis.Redis.from_url(url, health_check_interval=15, retry_on_timeout=False, **kw)
         try:  # redis-py reads unknown URL parameters as connection arguments, refused only at the first call
             self._redis.connection_pool.connection_class(**self._redis.connection_pool.connection_kwargs)
         except TypeError as e:
             raise ValueError(f"redis URL {redact_url(url)!r} has a parameter redis-py does not accept "
                              f"({str(e).rpartition(' ')[2]}); see redis-py's from_url for the ones it reads") from None
-        self._errors = (redis.RedisError, OSError)  # unreachable, but also full (OOM), ACL-denied, read-only, …
-        self.url = url
+
+    @property
+    def _r(self):
+        """The client: for a cluster, made on first use (it reads the slot map from a seed), and made again after a
+        failure to reach any seed, so a sidecar that starts while the cluster is down serves once it is up."""
+        if not self.cluster:
+            return self._redis
+        with self._lock:
+            if self._client is None:
+                from redis.cluster import RedisCluster
+
+                try:
+                    self._client = RedisCluster(startup_nodes=self._seeds, **self._cluster_kw)
+                except self._errors as e:
+                    raise self._failed(e) from None
+            return self._client
 
     def _failed(self, e: Exception) -> StoreUnavailable:
         """The store's failure in words that carry no key and no blob bytes: redis-py's pipeline errors quote the
@@ -114,7 +148,8 @@ class RedisStore:
         if not keys:
             return []
         try:
-            return list(self._redis.mget(keys))
+            r = self._r
+            return list(r.mget_nonatomic(keys) if self.cluster else r.mget(keys))
         except self._errors as e:
             raise self._failed(e) from None
 
@@ -123,7 +158,7 @@ class RedisStore:
         if not keys:
             return []
         try:
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = self._r.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(k)
             return [bool(r) for r in pipe.execute()]
@@ -134,7 +169,7 @@ class RedisStore:
         if not items:
             return 0
         try:
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = self._r.pipeline(transaction=False)
             for k, blob in items:
                 pipe.set(k, blob, nx=True, px=max(1, int(ttl * 1000)))
             return sum(bool(r) for r in pipe.execute())
@@ -146,18 +181,52 @@ class RedisStore:
         if not keys:
             return
         try:
-            self._redis.delete(*keys)
+            pipe = self._r.pipeline(transaction=False)
+            for k in keys:  # one DEL a key: a cluster refuses one across slots
+                pipe.delete(k)
+            pipe.execute()
         except self._errors as e:
             raise self._failed(e) from None
 
     def ping(self) -> bool:
         try:
-            return bool(self._redis.ping())
-        except self._errors:
+            return bool(self._r.ping())
+        except (*self._errors, StoreUnavailable):
             return False
 
     def _safe_url(self) -> str:
         return redact_url(self.url)  # never log credentials
+
+
+def _cluster_seeds(url: str, kw: dict):
+    """The seed nodes and client arguments of a cluster URL (credentials in it are used, never shown)."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    from redis.cluster import ClusterNode
+
+    parts = urlsplit(url.replace("+cluster://", "://", 1))
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    seeds = []
+    for hp in hosts.split(","):
+        host, _, port = hp.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"redis cluster URL {redact_url(url)!r}: seeds must be host:port, comma-separated")
+        seeds.append(ClusterNode(host.strip("[]"), int(port)))
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    out = dict(kw, ssl=parts.scheme == "rediss", retry=Retry(NoBackoff(), 1))  # fail fast: the caller falls back
+    if userinfo:
+        user, _, pw = userinfo.partition(":")
+        out.setdefault("username", unquote(user) or None)
+        out.setdefault("password", unquote(pw) or None)
+    for k, v in parse_qsl(parts.query):
+        if k in ("password", "username"):
+            out[k] = v
+        else:
+            raise ValueError(f"redis cluster URL {redact_url(url)!r}: parameter {k!r} is not read for a cluster "
+                             "(only username and password; set timeouts in the sidecar's settings)")
+    return seeds, {k: v for k, v in out.items() if v is not None}
 
 
 def open_store(url: str = "", password: str | None = None, memory_bytes: int = 512 << 20, timeout: float = 2.0):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvferry.common.settings import read_settings
+from kvferry.common.stores import STORE_SCHEMES
 from kvferry.mappings.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -132,8 +133,8 @@ class SidecarConfig:
             raise InvalidInput("auth_mtls_tenant takes the tenant from client certificates: set tls_client_ca (mutual TLS)")
         if self.max_stream_seconds <= 0:
             raise InvalidInput("max_stream_seconds must be positive")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidInput("redis_url must start with redis://, rediss:// or unix://")
+        if self.redis_url and not self.redis_url.startswith(STORE_SCHEMES):
+            raise InvalidInput(f"redis_url must start with one of {', '.join(STORE_SCHEMES)}")
         if self.redis_url and self.prefix_cache and not (self.prefix_secret or self.prefix_secret_file):
             raise InvalidInput("a shared prefix store needs prefix_secret (env KVFERRY_PREFIX_SECRET): every pod must "
                                "derive the same keys, and nobody else should")

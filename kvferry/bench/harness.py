@@ -205,3 +205,106 @@ class RedisServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _free_cluster_port() -> int:
+    """A free loopback port whose cluster-bus port (+10000) is free too, and within range."""
+    import random
+
+    for _ in range(1000):
+        port = random.randrange(20000, 55000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisClusterServers:
+    """A real Redis Cluster of ``masters`` redis-server processes on free loopback ports (no replicas), created with
+    ``redis-cli --cluster create``; ``kill(i)`` and ``restart(i)`` stop and start one master on its port, its node
+    identity and slots kept in its node file."""
+
+    def __init__(self, directory: str | None = None, masters: int = 3):
+        self.binary, self.cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if not (self.binary and self.cli):
+            raise RuntimeError("redis-server and redis-cli not found: apt-get install redis-server")
+        self.dir = Path(directory or tempfile.mkdtemp())
+        self.ports = [_free_cluster_port() for _ in range(masters)]
+        self.procs: list[subprocess.Popen | None] = [None] * masters
+        for i in range(masters):
+            self.restart(i)
+        out = subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-500:]} {out.stderr[-500:]}")
+        self.wait_ok()
+        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    @staticmethod
+    def node(port: int):
+        """A plain client of one node (no retries: a node that is down says so at once)."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        return redis.Redis(port=port, socket_timeout=2, retry=Retry(NoBackoff(), 0))
+
+    def restart(self, i: int) -> None:
+        """Start master ``i`` (again, on its port, from its node file) and wait until it answers PING."""
+        import redis
+
+        port, d = self.ports[i], self.dir / str(self.ports[i])
+        d.mkdir(parents=True, exist_ok=True)
+        self.procs[i] = subprocess.Popen([self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                          "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
+                                          "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            if self.procs[i].poll() is not None:
+                raise RuntimeError(f"redis-server on port {port} exited at start ({self.procs[i].returncode})")
+            try:
+                if self.node(port).ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {port} did not answer PING")
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every running master reports cluster_state:ok."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if all("cluster_state:ok" in self.node(p).execute_command("CLUSTER", "INFO").decode()
+                       for p, proc in zip(self.ports, self.procs) if proc is not None and proc.poll() is None):
+                    return
+            except Exception:  # noqa: BLE001 - a node still starting
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def kill(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def client(self):
+        """redis-py's cluster client of this cluster."""
+        from redis.cluster import ClusterNode, RedisCluster
+
+        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in self.ports])
+
+    def stop(self) -> None:
+        for i in range(len(self.ports)):
+            self.kill(i)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
