@@ -14,7 +14,10 @@ port unless --redis-url is given):
   hit TTFT      hit path + import into T's cache + refresh of the last r tokens + first token;
   direct TTFT   the same from a direct hit (whose blocks are joined per layer by that import, not by the read);
   miss TTFT     the same, with the target blocks deleted first: the sidecar maps the stored source
-                blocks, writes the result back, and streams it.
+                blocks, writes the result back, and streams it;
+  cluster hit   the hit path through a second sidecar whose store is a real 3-master Redis Cluster started beside
+                the single node (blocks spread over the masters, read with one pipelined MGET per slot), against
+                the single node's hit, in turn each round (``--no-cluster`` leaves it out).
 The sidecar runs in its own process (``kvferry.bench.server``), as in production.
 """
 
@@ -46,7 +49,10 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.mappings.capture import capture_kv, load_model
     from kvferry.sidecar.registry import MapRegistry
 
-    from .harness import RedisServer, ServerProcess, long_ids, median_seconds, paired_ratio, round_robin_ms, shm_folder, spread
+    import contextlib
+
+    from .harness import (RedisClusterServers, RedisServer, ServerProcess, long_ids, median_seconds, paired_ratio,
+                          round_robin_ms, shm_folder, spread)
 
     quiet_transformers()
     redis_server = None if a.redis_url else RedisServer()
@@ -55,16 +61,22 @@ def run(a: argparse.Namespace) -> int:
     source, target = load_model(a.source), load_model(a.target)
     raw = redis.Redis.from_url(url)
     rows = []
+    cluster = RedisClusterServers() if a.cluster else None
     try:
         registry = MapRegistry(a.maps_dir, force=True)
         registry.scan()
         ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", a.version)
-        with shm_folder() as shm, \
+        with shm_folder() as shm, contextlib.ExitStack() as stack, \
                 ServerProcess(a.maps_dir, redis_url=url, prefix_secret=secret.decode(), prefix_block_size=bs, shm_dir=shm) as sc, \
                 TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client, \
                 TranslateClient(ClientOptions(target=sc.address, timeout=300, shm_dir=shm)) as shared, \
                 TranslateClient(ClientOptions(target=sc.address, timeout=300), direct=DirectReader(RedisStore(url), secret, bs)) as near:
             kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant="bench")
+            on_cluster = None
+            if cluster is not None:
+                csc = stack.enter_context(ServerProcess(a.maps_dir, redis_url=cluster.url, prefix_secret=secret.decode(),
+                                                        prefix_block_size=bs))
+                on_cluster = stack.enter_context(TranslateClient(ClientOptions(target=csc.address, timeout=300)))
             for n in a.sizes:
                 ids = long_ids(target.tokenizer, n)
                 prefix_ids = ids[0, : (n - r) // bs * bs].tolist()  # full blocks; the target refreshes the rest
@@ -92,15 +104,23 @@ def run(a: argparse.Namespace) -> int:
 
                 translate()  # miss: maps and writes back
                 first = translate()
+                rounds = {"hit": translate, "get": lambda: raw.mget(tgt_keys), "floor": lambda: sc.replay(sizes),
+                          "direct": lambda: translate(near), "region": lambda: translate(shared)}
+                if on_cluster is not None:
+                    publish_source(src, prefix_ids, ms.source, store=RedisStore(cluster.url), secret=secret, tenant="bench",
+                                   block_size=bs)
+                    translate(on_cluster)  # the miss: maps and writes back to the cluster
+                    assert translate(on_cluster).stats.cached_blocks == len(tgt_keys), "the cluster's blocks were not all cached"
+                    rounds["cluster"] = lambda: translate(on_cluster)
                 assert first.stats.cached_blocks == len(tgt_keys), "target blocks were not all cached"
                 nbytes = sum(len(b) for b in raw.mget(tgt_keys))
                 sizes = [2 * b.key.numel() * b.key.element_size() for b in first.blocks]
                 assert translate(near).stats.extra.get("path") == "direct", "the direct reader missed"
                 assert translate(shared).info.response_region, "the sidecar did not take the response region"
                 # taken in turn within each round, so the machine's drift hits the hit and its bounds alike
-                times = round_robin_ms({"hit": translate, "get": lambda: raw.mget(tgt_keys), "floor": lambda: sc.replay(sizes),
-                                        "direct": lambda: translate(near), "region": lambda: translate(shared)}, a.reps)
-                t_hit, t_get, t_floor, t_direct, t_region = (statistics.median(t) / 1e3 for t in times.values())
+                times = round_robin_ms(rounds, a.reps)
+                t_hit, t_get, t_floor, t_direct, t_region = (statistics.median(times[k]) / 1e3
+                                                             for k in ("hit", "get", "floor", "direct", "region"))
                 t_hit_ttft = median_seconds(ttft, a.reps)
                 t_direct_ttft = median_seconds(lambda: ttft(near), a.reps)
                 t_miss_ttft = statistics.median([miss_ttft() for _ in range(a.reps)])
@@ -120,11 +140,16 @@ def run(a: argparse.Namespace) -> int:
                 row["bound_vs_region_hit"] = row["hit_serial_bound_ms"] / row["region_hit_ms"]
                 row["bound_vs_region_hit_paired"] = paired_ratio(times, ("get", "floor"), ("region",))
                 row["direct_vs_get_paired"] = {k: v * out_bytes / nbytes for k, v in paired_ratio(times, ("get",), ("direct",)).items()}
+                if "cluster" in times:
+                    row["cluster_hit_ms"] = statistics.median(times["cluster"])
+                    row["hit_vs_cluster_hit_paired"] = paired_ratio(times, ("hit",), ("cluster",))  # single node's time / cluster's
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     finally:
         if redis_server:
             redis_server.stop()
+        if cluster is not None:
+            cluster.stop()
     print(f"\nmap {ms.name} {ms.version}; prefix blocks of {bs} tokens; r={r}; medians of {a.reps} (hit, GET, floor, direct "
           "and region hit taken in turn each round)\n")
     print("| n | cached tokens | hit path ms | raw GET ms | gRPC floor ms | serial bound (GET + floor) ms | bound/hit "
@@ -139,6 +164,11 @@ def run(a: argparse.Namespace) -> int:
               f"{w['direct_ms']:.1f} | {w['direct_vs_get']:.2f} | {spread(w['direct_vs_get_paired'])} | "
               f"{w['hit_MiB_s']:.0f} | {w['raw_get_MiB_s']:.0f} | {w['hit_vs_get']:.2f} | {w['floor_vs_get']:.2f} | "
               f"{w['hit_ttft_ms']:.1f} | {w['direct_ttft_ms']:.1f} | {w['miss_ttft_ms']:.1f} |")
+    if any("cluster_hit_ms" in w for w in rows):
+        print("\n| n | single-node hit ms | 3-master cluster hit ms | single/cluster per round: median [quartiles] |")
+        print("|---|---|---|---|")
+        for w in rows:
+            print(f"| {w['n']} | {w['hit_ms']:.1f} | {w['cluster_hit_ms']:.1f} | {spread(w['hit_vs_cluster_hit_paired'])} |")
     print("\ntargets: bound/hit >= 0.8 (and the region hit against the same bound); direct/GET >= 0.6. The first "
           "ratio of each pair is of the medians; \"per round\" takes the ratio within each round (the calls ran back to "
           "back) and gives its median and quartiles")
@@ -158,5 +188,7 @@ def add_parser(sub) -> None:
     b.add_argument("--block-size", type=int, default=256)
     b.add_argument("--refresh", type=int, default=16)
     b.add_argument("--reps", type=int, default=5)
+    b.add_argument("--no-cluster", dest="cluster", action="store_false",
+                   help="leave out the cluster column (a real 3-master Redis Cluster started beside the single node)")
     b.add_argument("--json", default=None)
     b.set_defaults(func=run)
