@@ -1,4 +1,5 @@
-"""Engine importers: put translated target KV into an HF DynamicCache, a paged KV pool, or vLLM's CPU cache."""
+"""Engine importers: put translated target KV into an HF DynamicCache, a paged KV pool, vLLM's CPU cache or the paged
+layout of vLLM's GPU attention backends (FlashAttention's)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,15 @@ def vllm_cpu_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = width // 2
     halves = kv_cache.view(nb, heads, 2, bs * d)
     return halves[:, :, 0].view(nb, heads, d, bs).transpose(2, 3), halves[:, :, 1].view(nb, heads, bs, d)
+
+
+def flash_attention_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views [blocks, kv_heads, block_size, head_dim] of one layer of the paged cache vLLM's GPU attention
+    backends use (FlashAttention's): [2, num_blocks, block_size, num_kv_heads, head_size], K then V, token-major in a
+    block. The views are strided (no copy); ``write_pages`` writes through them."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise InvalidInput(f"expected a [2, num_blocks, block_size, num_kv_heads, head_size] layer, got {tuple(kv_cache.shape)}")
+    return kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
 
 
 def write_pages(block: Block, k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int] | torch.Tensor,

@@ -40,3 +40,38 @@ def test_a_block_table_too_short_or_out_of_the_cache_is_refused():
     with pytest.raises(InvalidInput, match="outside the cache"):
         write_pages(block, k_pages, v_pages, [0, 1, 4])
     assert not k_pages.any() and not v_pages.any()  # nothing written by a refused block
+
+
+def test_the_flash_attention_layout_holds_what_the_contiguous_import_holds(family):
+    """A real cross-model translation (S -> T64: a wider target, so shapes cannot be confused) written into the paged
+    layout of vLLM's GPU backends ([2, blocks, block_size, kv_heads, head_size], CPU tensors here) and into vLLM's
+    CPU layout: read back token by token, both hold exactly the contiguous import's bytes."""
+    from kvferry.client.importers import contiguous_layers, flash_attention_views
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.artifact import load
+
+    from conftest import ROOT, make_kv
+
+    ms = load(ROOT / "maps" / "S__T64" / "1.0.0")
+    sg, tg = ms.source.geometry, ms.target.geometry
+    n, page, table = 45, 16, [5, 0, 3]
+    mapped = apply(ms, make_kv(layers=sg.layers, tokens=n, heads=sg.kv_heads, head_dim=sg.head_dim, seed=4), 0)
+    blocks = [Block(l, a, b, 0, k[0, :, a:b], v[0, :, a:b]) for l, (k, v) in enumerate(mapped) for a, b in ((0, 20), (20, n))]
+    want = contiguous_layers(blocks, tg.layers, n)
+    for layout in ("flash", "vllm_cpu"):
+        for l in range(tg.layers):
+            if layout == "flash":
+                cache = torch.zeros(2, 6, page, tg.kv_heads, tg.head_dim)
+                k_pages, v_pages = flash_attention_views(cache)
+            else:
+                cache = torch.zeros(6, tg.kv_heads, page, 2 * tg.head_dim)
+                k_pages, v_pages = vllm_cpu_views(cache)
+            for b in (b for b in blocks if b.layer == l):
+                write_pages(b, k_pages, v_pages, table)
+            for t in range(n):
+                p, s = table[t // page], t % page
+                got_k = cache[0, p, s] if layout == "flash" else k_pages[p, :, s]
+                got_v = cache[1, p, s] if layout == "flash" else v_pages[p, :, s]
+                assert torch.equal(got_k, want[l][0][0, :, t]) and torch.equal(got_v, want[l][1][0, :, t]), (layout, l, t)
+    with pytest.raises(InvalidInput, match="num_kv_heads"):
+        flash_attention_views(torch.zeros(6, page, 2, 8))
