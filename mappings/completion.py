@@ -128,7 +128,8 @@ def write_line(model, tokenizer, ids: list[int], prefix=None, max_new_tokens: in
     cache = to_dynamic_cache(prefix, model.config) if prefix is not None else None
     inp = torch.tensor([ids])
     out = model.generate(inp, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         stop_strings=["\n"], tokenizer=tokenizer)  # the line is done at its newline
     text = tokenizer.decode(out[0, inp.shape[1]:])
     return text.split("\n")[0].strip() if "\n" in text else None
 
