@@ -20,6 +20,7 @@ import time
 import torch
 
 from kvferry import paths, pretrained
+from kvferry.report import print_evidence
 
 SOURCE, TARGET = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 REFRESH = 16
@@ -34,32 +35,14 @@ def _latest(name: str):
     return root / versions[-1] if versions else None
 
 
-def print_evidence(ms) -> list[str]:
-    """The map's evidence as tables, and the gate's verdict (its failures; empty when it serves)."""
-    from kvferry.mappings.completion import format_completion_table
-    from kvferry.mappings.copy_probe import format_copy_table
-    from kvferry.mappings.evaluate import format_table
-    from kvferry.mappings.gates import Gates
-
-    ev = ms.evidence or {}
-    print(f"== {ms.name} {ms.version}: evidence from `kvferry eval` (in its manifest)")
+def _r2_summary(ms) -> list[str]:
+    out = []
     for kind in "kv":
-        r2 = [r["r2"] for r in ev.get("layers", []) if r["kind"] == kind]
+        r2 = [r["r2"] for r in (ms.evidence or {}).get("layers", []) if r["kind"] == kind]
         if r2:
-            print(f"   held-out R² of {kind.upper()} over the 28 target layers: {min(r2):.2f}..{max(r2):.2f}")
-    if "arms" in ev:
-        print(format_table(ev, "   next-token arms on held-out code (vs the 1.5B's full prefill)"))
-    if "prose" in ev:
-        print(format_table(ev["prose"], "   next-token arms on held-out English prose"))
-    if "copy" in ev:
-        print(format_copy_table(ev["copy"], "   copy probe on code (continuing an unguessable passage seen <gap> tokens earlier)"))
-    if "copy" in ev.get("prose", {}):
-        print(format_copy_table(ev["prose"]["copy"], "   copy probe on prose"))
-    if "completion" in ev:
-        print(format_completion_table(ev["completion"], "   completion task (the first line of a function's body, exact match)"))
-    problems = Gates().failures(ev)
-    print("   serving gate:", "PASS" if not problems else "REFUSED: " + "; ".join(problems), "\n", flush=True)
-    return problems
+            out.append(f"held-out R² of {kind.upper()} over the {ms.target.geometry.layers} target layers: "
+                       f"{min(r2):.2f}..{max(r2):.2f}")
+    return out
 
 
 def _function_prompt(tokenizer, gap: int):
@@ -100,7 +83,7 @@ def run(a: argparse.Namespace) -> int:
     if art is None:
         raise InvalidInput(f"no shipped map for {SOURCE}__{TARGET} under maps/")
     ms = load(art)
-    problems = print_evidence(ms)
+    problems = print_evidence(ms, _r2_summary(ms))
 
     ids_list, want = _function_prompt(target.tokenizer, a.gap)
     ids = torch.tensor([ids_list])

@@ -18,6 +18,7 @@ import time
 import torch
 
 from kvferry import paths, pretrained
+from kvferry.report import print_evidence
 
 TARGET = "smollm2-135m"
 SOURCES = (10, 18, 25)  # depth cuts with shipped maps: the first N layers of the target
@@ -47,25 +48,6 @@ def _layer_summary(evidence: dict, source_layers: int) -> str:
         if v:
             out.append(f"layers {source_layers}-{max(r['layer'] for r in rows)} {k.upper()}: R² {min(v):.3f}..{max(v):.3f}")
     return "; ".join(out)
-
-
-def _print_evidence(ms, cut: int) -> list[str]:
-    from kvferry.mappings.copy_probe import format_copy_table
-    from kvferry.mappings.evaluate import format_table
-    from kvferry.mappings.gates import Gates
-
-    ev = ms.evidence or {}
-    print(f"== {ms.name} {ms.version}: evidence from `kvferry eval` (in its manifest)")
-    print("   " + _layer_summary(ev, cut))
-    if "arms" in ev:
-        print(format_table(ev, "   next-token arms on held-out code (vs the target's full prefill)"))
-    if "prose" in ev:
-        print(format_table(ev["prose"], "   next-token arms on held-out English prose"))
-    if "copy" in ev:
-        print(format_copy_table(ev["copy"], "   long-range copy probe (accuracy continuing a passage seen <gap> tokens earlier)"))
-    problems = Gates().failures(ev)
-    print("   serving gate:", "PASS" if not problems else "REFUSED: " + "; ".join(problems), "\n", flush=True)
-    return problems
 
 
 def _match(got: list[int], want: list[int]) -> str:
@@ -105,7 +87,7 @@ def run(a: argparse.Namespace) -> int:
             print(f"   no shipped map for {source.identity.name}; fit one with `kvferry fit --source {folder} --target {full_dir}`")
             continue
         ms = load(art)
-        pairs.append((n, source, ms, _print_evidence(ms, n)))
+        pairs.append((n, source, ms, print_evidence(ms, [_layer_summary(ms.evidence or {}, n)])))
     if not pairs:
         raise InvalidInput("no shipped real-pair maps under maps/")
 
