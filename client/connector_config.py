@@ -51,6 +51,10 @@ class ConnectorConfig:
     """Consumer: the folder this engine shares with its sidecar (the chart's sharedMemory.mountPath, also in
     KVFERRY_SHM_DIR there): translations then come back through files there instead of gRPC messages (see
     ClientOptions.shm_dir). Empty: through the messages."""
+    async_loads: bool = True
+    """Consumer: a request whose prefix is published waits for its translation off the engine's step (vLLM's
+    asynchronous KV loads: the engine keeps stepping other requests while it arrives); false loads it inside the
+    step that first schedules the request, which blocks that step."""
     direct_reads: bool = False
     """Consumer: read a translation whose mapped blocks are all stored straight from the prefix store, without the
     sidecar hop (kvferry.client.direct; the sidecar is still asked on a miss and for the map's status). No sidecar

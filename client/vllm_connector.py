@@ -12,8 +12,10 @@ the store how many leading blocks of the prompt are published (a side-effect-fre
 map is servable, reports them as matched tokens, minus the tail the target recomputes itself. The
 worker then asks the sidecar to translate that prefix by key (contiguous: fewer, larger messages) and writes
 each token into vLLM's paged KV cache (or, with ``direct_reads``, reads a full hit from the store itself); vLLM
-computes only the uncovered tail. If the translation fails,
-the blocks are reported as load errors and vLLM recomputes them: a request never fails because of us.
+computes only the uncovered tail. By default the load is asynchronous: the request waits for its translation (vLLM's
+WAITING_FOR_REMOTE_KVS) while the engine keeps stepping other requests, and ``get_finished`` reports it when the
+translation is in its pages. If the translation fails, the blocks are reported as load errors and vLLM recomputes
+them: a request never fails because of us.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,7 @@ class _Load:
     token_ids: list[int]  # the prefix to translate (whole prefix blocks)
     block_ids: list[int]  # vLLM blocks of the request, in order
     start: int  # first token not already in vLLM's own cache
+    asynchronous: bool = False  # loaded off the engine's step; reported by get_finished
 
 
 @dataclass
@@ -96,8 +101,12 @@ class KvferryConnector(KVConnectorBase_V1):
             self._policy = PolicyStore(path=self.cfg.policy_file, reload_seconds=1.0)
         self._pending: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
+        self._errors_lock = threading.Lock()  # asynchronous loads fail on the loader thread
+        self._loader: ThreadPoolExecutor | None = None  # worker: the thread asynchronous loads run on
+        self._loading: dict[str, Future] = {}
         self._collected: dict[str, tuple[_Save, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # per layer K, V
         self._prefilling: dict[str, _Save] = {}  # scheduler side: prompts whose prefill has not finished
+        self._loaded_once: set[str] = set()  # scheduler side: requests given an asynchronous load already
 
     # ---- shared helpers ------------------------------------------------------------------------
     def store(self):
@@ -159,8 +168,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.consumer:
-            return 0, False
+        if not self.consumer or request.request_id in self._loaded_once:
+            return 0, False  # a request back from an asynchronous load (failed, or preempted since) prefills itself
         plan = self._rollout(request)
         if plan is None:
             return 0, False
@@ -184,18 +193,24 @@ class KvferryConnector(KVConnectorBase_V1):
             log.warning("kvferry: prefix store unavailable (%s); prefilling normally", e)
             return 0, False
         blocks = next((i for i, p in enumerate(present) if not p), len(present))
-        return max(0, blocks * self.cfg.prefix_block_size - num_computed_tokens), False
+        matched = max(0, blocks * self.cfg.prefix_block_size - num_computed_tokens)
+        return matched, bool(matched and self.cfg.async_loads)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        if num_external_tokens > 0:
+        if num_external_tokens > 0:  # (called again with 0 once an asynchronous load is done: nothing to do then)
             total = request.num_computed_tokens + num_external_tokens
             plan = self._rollout(request)  # the same draw as when the tokens were matched (stable per request)
             version = plan[0] if plan else self.cfg.map_version
-            self._pending[request.request_id] = _Load(request.request_id, version, list(request.prompt_token_ids[:total]), [],
-                                                      request.num_computed_tokens)
+            load = _Load(request.request_id, version, list(request.prompt_token_ids[:total]), [], request.num_computed_tokens,
+                         self.cfg.async_loads)
+            if load.asynchronous:  # the request waits, unscheduled: its blocks are known now, not from the step
+                load.block_ids = list(blocks.get_block_ids()[0])
+                self._loaded_once.add(request.request_id)
+            self._pending[request.request_id] = load
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KvferryMetadata()
+        meta.loads += [self._pending.pop(r) for r in [r for r, load in self._pending.items() if load.asynchronous]]
         for new in scheduler_output.scheduled_new_reqs:
             load = self._pending.pop(new.req_id, None)
             if load is not None:
@@ -230,6 +245,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         self._prefilling.pop(request.request_id, None)
+        self._loaded_once.discard(request.request_id)
         return False, None
 
     # ---- worker side ---------------------------------------------------------------------------
@@ -249,13 +265,29 @@ class KvferryConnector(KVConnectorBase_V1):
             return
         layers = self._attention_layers(forward_context)
         for load in meta.loads:
-            try:
-                self._load(load, layers)
-            except Exception as e:  # noqa: BLE001 - vLLM recomputes these blocks; the request goes on
-                first, last = load.start // self.block_size, (len(load.token_ids) - 1) // self.block_size
+            if load.asynchronous:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-load")
+                self._loading[load.req_id] = self._loader.submit(self._load_or_report, load, layers)
+            else:
+                self._load_or_report(load, layers)
+
+    def _load_or_report(self, load: _Load, layers: dict[int, torch.Tensor]) -> None:
+        try:
+            self._load(load, layers)
+        except Exception as e:  # noqa: BLE001 - vLLM recomputes these blocks; the request goes on
+            first, last = load.start // self.block_size, (len(load.token_ids) - 1) // self.block_size
+            with self._errors_lock:
                 self._load_errors.update(load.block_ids[first : last + 1])
-                log.warning("kvferry: translation for %s failed (%s); vLLM recomputes %d blocks", load.req_id, e,
-                            last - first + 1)
+            log.warning("kvferry: translation for %s failed (%s); vLLM recomputes %d blocks", load.req_id, e,
+                        last - first + 1)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous load is over (in their pages, or its blocks reported as load errors)."""
+        done = {r for r, f in self._loading.items() if f.done()}
+        for r in done:
+            del self._loading[r]
+        return None, done or None
 
     def _load(self, load: _Load, layers: dict[int, torch.Tensor]) -> None:
         source = self._source(load.version)
@@ -277,7 +309,7 @@ class KvferryConnector(KVConnectorBase_V1):
             write_pages(b, *views[b.layer], table, load.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads synchronously
+        return  # a synchronous load is complete when start_load_kv returns; an asynchronous one before its request runs
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -320,9 +352,12 @@ class KvferryConnector(KVConnectorBase_V1):
         return self._identity
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
+        with self._errors_lock:
+            out, self._load_errors = self._load_errors, set()
         return out
 
     def shutdown(self):
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if self._client is not None:
             self._client.close()
