@@ -5,7 +5,9 @@
 Prints ``{"ready": true, "block_size": …}`` once the engine is up, then for each JSON line on stdin
 (``{"prompts": [[ids…], …], "max_tokens": 8}``) one JSON line with, per prompt, the generated token
 ids, the first token's top logprobs, the prompt tokens served from cache (``num_cached_tokens``:
-vLLM's own count, external loads included) and the time to first token. Each engine lives in its own
+vLLM's own count, external loads included) and the time to first token. A job with ``"together": true``
+submits its prompts at once and gives each one's time from submission to its first token (the engine's
+step loop, timestamped per request). Each engine lives in its own
 process because vLLM keeps the KV connector in a process-wide singleton.
 """
 
@@ -43,6 +45,12 @@ class EngineProcess:
 
     def batch(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["results"]
+
+    def together(self, prompts: list[list[int]]) -> list[dict]:
+        """Submit the prompts at once: each one's time from submission to its first token."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "together": True}) + "\n")
         self.proc.stdin.flush()
         return self._read()["results"]
 
@@ -87,6 +95,9 @@ def main() -> None:
     print(json.dumps({"ready": True, "block_size": block_size}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
+        if job.get("together"):
+            print(json.dumps({"results": _together(llm, job["prompts"], SamplingParams, TokensPrompt)}), flush=True)
+            continue
         params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=5)
         out = []
         for ids in job["prompts"]:  # one at a time: a clean TTFT per prompt
@@ -100,6 +111,24 @@ def main() -> None:
             out.append({"tokens": list(comp.token_ids), "num_cached_tokens": res.num_cached_tokens, "ttft_s": ttft,
                         "top_logprobs": {str(t): lp.logprob for t, lp in top.items()}})
         print(json.dumps({"results": out}), flush=True)
+
+
+def _together(llm, prompts: list[list[int]], SamplingParams, TokensPrompt) -> list[dict]:
+    """Submit every prompt at once; each one's time to its first token, from submission (max_tokens 1)."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    t0 = time.perf_counter()
+    ids = [f"together-{t0}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    first: dict[str, float] = {}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
+                first[out.request_id] = time.perf_counter() - t0
+                cached[out.request_id] = out.num_cached_tokens or 0
+    return [{"ttft_s": first[r], "num_cached_tokens": cached[r]} for r in ids]
 
 
 if __name__ == "__main__":

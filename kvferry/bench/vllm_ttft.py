@@ -4,6 +4,9 @@ One run, side by side: a real redis-server, the sidecar in its own process on th
 source engine S (producer) and the target engine T (consumer), each its own vLLM process. Per prompt
 length n, T's TTFT is measured first with nothing published (its own prefill), then S reads the
 prompt and publishes its KV, and T's TTFT is measured again (translated prefix + its own tail).
+Then the loads, blocking against asynchronous: a short prompt (never mapped) submitted together with the longest
+published one, in a target engine that loads translations inside its step and in one that loads them off it
+(``async_loads``); the short prompt's time to its first token, beside the same prompt alone.
 Needs vLLM (``make test-vllm`` builds ``.venv-vllm``).
 """
 
@@ -54,25 +57,51 @@ def run(a: argparse.Namespace) -> int:
                     row["speedup"] = row["vllm_full_prefill_ttft_ms"] / row["vllm_kvferry_ttft_ms"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+            loads = _blocking_vs_async(a, ids, consumer)
     finally:
         redis_server.stop()
-    hf = {}
-    hf_json = Path(a.hf_json)
-    if hf_json.exists():
-        hf = {r["n"]: r for r in json.loads(hf_json.read_text())["rows"]}
     lines = [f"map {a.map} {a.version or '(newest)'}; vLLM CPU, float32, block size from the engine; prefix blocks of "
              f"{a.prefix_block}; r >= {a.refresh}; medians of {a.reps} prompts",
              "", "| n | vLLM T own prefill TTFT ms | vLLM T + kvferry TTFT ms | speedup | prompt tokens loaded | "
-                 "first token agrees | HF path (bench translate) full / translate ms |", "|---|---|---|---|---|---|---|"]
+                 "first token agrees |", "|---|---|---|---|---|---|"]
     for r in rows:
-        h = hf.get(r["n"])
-        hf_cell = f"{h['full_prefill_ms']:.0f} / {h['translate_path_ttft_ms']:.0f}" if h else "—"
         lines.append(f"| {r['n']} | {r['vllm_full_prefill_ttft_ms']:.1f} | {r['vllm_kvferry_ttft_ms']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r['cached_tokens']:.0f} of {r['n']} | {r['first_token_agree']:.2f} | {hf_cell} |")
+                     f"{r['cached_tokens']:.0f} of {r['n']} | {r['first_token_agree']:.2f} |")
+    lines += ["", f"A short prompt ({SHORT} tokens, never mapped) submitted with a published {max(a.sizes)}-token one, medians of "
+              f"{a.reps}: its time to first token", "",
+              "| target engine loads | short prompt alone ms | short prompt beside the long one ms | long one ms |",
+              "|---|---|---|---|"]
+    for mode, r in loads.items():
+        lines.append(f"| {mode} | {r['short_alone_ms']:.1f} | {r['short_beside_long_ms']:.1f} | {r['long_ms']:.1f} |")
     print("\n".join(lines))
     if a.json:
-        Path(a.json).write_text(json.dumps({"map": a.map, "rows": rows}, indent=1) + "\n")
+        Path(a.json).write_text(json.dumps({"map": a.map, "rows": rows, "loads": loads}, indent=1) + "\n")
     return 0
+
+
+SHORT = 48  # below the connector's min_tokens: never mapped
+
+
+def _blocking_vs_async(a, ids: list[int], consumer: dict) -> dict:
+    """The short prompt's TTFT alone and beside the longest published prompt, in a blocking and an async engine."""
+    from .vllm_driver import EngineProcess
+
+    n = max(a.sizes)
+    out = {}
+    for mode, flag in (("in the step (blocking)", False), ("off the step (asynchronous)", True)):
+        with EngineProcess(a.target, "kv_consumer", {**consumer, "async_loads": flag}) as target:
+            target.batch([ids[1000:1300]], 1)  # warm-up
+            alone, beside, long = [], [], []
+            for i in range(a.reps):
+                short = ids[len(ids) - (i + 1) * SHORT: len(ids) - i * SHORT]
+                alone.append(target.together([short])[0]["ttft_s"])
+                both = target.together([ids[i : i + n], short])  # the published prompt first: its load is scheduled first
+                long.append(both[0]["ttft_s"])
+                beside.append(both[1]["ttft_s"])
+            med = statistics.median
+            out[mode] = {"short_alone_ms": med(alone) * 1e3, "short_beside_long_ms": med(beside) * 1e3, "long_ms": med(long) * 1e3}
+            print(json.dumps({mode: out[mode]}), flush=True)
+    return out
 
 
 def add_parser(sub) -> None:
@@ -86,6 +115,5 @@ def add_parser(sub) -> None:
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--refresh", type=int, default=16)
     b.add_argument("--prefix-block", type=int, default=256)
-    b.add_argument("--hf-json", default="runs/results/bench_translate.json", help="bench translate results to show beside")
     b.add_argument("--json", default=None)
     b.set_defaults(func=run)
