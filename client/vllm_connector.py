@@ -107,6 +107,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._collected: dict[str, tuple[_Save, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # per layer K, V
         self._prefilling: dict[str, _Save] = {}  # scheduler side: prompts whose prefill has not finished
         self._loaded_once: set[str] = set()  # scheduler side: requests given an asynchronous load already
+        self._probed: dict[str, tuple[float, int]] = {}  # scheduler side: request -> (when, published blocks)
 
     # ---- shared helpers ------------------------------------------------------------------------
     def store(self):
@@ -186,17 +187,31 @@ class KvferryConnector(KVConnectorBase_V1):
         usable = (n - refresh) // self.cfg.prefix_block_size  # whole prefix blocks before the refreshed tail
         if usable < 1:
             return 0, False
-        hashes = block_hashes(self._secret, ns, prompt[: usable * self.cfg.prefix_block_size], self.cfg.prefix_block_size)
+        blocks = self._published_blocks(request.request_id, ns, prompt[: usable * self.cfg.prefix_block_size])
+        if blocks is None:
+            return 0, False
+        matched = max(0, blocks * self.cfg.prefix_block_size - num_computed_tokens)
+        return matched, bool(matched and self.cfg.async_loads)
+
+    def _published_blocks(self, req_id: str, ns: Namespace, prefix: list[int]) -> int | None:
+        """How many leading prefix blocks of ``prefix`` are published (None: the store is unreachable). vLLM asks
+        again for a request on every step it cannot yet schedule; the answer is kept for status_seconds, so a waiting
+        request costs one store round trip, not one a step."""
+        seen = self._probed.get(req_id)
+        if seen is not None and time.monotonic() - seen[0] < self.cfg.status_seconds:
+            return seen[1]
+        hashes = block_hashes(self._secret, ns, prefix, self.cfg.prefix_block_size)
         try:
             present = self.store().exists_many([ns.key(h) for h in hashes])
         except Exception as e:  # noqa: BLE001
             log.warning("kvferry: prefix store unavailable (%s); prefilling normally", e)
-            return 0, False
+            return None
         blocks = next((i for i, p in enumerate(present) if not p), len(present))
-        matched = max(0, blocks * self.cfg.prefix_block_size - num_computed_tokens)
-        return matched, bool(matched and self.cfg.async_loads)
+        self._probed[req_id] = (time.monotonic(), blocks)
+        return blocks
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._probed.pop(request.request_id, None)
         if num_external_tokens > 0:  # (called again with 0 once an asynchronous load is done: nothing to do then)
             total = request.num_computed_tokens + num_external_tokens
             plan = self._rollout(request)  # the same draw as when the tokens were matched (stable per request)
@@ -246,6 +261,7 @@ class KvferryConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         self._prefilling.pop(request.request_id, None)
         self._loaded_once.discard(request.request_id)
+        self._probed.pop(request.request_id, None)
         return False, None
 
     # ---- worker side ---------------------------------------------------------------------------
