@@ -27,6 +27,7 @@ from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 from kvferry.common import wire
+from kvferry.common.listing import MappingInfo, mapping_from_pb
 from kvferry.common.status import error_for
 from .importers import contiguous_layers
 from .regions import Lease, RegionPool
@@ -240,7 +241,7 @@ def _direct_result(hit) -> TranslateResult:
     return TranslateResult(hit.info, hit.blocks, hit.stats, hit.stats.wall_seconds, attempts=0)
 
 
-def serving_mapping(listed, name: str, version: str = "") -> pb.MappingInfo | None:
+def serving_mapping(listed, name: str, version: str = "") -> MappingInfo | None:
     """Among ListMappings' answer, the map a request for ``name`` (and ``version``, "" for latest) is served with,
     by the sidecar's own rule (mappings.versions.serving_version); None when that version or every one is gated."""
     mine = {m.version: m for m in listed if m.name == name}
@@ -404,12 +405,14 @@ class TranslateClient:
     def __exit__(self, *exc):
         self.close()
 
-    def list_mappings(self, name_prefix: str = "") -> list[pb.MappingInfo]:
+    def list_mappings(self, name_prefix: str = "") -> list[MappingInfo]:
+        """The maps the sidecar knows whose name starts with ``name_prefix``, oldest version first."""
         try:
-            return list(self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
-                                                         timeout=self.options.timeout, metadata=self.options.metadata()).mappings)
+            resp = self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
+                                                    timeout=self.options.timeout, metadata=self.options.metadata())
         except grpc.RpcError as err:
             raise error_for(err) from None
+        return [mapping_from_pb(m) for m in resp.mappings]
 
     def translate(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
                   token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
@@ -478,13 +481,14 @@ class AsyncTranslateClient:
     async def __aexit__(self, *exc):
         await self.close()
 
-    async def list_mappings(self, name_prefix: str = "") -> list[pb.MappingInfo]:
+    async def list_mappings(self, name_prefix: str = "") -> list[MappingInfo]:
+        """As TranslateClient.list_mappings."""
         try:
             resp = await self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
                                                           timeout=self.options.timeout, metadata=self.options.metadata())
         except grpc.RpcError as err:
             raise error_for(err) from None
-        return list(resp.mappings)
+        return [mapping_from_pb(m) for m in resp.mappings]
 
     async def translate(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
                         token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,

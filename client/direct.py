@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.common import wire
 from kvferry.common.errors import Unavailable
-from kvferry.v1 import translate_pb2 as pb
+from kvferry.common.listing import MappingInfo
 
 from kvferry.common.messages import CONTIGUOUS, Block, Stats, TargetInfo
 from kvferry.common.prefix import LayerKV, map_id, map_namespaces, model_key
@@ -58,7 +57,7 @@ class DirectReader:
     def __init__(self, store, secret: bytes, block_size: int = 256, map_list_ttl: float = 10.0):
         self.cache = PrefixCache(store, secret, block_size)
         self.map_list_ttl = map_list_ttl
-        self._maps: list[pb.MappingInfo] = []
+        self._maps: list[MappingInfo] = []
         self._maps_at = -1e9
         self.corrupt = 0
 
@@ -67,7 +66,7 @@ class DirectReader:
         """ListMappings is cached for ``map_list_ttl`` seconds: new versions and gate changes show up within it."""
         return time.monotonic() - self._maps_at > self.map_list_ttl
 
-    def set_maps(self, maps: list[pb.MappingInfo]) -> None:
+    def set_maps(self, maps: list[MappingInfo]) -> None:
         self._maps, self._maps_at = list(maps), time.monotonic()
 
     def answer(self, spec) -> DirectHit | None:
@@ -84,7 +83,7 @@ class DirectReader:
         except Unavailable:
             return None
 
-    def read(self, info: pb.MappingInfo, token_ids, prefix_key: str, tenant: str = "",
+    def read(self, info: MappingInfo, token_ids, prefix_key: str, tenant: str = "",
              dtype: torch.dtype | None = None) -> DirectHit | None:
         """The mapped KV up to the block ``prefix_key`` names, if every one of its blocks is stored; else None."""
         t0 = time.perf_counter()
@@ -97,7 +96,7 @@ class DirectReader:
             return None  # the sidecar says why (NOT_FOUND)
         blocks = len(src_hashes)
         tokens = list(token_ids[: blocks * self.cache.block_size])
-        stored = None if info.dtype == pb.DTYPE_UNSPECIFIED else wire.dtype_from_pb(info.dtype)
+        stored = info.dtype
         look = self.cache.lookup(tgt_ns, tokens, g.layers, g.kv_heads, g.head_dim, dtype=dtype, stored_dtype=stored)
         self.corrupt += look.corrupt
         if len(look.blocks) < blocks:

@@ -6,6 +6,7 @@ import torch
 
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.client.importers import PagedKVPool, to_dynamic_cache
+from kvferry.common.listing import MappingInfo
 from kvferry.common.messages import ALL_PAGES
 from kvferry.mappings.artifact import save
 from kvferry.mappings.capture import capture_kv
@@ -54,8 +55,10 @@ def _held_stream(release, wait: float = 20):
 
 def test_list_mappings(client):
     (m,) = client.list_mappings()
+    assert isinstance(m, MappingInfo)  # the package's own dataclass, not a protobuf message
     assert m.name == "S__S-self" and m.version == "1.0.0" and m.servable
-    assert m.source.layers == 4 and m.target.kv_heads == 2
+    assert m.source.layers == 4 and m.target.kv_heads == 2 and m.dtype == torch.float32
+    assert m.evidence.recommended_refresh >= 0 and m.context_tokens == 0
 
 
 @pytest.mark.parametrize("layout, pages", [("contiguous", 0), ("paged", 0), ("paged", 5), ("paged", ALL_PAGES)])
