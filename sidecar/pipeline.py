@@ -111,6 +111,7 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         self.applier = (None if self.skip >= n else lanes.applier(*args) if lanes is not None else StreamingApplier(*args))
         layers = ms.target.geometry.layers
         self._next: dict[tuple[int, str], int] = {}
+        self._checked: tuple[int, str, int, int] | None = None  # the chunk whose header was checked before its bytes
         self._index = [0] * layers  # next contiguous block index per target layer
         self._page: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]  # pending paged tokens
         self._page_fill = [0] * layers
@@ -139,7 +140,8 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         return out
 
     def check_chunk_header(self, layer: int, kind: str, start: int, end: int) -> None:
-        """Order and range checks, before the chunk's bytes are decoded."""
+        """Order and range checks, before the chunk's bytes are decoded; ``add`` of that very chunk does not
+        repeat them."""
         g = self.ms.source.geometry
         if not self.expect_chunks:
             raise InvalidInput("this request names a prefix_key: its source KV comes from the prefix store; send no chunks")
@@ -153,10 +155,13 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         if not start < end <= self.spec.num_tokens:
             raise InvalidInput(f"chunk layer {layer} {kind.upper()} token range [{start}, {end}) is empty or past "
                                f"num_tokens={self.spec.num_tokens}")
+        self._checked = (layer, kind, start, end)
 
     def add(self, chunk: Chunk) -> list[Block]:
         """Take one decoded chunk; return the target blocks it completed (possibly none)."""
-        self.check_chunk_header(chunk.layer, chunk.kind, chunk.start, chunk.end)
+        if self._checked != (chunk.layer, chunk.kind, chunk.start, chunk.end):
+            self.check_chunk_header(chunk.layer, chunk.kind, chunk.start, chunk.end)
+        self._checked = None
         want = self.expected_shape(chunk.end - chunk.start)
         if tuple(chunk.tensor.shape) != want:
             raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()}: shape {list(chunk.tensor.shape)}, expected {list(want)}")

@@ -721,3 +721,29 @@ def test_responses_are_cut_to_the_message_limit(sidecar_factory, family):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_message_bytes" in e.value.details()
     with pytest.raises(InvalidInput, match="signed 32-bit"):
         SidecarConfig(maps_dir=str(ROOT / "maps"), max_message_bytes=1 << 32)
+
+
+def test_a_chunk_header_is_checked_once_and_add_alone_still_checks_it(monkeypatch):
+    """The servicer checks a chunk's header before viewing its bytes; add() of that chunk does not check it again,
+    and add() of a chunk whose header nobody checked still refuses it."""
+    from kvferry.common.messages import Chunk, TranslateSpec
+    from kvferry.mappings.artifact import load
+    from kvferry.mappings.errors import InvalidInput
+    from kvferry.sidecar.limits import Limits
+    from kvferry.sidecar.pipeline import TranslateSession
+    from conftest import ROOT
+
+    ms = load(ROOT / "maps" / "S__T" / "1.0.0")
+    g = ms.source.geometry
+    kv = make_kv(layers=g.layers, tokens=40, heads=g.kv_heads, head_dim=g.head_dim, seed=3)
+    session = TranslateSession(TranslateSpec("S__T", num_tokens=40), ms, Limits())
+    calls = []
+    real = session.check_chunk_header
+    monkeypatch.setattr(session, "check_chunk_header", lambda *a: calls.append(a) or real(*a))
+    session.check_chunk_header(0, "k", 0, 20)
+    session.add(Chunk(0, "k", 0, 20, kv[0][0][0, :, :20]))
+    assert calls == [(0, "k", 0, 20)]
+    with pytest.raises(InvalidInput, match="out of order"):
+        session.add(Chunk(0, "k", 30, 40, kv[0][0][0, :, 30:40]))  # never checked: add checks it
+    assert len(calls) == 2
+    session.close()
