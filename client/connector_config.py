@@ -11,7 +11,7 @@ from typing import Any
 
 from kvferry.common.stores import STORE_SCHEMES
 from kvferry.common.settings import read_settings
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 
 
 @dataclass(frozen=True)

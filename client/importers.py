@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvferry.mappings.capture import to_dynamic_cache  # noqa: F401  (the HF importer; one implementation)
-from kvferry.mappings.errors import InvalidInput
-from kvferry.common.errors import TooLarge
+from kvferry.common.errors import InvalidInput, TooLarge
 
 from kvferry.common.messages import Block
 

@@ -17,7 +17,7 @@ import threading
 import weakref
 
 from kvferry.common.wire import REGION_ALIGN, REGION_KEY_BYTES, REGION_NAME, region_header
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 
 
 def _fresh_name() -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from prometheus_client import Gauge
 
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 from kvferry.mappings.versions import is_version
 
 log = logging.getLogger("kvferry.rollout")

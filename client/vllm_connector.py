@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 
 from .connector_config import ConnectorConfig
 from .importers import vllm_cpu_views, write_pages

@@ -1,8 +1,12 @@
-"""The service's errors: each maps to one gRPC status in the sidecar's interceptor (kvferry.sidecar.interceptor), and the
-client raises the same classes. The math package's own errors (invalid input, incompatible models, bad artifacts,
-failed gates) live in kvferry.mappings.errors; all share its KvferryError base."""
+"""Every error the service speaks of, in one place: each maps to one gRPC status (kvferry.common.status, read by the
+sidecar's interceptor and by the client), and the client raises the same classes. Client, sidecar and common import
+them from here. The math's own input errors (invalid input, incompatible models, bad artifacts, failed gates) are
+raised by kvferry.mappings, which knows no service, and re-exported here; all share the KvferryError base."""
 
-from kvferry.mappings.errors import KvferryError
+from kvferry.mappings.errors import ArtifactError, GateFailed, Incompatible, InvalidInput, KvferryError
+
+__all__ = ["ArtifactError", "CallerGone", "GateFailed", "Incompatible", "InvalidInput", "KvferryError", "NotFound",
+           "Overloaded", "PermissionDenied", "TooLarge", "Unauthenticated", "Unavailable", "Unsupported"]
 
 
 class NotFound(KvferryError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 
 CONTIGUOUS = "contiguous"
 PAGED = "paged"

@@ -32,7 +32,7 @@ import torch
 import xxhash
 from safetensors.torch import save as st_save
 
-from kvferry.mappings.errors import InvalidInput, KvferryError
+from kvferry.common.errors import InvalidInput, KvferryError
 
 from .wire import view_bytes
 

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvferry.mappings.errors import InvalidInput
-from kvferry.common.errors import Unavailable
+from kvferry.common.errors import InvalidInput, Unavailable
 
 from .prefix import CorruptBlock, LayerKV, Namespace, StoredBlock, block_hashes, encode_block, read_block, split_blocks
 

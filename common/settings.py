@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import Field, fields
 from typing import Any
 
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 
 TRUE = ("true", "1", "yes", "on")
 FALSE = ("false", "0", "no", "off")

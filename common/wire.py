@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 from kvferry.v1 import translate_pb2 as pb
 
 _TO_PB = {torch.float32: pb.DTYPE_FLOAT32, torch.float16: pb.DTYPE_FLOAT16, torch.bfloat16: pb.DTYPE_BFLOAT16}

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.common.prefix import check_tenant
-from kvferry.mappings.errors import InvalidInput
-from kvferry.common.errors import PermissionDenied, Unauthenticated
+from kvferry.common.errors import InvalidInput, PermissionDenied, Unauthenticated
 
 PROTECTED_PREFIX = "/kvferry."  # every kvferry service; health and reflection stay open
 

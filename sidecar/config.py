@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvferry.common.settings import read_settings
 from kvferry.common.stores import STORE_SCHEMES
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 
 if TYPE_CHECKING:
     from kvferry.mappings.gates import Gates

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvferry.mappings.errors import InvalidInput
-from kvferry.common.errors import TooLarge
+from kvferry.common.errors import InvalidInput, TooLarge
 from kvferry.common.wire import ChunkFrame
 
 

@@ -15,7 +15,7 @@ from kvferry.common.messages import PAGED, Block, BlockBytes, BlockParts, Chunk,
 from kvferry.common.prefix_cache import Lookup
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
-from kvferry.mappings.errors import Incompatible, InvalidInput
+from kvferry.common.errors import Incompatible, InvalidInput
 from kvferry.sidecar.lanes import Lanes
 
 from .limits import Limits

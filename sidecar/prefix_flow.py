@@ -18,9 +18,8 @@ from kvferry.common.prefix_cache import Lookup, PrefixCache
 from kvferry.common.stores import StoreUnavailable, open_store
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput, NotFound
 from kvferry.sidecar.lanes import Lanes
-from kvferry.common.errors import NotFound
 
 from .compute import ComputeThread
 from .pipeline import TranslateSession, start_session, target_dtype

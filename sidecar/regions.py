@@ -15,7 +15,7 @@ import stat
 import threading
 
 from kvferry.common.wire import REGION_ALIGN, region_header
-from kvferry.mappings.errors import InvalidInput
+from kvferry.common.errors import InvalidInput
 
 log = logging.getLogger("kvferry.regions")
 

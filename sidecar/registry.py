@@ -16,8 +16,7 @@ from pathlib import Path
 
 from kvferry.mappings.artifact import MapSet, check_name, load
 from kvferry.mappings.versions import check_version, serving_version, version_key
-from kvferry.mappings.errors import GateFailed, KvferryError
-from kvferry.common.errors import NotFound
+from kvferry.common.errors import GateFailed, KvferryError, NotFound
 from kvferry.mappings.gates import Gates
 
 log = logging.getLogger("kvferry.registry")

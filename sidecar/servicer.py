@@ -10,8 +10,7 @@ import functools
 import weakref
 
 from kvferry.common import wire
-from kvferry.mappings.errors import InvalidInput
-from kvferry.common.errors import CallerGone, Overloaded, Unavailable
+from kvferry.common.errors import CallerGone, InvalidInput, Overloaded, Unavailable
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
