@@ -16,7 +16,7 @@ import secrets
 import threading
 import weakref
 
-from kvferry.common.wire import REGION_ALIGN, REGION_KEY_BYTES, REGION_NAME, region_header
+from kvferry.common.region_format import REGION_ALIGN, REGION_KEY_BYTES, REGION_NAME, region_header
 from kvferry.common.errors import InvalidInput
 
 

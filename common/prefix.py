@@ -34,7 +34,7 @@ from safetensors.torch import save as st_save
 
 from kvferry.common.errors import InvalidInput, KvferryError
 
-from .wire import view_bytes
+from kvferry.common.tensors import view_bytes
 
 MAGIC = b"KVFB3\n"  # xxh3-64 of the payload (~30 GiB/s; CRC-32 ran ~4 GiB/s and was the hit path's largest cost)
 MAGIC_V2 = b"KVFB2\n"  # CRC-32; still read

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvferry.common.errors import InvalidInput, TooLarge
-from kvferry.common.wire import ChunkFrame
+from kvferry.common.fastwire import REQUEST_HEADER_TAG, ChunkFrame
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,6 @@ class OversizedHeader:
                         f"({self.limit} bytes); send one token id per token, or raise --max-tokens")
 
 
-HEADER_TAG = b"\x0a"  # TranslateRequest field 1 (header), length-delimited: the first byte a serializer writes
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ def request_decoder(limits: Limits, parse):
     cap = limits.max_header_bytes
 
     def decode(data: bytes):
-        if len(data) > cap and data[:1] == HEADER_TAG:
+        if len(data) > cap and data[:1] == REQUEST_HEADER_TAG:
             return OversizedHeader(len(data), cap)
         msg = parse(data)
         if len(data) > cap and not isinstance(msg, ChunkFrame) and msg.WhichOneof("msg") == "header":

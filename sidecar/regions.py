@@ -14,7 +14,7 @@ import os
 import stat
 import threading
 
-from kvferry.common.wire import REGION_ALIGN, region_header
+from kvferry.common.region_format import REGION_ALIGN, region_header
 from kvferry.common.errors import InvalidInput
 
 log = logging.getLogger("kvferry.regions")

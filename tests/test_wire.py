@@ -191,3 +191,22 @@ def test_all_finite_is_exact():
         mixed = torch.cat([huge[:1], -huge[:1]])
         mixed[0, 0, 0] = float("nan")
         assert not all_finite(mixed)
+
+
+def test_the_fast_codec_takes_its_field_numbers_from_translate_proto():
+    """fastwire writes no field number of its own: each is the generated descriptor's, so a renumbered field in
+    translate.proto moves the fast path with it (and the golden wire files then fail, as they must)."""
+    from kvferry.common import fastwire as f
+
+    assert f.REQUEST_HEADER_TAG == pb.TranslateRequest(header=pb.TranslateHeader(num_tokens=1)).SerializeToString()[:1]
+    assert f.REQUEST_CHUNK_TAG == pb.TranslateRequest(chunk=pb.SourceChunk(layer=1)).SerializeToString()[:1]
+    assert f.RESPONSE_BLOCK_TAG == pb.TranslateResponse(block=pb.TargetBlock(layer=1)).SerializeToString()[:1]
+    for message, names, numbers in ((pb.SourceChunk, ("layer", "kind", "token_start", "token_end", "tensor"),
+                                     (f.C_LAYER, f.C_KIND, f.C_START, f.C_END, f.C_TENSOR)),
+                                    (pb.TargetBlock, ("layer", "token_start", "token_end", "block_index", "key", "value"),
+                                     (f.B_LAYER, f.B_START, f.B_END, f.B_INDEX, f.B_KEY, f.B_VALUE)),
+                                    (pb.Tensor, ("dtype", "shape", "data", "region_offset"),
+                                     (f.T_DTYPE, f.T_SHAPE, f.T_DATA, f.T_REGION_OFFSET))):
+        assert numbers == tuple(message.DESCRIPTOR.fields_by_name[n].number for n in names)
+    source = open(f.__file__).read()
+    assert "b\"\\x" not in source and "_scalar(1" not in source  # no byte-literal tags, no literal field numbers
