@@ -72,6 +72,23 @@ def family():
     return _Family()
 
 
+@pytest.fixture(scope="module")
+def self_maps(tmp_path_factory, family):
+    """A maps folder holding S__S-self 1.0.0, the tiny S mapped onto itself exactly (tests of the service, not the
+    math); one per test module, which may add to it."""
+    from kvferry.mappings.artifact import save
+    from kvferry.mappings.fit import identity_mapset
+
+    root = tmp_path_factory.mktemp("self_maps")
+    save(identity_mapset(family["S"].identity, version="1.0.0"), root)
+    return root
+
+
+def spec_kw(model) -> dict:
+    """The request keywords that say which source model's cache this is (``model``: a loaded model)."""
+    return dict(source_geometry=model.identity.geometry.fingerprint, tokenizer=model.identity.tokenizer)
+
+
 def wait_until(condition, timeout: float = 10.0, what: str = "the condition") -> None:
     """Poll ``condition()`` until it holds; fail after ``timeout`` seconds (a wait on an event, not a fixed sleep)."""
     import time

@@ -10,18 +10,14 @@ import torch
 from kvferry.client.cascade import Cascade
 from kvferry.client.rollout import MapRollout
 from kvferry.client.client import AsyncTranslateClient, ClientOptions, TranslateClient
-from kvferry.mappings.artifact import save
 from kvferry.mappings.capture import capture_kv
-from kvferry.mappings.fit import identity_mapset
 
 from conftest import RunningSidecar, make_certs, make_kv
 
 
 @pytest.fixture(scope="module")
-def maps_dir(tmp_path_factory, family):
-    root = tmp_path_factory.mktemp("maps")
-    save(identity_mapset(family["S"].identity, version="1.0.0"), root)
-    return root
+def maps_dir(self_maps):
+    return self_maps
 
 
 def test_async_client(sidecar_factory, maps_dir):

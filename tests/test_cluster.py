@@ -12,10 +12,8 @@ from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.client.direct import DirectReader
 from kvferry.common.prefix_cache import publish_source
 from kvferry.common.stores import MemoryStore, RedisStore, StoreUnavailable
-from kvferry.mappings.artifact import save
-from kvferry.mappings.fit import identity_mapset
 
-from conftest import make_kv, wait_until
+from conftest import make_kv, spec_kw, wait_until
 
 SECRET, BS = b"cluster-secret", 16
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -40,15 +38,12 @@ def fresh(cluster):
 
 
 @pytest.fixture(scope="module")
-def maps_dir(tmp_path_factory, family):
-    root = tmp_path_factory.mktemp("maps")
-    save(identity_mapset(family["S"].identity, version="1.0.0"), root)
-    return root
+def maps_dir(self_maps):
+    return self_maps
 
 
 def _kw(family):
-    s = family["S"].identity
-    return dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer)
+    return spec_kw(family["S"])
 
 
 def _published(family, url, tokens=64, seed=1, first=100, tenant="acme"):

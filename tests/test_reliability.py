@@ -2,7 +2,6 @@
 and nothing is lost."""
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -10,24 +9,19 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvferry.client.client import ClientOptions, TranslateClient
-from kvferry.mappings.artifact import save
-from kvferry.mappings.fit import identity_mapset
 
-from conftest import make_kv, sample, wait_until
+from conftest import make_kv, sample, spec_kw, wait_until
 
 WORKERS, PER_WORKER = 4, 12
 
 
 @pytest.fixture(scope="module")
-def maps_dir(tmp_path_factory, family):
-    root = tmp_path_factory.mktemp("maps")
-    save(identity_mapset(family["S"].identity, version="1.0.0"), root)
-    return root
+def maps_dir(self_maps):
+    return self_maps
 
 
 def _kw(family):
-    s = family["S"]
-    return dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
+    return spec_kw(family["S"])
 
 
 def _load(options: ClientOptions, family, during, token_ids: bool = False):

@@ -10,23 +10,19 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
-from kvferry.mappings.artifact import save
 from kvferry.mappings.errors import InvalidInput
 from kvferry.common.errors import PermissionDenied, Unauthenticated
-from kvferry.mappings.fit import identity_mapset
 from kvferry.sidecar.auth import Authenticator
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-from conftest import ROOT, make_certs, make_kv, sample
+from conftest import ROOT, make_certs, make_kv, sample, spec_kw
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef00"
 
 
 @pytest.fixture(scope="module")
-def maps_dir(tmp_path_factory, family):
-    root = tmp_path_factory.mktemp("maps")
-    save(identity_mapset(family["S"].identity, version="1.0.0"), root)
-    return root
+def maps_dir(self_maps):
+    return self_maps
 
 
 @pytest.fixture
@@ -37,8 +33,7 @@ def tokens_file(tmp_path):
 
 
 def _kw(family):
-    s = family["S"]
-    return dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
+    return spec_kw(family["S"])
 
 
 def _code(fn) -> grpc.StatusCode:

@@ -447,7 +447,7 @@ def cmd_card(out: Path) -> None:
         "  checkpoint is the best by recall + copy - nll/10 after the warm-up.",
         "- Weights are stored in float16 (loaded as float32); `max_position_embeddings` is 8192 for timing long prompts,",
         "  but quality is only measured within the trained 512 tokens.", "",
-        "## Long-range recall: what was tried (this repository's first session, 2026-11-29)", "",
+        "## Long-range recall: what was tried", "",
         "The target was recall >= 50% for T with full context. It was not reached. Runs 1-3 were not kept, so they are",
         "described without numbers; run 4 is the shipped recipe, measured in the table above.",
         "1. No warm-up; every batch 50% code, 25% recall documents, 25% copy rows: S learned neither copying nor recall.",
