@@ -20,7 +20,7 @@ import time
 import torch
 
 from kvferry import paths, pretrained
-from kvferry.report import print_evidence
+from kvferry.report import print_cascade_path, print_evidence
 
 SOURCE, TARGET = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 REFRESH = 16
@@ -63,9 +63,8 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
-    from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.capture import capture_kv, kv_slice, load_model
+    from kvferry.mappings.capture import capture_kv, load_model
     from kvferry.mappings.errors import InvalidInput
     from kvferry.mappings.evaluate import greedy_continuation
     from kvferry.quiet import quiet_transformers
@@ -116,11 +115,7 @@ def run(a: argparse.Namespace) -> int:
             cascade.close()
         ttft = f"  (to first token {res.ttft_seconds:.1f} s after the 0.5B's {t_source:.1f} s prefill)"
         print(f"   kvferry from the 0.5B's cache    : {match(res.tokens)}  {dec(res.tokens)}{ttft}")
-        print(f"      path: {res.path} ({res.reason[:240]}{'…' if len(res.reason) > 240 else ''})", flush=True)
-        if res.path != "mapped":
-            mapped = apply(ms, kv_slice(src_kv, 0, n - REFRESH), 0)
-            forced = greedy_continuation(target.model, ids, mapped, CONTINUE, pad)
-            print(f"      what the refused map would have said (in-process, never served): {match(forced)}  {dec(forced)}")
+        print_cascade_path(res, ms, target.model, ids, src_kv, REFRESH, CONTINUE, pad, lambda t: f"{match(t)}  {dec(t)}")
     verdict = ("the map passes every gate and serves" if not problems else
                "the gate refuses the map on the evidence above, so the cascade answered with the 1.5B's own prefill")
     print(f"\n   done in {time.perf_counter() - t_start:.0f}s: {verdict}.\n", flush=True)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvferry import paths, pretrained
-from kvferry.report import print_evidence
+from kvferry.report import print_cascade_path, print_evidence
 
 TARGET = "smollm2-135m"
 SOURCES = (10, 18, 25)  # depth cuts with shipped maps: the first N layers of the target
@@ -60,9 +60,8 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
-    from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.capture import capture_kv, kv_slice, load_model, read_corpus, token_stream
+    from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_stream
     from kvferry.mappings.copy_probe import CopySettings, make_examples
     from kvferry.mappings.errors import InvalidInput
     from kvferry.mappings.evaluate import greedy_continuation
@@ -126,11 +125,8 @@ def run(a: argparse.Namespace) -> int:
             label = f"kvferry from the {cut}-layer source"
             ttft = f"  (to first token {res.ttft_seconds * 1e3:.0f} ms)" if res.path == "mapped" else ""
             print(f"   {label:<38}: {_match(res.tokens, want)}  {dec(res.tokens)}{ttft}")
-            print(f"      path: {res.path} ({res.reason[:200]}{'…' if len(res.reason) > 200 else ''})", flush=True)
-            if res.path != "mapped":
-                mapped = apply(ms, kv_slice(src_kv, 0, n - REFRESH), 0)
-                forced = greedy_continuation(target.model, ids, mapped, CONTINUE, pad)
-                print(f"      what the refused map would have said (in-process, never served): {_match(forced, want)}  {dec(forced)}")
+            print_cascade_path(res, ms, target.model, ids, src_kv, REFRESH, CONTINUE, pad,
+                               lambda t: f"{_match(t, want)}  {dec(t)}")
     print(f"\n   done in {time.perf_counter() - t_start:.0f}s. The gate reads the copy probe: a map that loses the distant "
           "passage is never served; the cascade falls back to the target's own prefill instead of answering wrongly.")
     return 0

@@ -27,3 +27,17 @@ def print_evidence(ms, summary: list[str]) -> list[str]:
     problems = Gates().failures(ev)
     print("   serving gate:", "PASS" if not problems else "REFUSED: " + "; ".join(problems), "\n", flush=True)
     return problems
+
+
+def print_cascade_path(res, ms, target_model, ids, src_kv, refresh: int, new_tokens: int, pad: int, describe) -> None:
+    """After a cascade's answer ``res``: the path it took and why; when it fell back, what the map would have said
+    (applied in-process to the source's cache ``src_kv``, never served), with ``describe(tokens)`` as its text."""
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.capture import kv_slice
+    from kvferry.mappings.evaluate import greedy_continuation
+
+    print(f"      path: {res.path} ({res.reason[:240]}{'…' if len(res.reason) > 240 else ''})", flush=True)
+    if res.path != "mapped":
+        n = ids.shape[1]
+        forced = greedy_continuation(target_model, ids, apply(ms, kv_slice(src_kv, 0, n - refresh), 0), new_tokens, pad)
+        print(f"      what the refused map would have said (in-process, never served): {describe(forced)}", flush=True)
