@@ -17,7 +17,7 @@ from kvferry.mappings.fit import identity_mapset
 from kvferry.sidecar.config import SidecarConfig, from_sources
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-from conftest import make_kv
+from conftest import make_kv, wait_until
 
 
 def test_config_precedence_and_validation(tmp_path):
@@ -78,30 +78,41 @@ def test_sigterm_drains_in_flight_streams(tmp_path, family):
     try:
         kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32)
         reqs = list(encode_requests(make_spec(kv, "S__S-self"), kv, chunk_tokens=32))
-        sent_half = threading.Event()
+        got_header, release = threading.Event(), threading.Event()
 
         def slow():
             yield from reqs[:4]
-            sent_half.set()
-            time.sleep(1.5)  # SIGTERM arrives while this stream is in flight
+            release.wait(30)  # the stream stays in flight until the drain has been seen refusing new ones
             yield from reqs[4:]
 
         result = {}
 
         def run():
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                result["msgs"] = [m.WhichOneof("msg") for m in pb_grpc.TranslateServiceStub(ch).Translate(slow(), timeout=30)]
+                msgs = []
+                for m in pb_grpc.TranslateServiceStub(ch).Translate(slow(), timeout=30):
+                    msgs.append(m.WhichOneof("msg"))
+                    got_header.set()  # the sidecar has opened this stream
+                result["msgs"] = msgs
 
         t = threading.Thread(target=run)
         t.start()
-        assert sent_half.wait(20)
-        time.sleep(0.2)
+        assert got_header.wait(20)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # new streams are refused while draining
-            with pytest.raises(grpc.RpcError) as e:
-                list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=5))
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        codes = []
+
+        def refused() -> bool:  # new streams are refused while draining
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                try:
+                    list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=5))
+                    return False
+                except grpc.RpcError as err:
+                    codes.append(err.code())
+                    return True
+
+        wait_until(refused, 20, "a new stream refused after SIGTERM")
+        release.set()
+        assert codes[-1] == grpc.StatusCode.UNAVAILABLE
         t.join(30)
         assert result["msgs"][0] == "header" and result["msgs"][-1] == "trailer" and result["msgs"].count("block") == 4
         assert proc.wait(30) == 0
@@ -129,18 +140,19 @@ def test_cancels_are_counted_as_cancels(tmp_path, family):
             yield from small_reqs[:5]
             time.sleep(3)  # the caller cancels while the sidecar waits for the rest
 
-        for requests, reads in [(stalls, 1)] * 4 + [(lambda: iter(big_reqs), 2)] * 4:
+        def counts() -> dict[str, float]:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            return {c: float(v) for c, v in re.findall(r'kvferry_requests_total\{code="(\w+)",method="Translate"\} ([\d.]+)', text)}
+
+        for i, (requests, reads) in enumerate([(stalls, 1)] * 4 + [(lambda: iter(big_reqs), 2)] * 4):
             with grpc.insecure_channel(f"127.0.0.1:{port}", [("grpc.http2.bdp_probe", 0)]) as ch:
                 call = pb_grpc.TranslateServiceStub(ch).Translate(requests(), timeout=30)
                 for _ in range(reads):
                     next(call)  # the header (and the first block)
                 time.sleep(0.1 if reads == 1 else 0)  # the sidecar has read all that was sent, and waits for more
                 call.cancel()
-                time.sleep(0.3)
-        time.sleep(0.5)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-        counts = dict(re.findall(r'kvferry_requests_total\{code="(\w+)",method="Translate"\} ([\d.]+)', text))
-        assert counts == {"CANCELLED": "8.0"}, counts
+                wait_until(lambda: sum(counts().values()) >= i + 1, 20, f"stream {i + 1} counted")
+        assert counts() == {"CANCELLED": 8.0}
     finally:
         proc.kill()
         proc.wait(30)
