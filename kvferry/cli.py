@@ -197,6 +197,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     """A map artifact's provenance, per-layer held-out R² (from its fit) and gate verdict, read from the manifest."""
     from kvferry.mappings.artifact import load
     from kvferry.mappings.gates import Gates
+    from kvferry.report import print_evidence
 
     ms = load(a.artifact)
     tl = ms.target.geometry.layers
@@ -209,10 +210,15 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         d = ms.fit["distilled"]
         print(f"distilled through the target from version {d.get('base_version', '?')} (layers >= {d.get('from_layer', '?')}, "
               f"{d.get('epochs', '?')} epochs): their fit R² is n/a; `kvferry eval` measures them")
+        held = [f"{e['held_kl']:.4f}" for e in d.get("log", []) if "held_kl" in e]
+        if held:
+            print(f"held-out tail KL by epoch (0: the starting map): {', '.join(held)}")
     windowed = sorted(f"{t}{kind.upper()}" for (t, kind), m in ms.maps.items() if m.window > 1)
     if windowed:
         print(f"windowed maps (read the {ms.context} source tokens before each token; translate from position 0): "
               + ", ".join(windowed))
+    if ms.evidence and not a.brief:
+        print_evidence(ms, [], verdict=False)
     serves, problems = Gates().verdict(ms.evidence)
     print("serving gates (defaults): " + ("pass" if serves else "fail: " + "; ".join(problems)))
     return 0
@@ -344,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     mps = sub.add_parser("maps", help="map artifacts: inspect one, fetch a bundle")
     mpsub = mps.add_subparsers(dest="maps_action", required=True)
-    ins = mpsub.add_parser("inspect", help="a map artifact's provenance, per-layer held-out R² and gate verdict")
+    ins = mpsub.add_parser("inspect", help="a map artifact's provenance, per-layer held-out R², evidence and gate verdict")
     ins.add_argument("artifact", type=Path, help="maps/<source>__<target>/<version>")
+    ins.add_argument("--brief", action="store_true", help="leave out the evidence's tables")
     ins.set_defaults(func=cmd_inspect)
     fm = mpsub.add_parser("fetch", help="download and unpack a .tar.gz of map artifacts, verifying each (init containers)")
     fm.add_argument("--url", required=True)

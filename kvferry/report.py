@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def print_evidence(ms, summary: list[str]) -> list[str]:
-    """Print ``ms``'s evidence (after the ``summary`` lines) and return the gate's failures (empty: it serves)."""
+def print_evidence(ms, summary: list[str], verdict: bool = True) -> list[str]:
+    """Print ``ms``'s evidence (after the ``summary`` lines) and, with ``verdict``, the gate's; return the gate's
+    failures (empty: it serves)."""
     from kvferry.mappings.completion import format_completion_table
     from kvferry.mappings.copy_probe import format_copy_table
     from kvferry.mappings.evaluate import format_table
@@ -25,7 +26,8 @@ def print_evidence(ms, summary: list[str]) -> list[str]:
         if present:
             print(table())
     problems = Gates().failures(ev)
-    print("   serving gate:", "PASS" if not problems else "REFUSED: " + "; ".join(problems), "\n", flush=True)
+    if verdict:
+        print("   serving gate:", "PASS" if not problems else "REFUSED: " + "; ".join(problems), "\n", flush=True)
     return problems
 
 

@@ -63,6 +63,11 @@ def test_inspect_prints_the_manifest_r2_and_the_gate_verdict():
     k = [m["heldout_r2"] for m in sorted(manifest["maps"], key=lambda m: m["target_layer"]) if m["kind"] == "k"]
     assert "held-out R² of K by target layer: " + ", ".join(f"{x:.2f}" for x in k) in r.stdout
     assert "serving gates (defaults): pass" in r.stdout
+    refresh = manifest["evidence"]["arms"]["mapped_refresh"]  # the evidence's own tables, as the demo prints them
+    assert f"| mapped_refresh   | {refresh['top1']:12.3f} | {refresh['top10']:12.3f} | {refresh['kl']:12.3f} |" in r.stdout
+    brief = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", "--brief", str(ROOT / "maps" / "S__T" / "1.1.0")],
+                           capture_output=True, text=True, timeout=120)
+    assert "mapped_refresh" not in brief.stdout and "serving gates (defaults): pass" in brief.stdout
     gated = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", str(ROOT / "maps" / "smollm2-135m-l10__smollm2-135m" / "0.1.0")],
                            capture_output=True, text=True, timeout=120)
     assert gated.returncode == 0 and "serving gates (defaults): fail: " in gated.stdout and "long-range copy" in gated.stdout
