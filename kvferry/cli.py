@@ -213,6 +213,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         held = [f"{e['held_kl']:.4f}" for e in d.get("log", []) if "held_kl" in e]
         if held:
             print(f"held-out tail KL by epoch (0: the starting map): {', '.join(held)}")
+        measured = (ms.evidence or {}).get("layers", [])
+        for kind in ("k", "v"):
+            r2 = {r["layer"]: r["r2"] for r in measured if r["kind"] == kind}
+            if r2:
+                print(f"R² of {kind.upper()} by target layer on the evaluation's held-out prompts: "
+                      + ", ".join(f"{r2[t]:.2f}" if t in r2 else "n/a" for t in range(tl)))
     windowed = sorted(f"{t}{kind.upper()}" for (t, kind), m in ms.maps.items() if m.window > 1)
     if windowed:
         print(f"windowed maps (read the {ms.context} source tokens before each token; translate from position 0): "
