@@ -1,10 +1,11 @@
-"""Which dtype a map's matmul runs in: the stored dtype where the device has fast kernels for it, else float32.
+"""Which dtype a map's matmul runs in: the stored dtype where the device has native kernels for it, else float32.
 
 A bfloat16 map is applied as if its inputs and weights were rounded to bfloat16 and its output rounded to bfloat16
 (that is what its evidence measured). Products of two bfloat16 numbers are exact in float32 and the kernels
 accumulate in float32 either way, so running such a map in float32 gives the same result up to summation order. It
-matters on CPUs without AVX-512: there torch has no oneDNN bfloat16 GEMM and falls back to a scalar loop that
-measured 40-70x slower than float32.
+matters on every x86 CPU without bfloat16 instructions (AVX512_BF16 or AMX): on one with AVX-512 alone, oneDNN's
+bfloat16 GEMM of 2,032 x 1,024 by 1,024 x 512 took 69 ms against 22 ms in float32 (2 threads); without AVX-512, torch
+falls back to a scalar loop 40-70x slower than float32.
 """
 
 from __future__ import annotations
@@ -14,13 +15,29 @@ import functools
 import torch
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (x86 "flags", Arm "Features"); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
 def _cpu_has_fast_bf16() -> bool:
-    """What torch's own CPU matmul dispatch asks before taking the oneDNN bfloat16 GEMM (AVX-512 BW/VL/DQ, AMX, or
-    Arm's BF16 extension)."""
+    """Whether the CPU multiplies bfloat16 natively: x86 with AVX512_BF16 or AMX, Arm with its BF16 extension. Where
+    the flags cannot be read, what torch's own CPU matmul dispatch asks before taking oneDNN's bfloat16 GEMM."""
+    flags = _cpu_flags()
+    if flags:
+        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch without the op: AVX-512 is what the GEMM needs
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.cache
@@ -33,8 +50,8 @@ def _fast_bf16(device: torch.device) -> bool:
 
 
 def fast_bf16(device: torch.device | str) -> bool:
-    """Whether ``device`` multiplies bfloat16 matrices at least as fast as float32 ones (asked once per device: apply
-    asks on every matmul)."""
+    """Whether ``device`` multiplies bfloat16 matrices natively, at least as fast as float32 ones (asked once per
+    device: apply asks on every matmul)."""
     return _fast_bf16(torch.device(device))
 
 

@@ -33,6 +33,5 @@ if [ "${QWEN:-0}" = 1 ]; then
   $K eval maps/$P/0.6.1 $Q --prompts 30 --max-len 384 --greedy-prompts 4 --recall-prompts 0 --copy-gaps 500,1000,3000 \
     --copy-prompts 12 --prose data/prose_heldout.jsonl --prose-prompts 20 --completion-tasks 16 --json $R/eval_qwen.json
   rm -rf runs/bench_maps && mkdir -p runs/bench_maps && cp -r maps/$P runs/bench_maps/
-  $K --threads 2 bench translate $Q --maps-dir runs/bench_maps --sizes 2048 --reps 2 --json $R/bench_translate_qwen_2048.json
-  $K --threads 2 bench translate $Q --maps-dir runs/bench_maps --sizes 8192 --reps 1 --json $R/bench_translate_qwen_8192.json
+  $K --threads 2 bench translate $Q --maps-dir runs/bench_maps --sizes 2048 8192 --reps 1 --json $R/bench_translate_qwen.json
 fi
