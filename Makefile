@@ -57,7 +57,7 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP) redis-server
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py
 
-# The request-stream fuzz at benchmark size: 10,000 generated streams against a real sidecar (README, Reliability).
+# The request-stream fuzz at benchmark size: 10,000 generated streams against a real sidecar (docs/benchmarks.md, "Load and faults").
 .PHONY: fuzz
 fuzz: $(STAMP)
 	KVFERRY_FUZZ_CASES=10000 KVFERRY_FUZZ_REPORT=runs/results/fuzz.json $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py

@@ -5,7 +5,7 @@ lanes (``plan``), so they all work while the rest of the upload arrives.
 Why: torch's intra-op pool ends every operation at a barrier that waits for its slowest thread, and token slices of
 each map step on several threads still meet once a step. While transfers share the cores, a preempted
 thread stalls every meeting. Lanes meet only where their outputs are joined, and the thread feeding them does not
-wait for them (docs/benchmarks.md, "Translate").
+wait for them (docs/benchmarks.md, "Where the RPC's time goes").
 
 Maps are per token, so a lane needs only its own tokens' source features; a windowed map's lane also reads the
 ``context`` tokens before its first (pushed to it, read, never mapped), as any translation starting past position 0

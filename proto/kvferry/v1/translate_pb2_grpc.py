@@ -68,7 +68,7 @@ class TranslateServiceServicer:
         """Translate a prefix whose source KV is in the prefix store, in one request message. The response
         stream (header, blocks, trailer) and every status code are exactly those of a Translate stream
         that sends the same header and half-closes; the call saves Translate's second message and its
-        round trip (key-only hits took up to 8% less time here, docs/benchmarks.md). A header without
+        round trip. A header without
         prefix_key is INVALID_ARGUMENT: stream its source KV through Translate. Size limits, auth,
         tenants and the stream cap apply as to Translate. A sidecar older than this method answers
         UNIMPLEMENTED ("Method not found!"): send the header through Translate instead (the Python
