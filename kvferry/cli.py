@@ -203,9 +203,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     tl = ms.target.geometry.layers
     print(f"{ms.name} {ms.version}: {ms.source.name} ({ms.source.geometry.layers} layers) -> {ms.target.name} ({tl} layers), "
           f"{str(ms.dtype).removeprefix('torch.')}, fitted on {ms.calibration.get('tokens', '?')} tokens")
+    def r2_line(label: str, r2: dict[int, float]) -> str:
+        cell = lambda x: "n/a" if x is None or x != x else f"{x:.2f}"  # noqa: E731 - n/a: not measured (absent or NaN)
+        return label + ", ".join(cell(r2.get(t)) for t in range(tl))
+
     for kind in ("k", "v"):
-        r2 = [ms.maps[(t, kind)].heldout_r2 for t in range(tl)]
-        print(f"held-out R² of {kind.upper()} by target layer: " + ", ".join("n/a" if x != x else f"{x:.2f}" for x in r2))
+        print(r2_line(f"held-out R² of {kind.upper()} by target layer: ", {t: ms.maps[(t, kind)].heldout_r2 for t in range(tl)}))
     if "distilled" in ms.fit:
         d = ms.fit["distilled"]
         print(f"distilled through the target from version {d.get('base_version', '?')} (layers >= {d.get('from_layer', '?')}, "
@@ -217,8 +220,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         for kind in ("k", "v"):
             r2 = {r["layer"]: r["r2"] for r in measured if r["kind"] == kind}
             if r2:
-                print(f"R² of {kind.upper()} by target layer on the evaluation's held-out prompts: "
-                      + ", ".join(f"{r2[t]:.2f}" if t in r2 else "n/a" for t in range(tl)))
+                print(r2_line(f"R² of {kind.upper()} by target layer on the evaluation's held-out prompts: ", r2))
     windowed = sorted(f"{t}{kind.upper()}" for (t, kind), m in ms.maps.items() if m.window > 1)
     if windowed:
         print(f"windowed maps (read the {ms.context} source tokens before each token; translate from position 0): "
