@@ -198,38 +198,44 @@ def _token_ids(token_ids) -> tuple[int, ...]:
 
 
 class _Collector:
-    def __init__(self, region: Lease | None = None):
+    def __init__(self, region: Lease | None = None, keep: bool = True):
         self.region = region  # the call's response region: its messages arrive undecoded, and are decoded against it
+        self.keep = keep  # keep the blocks for the result (a stream hands them on instead)
+        self.handed = 0  # blocks decoded so far
         self.info = None
         self.blocks: list[Block] = []
         self.stats = None
         self.t0 = time.perf_counter()
         self.first_block = 0.0
 
-    def take(self, msg: pb.TranslateResponse | Block | bytes) -> None:
+    def take(self, msg: pb.TranslateResponse | Block | bytes) -> Block | None:
+        """Decode one response message; the block it carried, if any."""
         if isinstance(msg, bytes):
             msg = wire.decode_response(msg, self._taken())
         if isinstance(msg, Block):  # decoded in place by wire.decode_response
-            self._block(msg)
-            return
+            return self._block(msg)
         which = msg.WhichOneof("msg")
         if which == "header":
             self.info = wire.info_from_pb(msg.header)
         elif which == "block":
-            self._block(wire.block_from_pb(msg.block, self._taken()))
+            return self._block(wire.block_from_pb(msg.block, self._taken()))
         elif which == "trailer":
             self.stats = wire.stats_from_pb(msg.trailer)
+        return None
 
     def _taken(self) -> Lease | None:
         """The region, once the response header said the sidecar took it (tensors may then lie there)."""
         return self.region if self.info is not None and self.info.response_region else None
 
-    def _block(self, b: Block) -> None:
-        if not self.blocks:
+    def _block(self, b: Block) -> Block:
+        if not self.handed:
             self.first_block = time.perf_counter() - self.t0
         if self.info is not None and self.info.layout == PAGED and not self.info.pages_per_block:
             b.key, b.value = b.key[None], b.value[None]  # one page a block, sent [block_size, H, D]: one page
-        self.blocks.append(b)
+        if self.keep:
+            self.blocks.append(b)
+        self.handed += 1
+        return b
 
     def result(self, attempts: int) -> TranslateResult:
         if self.info is None or self.stats is None:
@@ -283,6 +289,16 @@ def _retryable(err: grpc.RpcError) -> bool:
 def _delay(opts: ClientOptions, attempt: int, err: grpc.RpcError) -> float:
     """Exponential backoff with jitter, never shorter than the server's RetryInfo, never longer than MAX_RETRY_WAIT."""
     return min(MAX_RETRY_WAIT, max(opts.backoff * (2 ** attempt) * (0.5 + random.random()), retry_hint(err) or 0.0))
+
+
+def _retry_wait(opts: ClientOptions, attempt: int, err: grpc.RpcError, deadline: "_Deadline", handed: bool) -> float | None:
+    """Seconds to wait before retrying a call whose attempt ``attempt`` (0-based) failed with ``err``; None: give up
+    and raise it. Never after a stream handed blocks to its caller, past ``opts.retries``, for a status that is not
+    retryable, or where the wait would end past the caller's deadline."""
+    wait = _delay(opts, attempt, err)
+    if handed or attempt >= opts.retries or not _retryable(err) or not deadline.allows(wait):
+        return None
+    return wait
 
 
 class _Deadline:
@@ -427,37 +443,122 @@ class TranslateClient:
         layers = cache_layers(cache)
         spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
         timeout = self.options.timeout if timeout is None else timeout
-        if self.direct is not None and spec.prefix_key:
-            try:
-                if self.direct.maps_stale:
-                    self.direct.set_maps(self.list_mappings())
-                hit = self.direct.answer(spec)
-            except grpc.RpcError:
-                hit = None  # the sidecar's own path below retries and fails over
-            if hit is not None:
-                return _direct_result(hit)
+        hit = self._direct_hit(spec)
+        if hit is not None:
+            return _direct_result(hit)
+        return _returned(self._attempts(spec, layers, timeout))
+
+    def stream(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
+               token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
+               pages_per_block: int = ALL_PAGES, target_dtype: torch.dtype | None = None, tenant: str = "",
+               prefix_key: str = "", source_dtype: torch.dtype | None = None,
+               timeout: float | None = None) -> "TranslateStream":
+        """As ``translate``, but the blocks are handed over as they arrive (a TranslateStream to iterate), so a
+        caller can import the first target layers while later ones are still on the wire."""
+        layers = cache_layers(cache)
+        spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
+        timeout = self.options.timeout if timeout is None else timeout
+        out = TranslateStream()
+        out._blocks = self._streamed(spec, layers, timeout, out)
+        return out
+
+    def _streamed(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "TranslateStream"):
+        hit = self._direct_hit(spec)
+        if hit is not None:
+            out.info, out.stats, out.attempts = hit.info, hit.stats, 0
+            yield from hit.blocks
+            return
+        yield from self._attempts(spec, layers, timeout, out)
+
+    def _direct_hit(self, spec: TranslateSpec):
+        if self.direct is None or not spec.prefix_key:
+            return None
+        try:
+            if self.direct.maps_stale:
+                self.direct.set_maps(self.list_mappings())
+            return self.direct.answer(spec)
+        except grpc.RpcError:
+            return None  # the sidecar's own path retries and fails over
+
+    def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "TranslateStream | None" = None):
+        """One call's attempts, retried by ``_retry_wait``; returns the TranslateResult. With ``out`` (a stream) each
+        block is yielded as it is decoded and ``out`` gets the header and trailer; without, nothing is yielded."""
         attempt, deadline = 0, _Deadline(timeout)
         while True:
             region = self.regions.lease() if self.regions is not None else None
-            col = _Collector(region)
-            ok = False
+            col = _Collector(region, keep=out is None)
+            call, ok = None, False
             try:
-                for msg in self.endpoints.call(spec, layers, deadline.remaining(), region):
-                    col.take(msg)
+                call = self.endpoints.call(spec, layers, deadline.remaining(), region)
+                for msg in call:
+                    block = col.take(msg)
+                    if out is not None:
+                        out.info = col.info
+                        if block is not None:
+                            yield block
                 result, ok = col.result(attempt + 1), True
+                if out is not None:
+                    out.stats, out.attempts, out.first_block_seconds = result.stats, result.attempts, result.first_block_seconds
                 return result
             except grpc.RpcError as err:
-                if self.endpoints.by_key_refused(spec, layers, err):
+                handed = out is not None and col.handed > 0
+                if not handed and self.endpoints.by_key_refused(spec, layers, err):
                     continue  # the same attempt, through Translate
-                wait = _delay(self.options, attempt, err)
-                if attempt >= self.options.retries or not _retryable(err) or not deadline.allows(wait):
+                wait = _retry_wait(self.options, attempt, err, deadline, handed)
+                if wait is None:
                     raise error_for(err) from None
                 self.endpoints.fail_over()
                 time.sleep(wait)
                 attempt += 1
             finally:
+                if not ok and call is not None:
+                    call.cancel()  # a stream its caller closed early: the sidecar stops at once
                 if region is not None:
                     region.release(ok)
+
+
+def _returned(attempts):
+    """The TranslateResult of ``_attempts`` run without a stream (it yields nothing)."""
+    try:
+        next(attempts)
+    except StopIteration as done:
+        return done.value
+    attempts.close()
+    raise AssertionError("a call without a stream yields no block")
+
+
+class TranslateStream:
+    """A translation's blocks as they arrive (``TranslateClient.stream``): iterate it for each Block, in the order the
+    sidecar sends them: a key-only answer (or a source sent in one token range) layer after layer, a source uploaded
+    in token ranges range by range, each layer's ranges in order. ``info`` is set once the
+    header has arrived, ``stats`` once the trailer has, after the last block. A failure before the first block is
+    retried as ``translate`` retries it; after it, the failure is raised: the caller holds blocks it cannot take
+    back. Closing the stream early (``close``, or leaving its ``with`` block) cancels the call. Blocks view the bytes
+    they arrived in, as TranslateResult's do."""
+
+    def __init__(self) -> None:
+        self.info: TargetInfo | None = None
+        self.stats: Stats | None = None
+        self.attempts = 0
+        self.first_block_seconds = 0.0
+        self._blocks: Iterator[Block] = iter(())
+
+    def __iter__(self) -> "TranslateStream":
+        return self
+
+    def __next__(self) -> Block:
+        return next(self._blocks)
+
+    def close(self) -> None:
+        close = getattr(self._blocks, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "TranslateStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class AsyncTranslateClient:
@@ -521,8 +622,8 @@ class AsyncTranslateClient:
             except grpc.RpcError as err:
                 if self.endpoints.by_key_refused(spec, layers, err):
                     continue  # the same attempt, through Translate
-                wait = _delay(self.options, attempt, err)
-                if attempt >= self.options.retries or not _retryable(err) or not deadline.allows(wait):
+                wait = _retry_wait(self.options, attempt, err, deadline, False)
+                if wait is None:
                     raise error_for(err) from None
                 self.endpoints.fail_over()
                 await asyncio.sleep(wait)

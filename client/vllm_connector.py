@@ -12,10 +12,13 @@ the store how many leading blocks of the prompt are published (a side-effect-fre
 map is servable, reports them as matched tokens, minus the tail the target recomputes itself. The
 worker then asks the sidecar to translate that prefix by key (contiguous: fewer, larger messages) and writes
 each token into vLLM's paged KV cache (or, with ``direct_reads``, reads a full hit from the store itself); vLLM
-computes only the uncovered tail. By default the load is asynchronous: the request waits for its translation (vLLM's
-WAITING_FOR_REMOTE_KVS) while the engine keeps stepping other requests, and ``get_finished`` reports it when the
-translation is in its pages. If the translation fails, the blocks are reported as load errors and vLLM recomputes
-them: a request never fails because of us.
+computes only the uncovered tail. Each block is written into its pages as it arrives (client.stream). By default the
+load is asynchronous: the request waits for its translation (vLLM's WAITING_FOR_REMOTE_KVS) while the engine keeps
+stepping other requests, and ``get_finished`` reports it when the translation is in its pages. With ``async_loads``
+off, the load runs inside the step that first schedules the request, layer by layer: the forward starts at once and
+each attention layer waits for its own layer's pages only (``wait_for_layer_load``), so the first layers' attention
+overlaps the arrival of later ones. If the translation fails, the blocks are reported as load errors and vLLM
+recomputes them: a request never fails because of us.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvferry.common.errors import InvalidInput
 
 from .connector_config import ConnectorConfig
-from .importers import vllm_cpu_views, write_pages
+from .importers import vllm_cpu_views
+from .layer_load import LayerLoad, write_stream
 from .rollout import effective_refresh
 from kvferry.common.prefix import Namespace, block_hashes, model_key
 
@@ -104,6 +108,9 @@ class KvferryConnector(KVConnectorBase_V1):
         self._errors_lock = threading.Lock()  # asynchronous loads fail on the loader thread
         self._loader: ThreadPoolExecutor | None = None  # worker: the thread asynchronous loads run on
         self._loading: dict[str, Future] = {}
+        self._layer_by_layer = self.cfg.layer_by_layer  # off for good if the attention backend never waits for a layer
+        self._step_loads: list[tuple[_Load, LayerLoad, Future]] = []  # this step's loads, arriving layer by layer
+        self._waited: set[int] = set()  # the layers this step's forward waited for
         self._collected: dict[str, tuple[_Save, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # per layer K, V
         self._prefilling: dict[str, _Save] = {}  # scheduler side: prompts whose prefill has not finished
         self._loaded_once: set[str] = set()  # scheduler side: requests given an asynchronous load already
@@ -275,28 +282,48 @@ class KvferryConnector(KVConnectorBase_V1):
             out[int(m.group(1))] = kv[0] if isinstance(kv, (list, tuple)) else kv
         return out
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-by-layer loads wait between attention layers, which a whole-model CUDA graph would skip."""
+        try:
+            cfg = ConnectorConfig.from_extra(dict(extra_config or {}))
+        except InvalidInput:
+            return True
+        return cfg.layer_by_layer and not cfg.async_loads
+
+    def _loader_pool(self) -> ThreadPoolExecutor:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-load")
+        return self._loader
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvferryMetadata) or not meta.loads:
             return
         layers = self._attention_layers(forward_context)
         for load in meta.loads:
+            progress = LayerLoad(len(layers), len(load.token_ids) - load.start)
             if load.asynchronous:
-                if self._loader is None:
-                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvferry-load")
-                self._loading[load.req_id] = self._loader.submit(self._load_or_report, load, layers)
+                self._loading[load.req_id] = self._loader_pool().submit(self._load_or_report, load, layers, progress)
+            elif self._layer_by_layer:  # the forward starts now; wait_for_layer_load holds each layer until it is in
+                self._step_loads.append((load, progress, self._loader_pool().submit(self._load_or_report, load, layers,
+                                                                                     progress)))
             else:
-                self._load_or_report(load, layers)
+                self._load_or_report(load, layers, progress)
 
-    def _load_or_report(self, load: _Load, layers: dict[int, torch.Tensor]) -> None:
+    def _load_or_report(self, load: _Load, layers: dict[int, torch.Tensor], progress: LayerLoad) -> None:
         try:
-            self._load(load, layers)
+            self._load(load, layers, progress)
         except Exception as e:  # noqa: BLE001 - vLLM recomputes these blocks; the request goes on
-            first, last = load.start // self.block_size, (len(load.token_ids) - 1) // self.block_size
-            with self._errors_lock:
-                self._load_errors.update(load.block_ids[first : last + 1])
-            log.warning("kvferry: translation for %s failed (%s); vLLM recomputes %d blocks", load.req_id, e,
-                        last - first + 1)
+            progress.fail(e)
+            self._report(load, e)
+
+    def _report(self, load: _Load, error: Exception) -> None:
+        """The load's blocks (those it was to fill) as load errors: vLLM recomputes them."""
+        first, last = load.start // self.block_size, (len(load.token_ids) - 1) // self.block_size
+        with self._errors_lock:
+            self._load_errors.update(load.block_ids[first : last + 1])
+        log.warning("kvferry: translation for %s failed (%s); vLLM recomputes %d blocks", load.req_id, error, last - first + 1)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous load is over (in their pages, or its blocks reported as load errors)."""
@@ -305,7 +332,7 @@ class KvferryConnector(KVConnectorBase_V1):
             del self._loading[r]
         return None, done or None
 
-    def _load(self, load: _Load, layers: dict[int, torch.Tensor]) -> None:
+    def _load(self, load: _Load, layers: dict[int, torch.Tensor], progress: LayerLoad) -> None:
         source = self._source(load.version)
         if source is None:
             raise RuntimeError("map not servable")
@@ -313,19 +340,54 @@ class KvferryConnector(KVConnectorBase_V1):
         # Contiguous blocks, paged here: a paged answer is a message per page, which made a key-only hit 3x / 4x
         # slower than the same hit contiguous at 2048 / 8192 tokens in pages of 128 (vLLM's CPU default), 15x / 23x
         # in pages of 16 (its GPU default).
-        res = self.client().translate(None, self.cfg.map_name, load.version, token_ids=load.token_ids, prefix_key=key,
+        stream = self.client().stream(None, self.cfg.map_name, load.version, token_ids=load.token_ids, prefix_key=key,
                                       tenant=self.cfg.tenant, source_geometry=source[0], tokenizer=source[1])
-        if res.info.num_tokens < len(load.token_ids):
-            raise RuntimeError(f"the sidecar translated {res.info.num_tokens} of {len(load.token_ids)} tokens")
         views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        table = torch.as_tensor(load.block_ids)  # once, not per block
-        for b in res.blocks:  # [kv_heads, tokens, head_dim], cut anywhere: each token into its page and slot
-            if b.layer not in views:
-                views[b.layer] = vllm_cpu_views(layers[b.layer])
-            write_pages(b, *views[b.layer], table, load.start)
+
+        def view(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if layer not in views:
+                views[layer] = vllm_cpu_views(layers[layer])
+            return views[layer]
+
+        def covering():  # every block of an answer that covers the whole prefix
+            for b in stream:
+                if stream.info.num_tokens < len(load.token_ids):
+                    raise RuntimeError(f"the sidecar translated {stream.info.num_tokens} of {len(load.token_ids)} tokens")
+                yield b
+
+        with stream:  # [kv_heads, tokens, head_dim], cut anywhere: each token into its page and slot as it arrives
+            write_stream(covering(), view, torch.as_tensor(load.block_ids), load.start, progress)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a synchronous load is complete when start_load_kv returns; an asynchronous one before its request runs
+        """Hold this layer's attention until this step's loads have written its pages (returns at once without
+        loads in the step: asynchronous ones are in before their request runs)."""
+        if not self._step_loads:
+            return
+        m = _LAYER.search(layer_name)
+        if m is None:
+            return
+        layer = int(m.group(1))
+        self._waited.add(layer)
+        for _, progress, _ in self._step_loads:
+            if layer < progress.layers:
+                progress.wait(layer, self.cfg.timeout)  # the call's own deadline ends the load sooner
+
+    def _end_step(self) -> None:
+        """Join this step's layer-by-layer loads, so that none writes past the step. A load some of whose layers
+        the forward never waited for (an attention backend that does not call wait_for_layer_load) may have been
+        read before it arrived: it is reported as failed (vLLM drops the step's output for it and recomputes), and
+        later loads are whole before the forward starts."""
+        step, self._step_loads = self._step_loads, []
+        waited, self._waited = self._waited, set()
+        for load, progress, future in step:
+            future.result()  # _load_or_report reports, never raises
+            skipped = [layer for layer in range(progress.layers) if layer not in waited]
+            if progress.error is None and skipped:
+                self._report(load, RuntimeError(f"the forward did not wait for layers {skipped}"))
+                if self._layer_by_layer:
+                    self._layer_by_layer = False
+                    log.warning("kvferry: this attention backend does not call wait_for_layer_load; translations are "
+                                "loaded whole before the step from now on")
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -342,6 +404,7 @@ class KvferryConnector(KVConnectorBase_V1):
             self._collected.setdefault(save.req_id, (save, {}))[1][int(m.group(1))] = (k.clone(), v.clone())
 
     def wait_for_save(self):
+        self._end_step()
         for req_id, (save, layers) in list(self._collected.items()):
             del self._collected[req_id]
             try:
@@ -368,11 +431,13 @@ class KvferryConnector(KVConnectorBase_V1):
         return self._identity
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._end_step()  # (wait_for_save has joined them, unless vLLM deferred it)
         with self._errors_lock:
             out, self._load_errors = self._load_errors, set()
         return out
 
     def shutdown(self):
+        self._end_step()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
         if self._client is not None:
