@@ -111,6 +111,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._layer_by_layer = self.cfg.layer_by_layer  # off for good if the attention backend never waits for a layer
         self._step_loads: list[tuple[_Load, LayerLoad, Future]] = []  # this step's loads, arriving layer by layer
         self._waited: set[int] = set()  # the layers this step's forward waited for
+        self._waiting = 0.0  # seconds this step's forward spent waiting for them
         self._collected: dict[str, tuple[_Save, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # per layer K, V
         self._prefilling: dict[str, _Save] = {}  # scheduler side: prompts whose prefill has not finished
         self._loaded_once: set[str] = set()  # scheduler side: requests given an asynchronous load already
@@ -368,9 +369,11 @@ class KvferryConnector(KVConnectorBase_V1):
             return
         layer = int(m.group(1))
         self._waited.add(layer)
+        t0 = time.perf_counter()
         for _, progress, _ in self._step_loads:
             if layer < progress.layers:
                 progress.wait(layer, self.cfg.timeout)  # the call's own deadline ends the load sooner
+        self._waiting += time.perf_counter() - t0
 
     def _end_step(self) -> None:
         """Join this step's layer-by-layer loads, so that none writes past the step. A load some of whose layers
@@ -379,9 +382,14 @@ class KvferryConnector(KVConnectorBase_V1):
         later loads are whole before the forward starts."""
         step, self._step_loads = self._step_loads, []
         waited, self._waited = self._waited, set()
+        waiting, self._waiting = self._waiting, 0.0
         for load, progress, future in step:
             future.result()  # _load_or_report reports, never raises
             skipped = [layer for layer in range(progress.layers) if layer not in waited]
+            if progress.error is None and not skipped:
+                log.info("kvferry: %s loaded layer by layer: layer 0 in its pages after %.1f ms, all %d after %.1f ms; "
+                         "the step's forward waited %.1f ms for its loads", load.req_id, progress.ready_at[0] * 1e3,
+                         progress.layers, max(progress.ready_at) * 1e3, waiting * 1e3)
             if progress.error is None and skipped:
                 self._report(load, RuntimeError(f"the forward did not wait for layers {skipped}"))
                 if self._layer_by_layer:

@@ -60,8 +60,10 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
     sidecar = BackgroundSidecar(SidecarConfig(maps_dir=str(maps), port=0, reload_seconds=0, redis_url=redis_url,
                                               prefix_secret=SECRET, prefix_block_size=PREFIX_BLOCK))  # gates on
     consumer = lambda model, name: {**common, "sidecar": sidecar.address, "map_name": name, "status_seconds": 0}  # noqa: E731
-    try:
-        with EngineProcess(MODELS / "T", "kv_consumer", consumer(MODELS / "T", "S__T")) as target, \
+    log = tmp_path / "target.log"
+    try:  # the target loads in its step, layer by layer: each attention layer waits for its own layer's pages
+        with EngineProcess(MODELS / "T", "kv_consumer", {**consumer(MODELS / "T", "S__T"), "async_loads": False},
+                           log=log) as target, \
                 EngineProcess(MODELS / "S", "kv_producer", common, max_num_batched_tokens=256) as source:  # chunked prefill
             bs = target.info["block_size"]
             covered = (LENGTH - 16) // PREFIX_BLOCK * PREFIX_BLOCK  # whole prefix blocks before the refreshed tail
@@ -77,6 +79,9 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
                      for a, b in zip(baseline, mapped)) / PROMPTS
         # kvferry eval's evidence for this map (mapped + refresh 16): top-1 0.90, 32-token greedy agreement 0.52
         assert first >= 0.6 and greedy >= 0.3, (first, greedy)
+        said = log.read_text()  # every load went layer by layer (the driver runs each prompt twice: TTFT, then tokens)
+        assert said.count("loaded layer by layer") == 2 * PROMPTS, said[-3000:]
+        assert "does not call wait_for_layer_load" not in said and "kvferry: translation for" not in said, said[-3000:]
 
         policy = tmp_path / "policy.toml"
         update_policy_file(policy, "S__S-self", enabled=True)
@@ -110,13 +115,16 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
             down = engine.batch(prompts)  # sidecar gone: 0 matched tokens, vLLM's own prefill, same answers
             assert all(r["num_cached_tokens"] == 0 for r in down) and [r["tokens"] for r in down] == same
         # A translation that fails after the scheduler matched the tokens (this sidecar derives other keys, so
-        # it finds nothing for them): the worker reports the blocks as load errors and vLLM recomputes them.
+        # it finds nothing for them): the worker reports the blocks as load errors and vLLM recomputes them, loading
+        # asynchronously and loading layer by layer (the failure then arrives while the forward waits on a layer).
         other = BackgroundSidecar(SidecarConfig(maps_dir=str(maps), port=0, reload_seconds=0, redis_url=redis_url,
                                                 prefix_secret="w" * 32, prefix_block_size=PREFIX_BLOCK, force_maps=True))
         try:
-            with EngineProcess(MODELS / "S", "kv_consumer", {**common, "sidecar": other.address, "map_name": "S__S-self"}) as engine:
-                failed = engine.batch(prompts)
-            assert [r["tokens"] for r in failed] == same
+            for asynchronous in (True, False):
+                with EngineProcess(MODELS / "S", "kv_consumer", {**common, "sidecar": other.address, "map_name": "S__S-self",
+                                                                 "async_loads": asynchronous}) as engine:
+                    failed = engine.batch(prompts)
+                assert [r["tokens"] for r in failed] == same, asynchronous
         finally:
             other.stop()
     finally:

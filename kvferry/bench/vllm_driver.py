@@ -24,15 +24,21 @@ class EngineProcess:
     """Start a driver process and talk to it: ``batch(prompts)`` -> per-prompt results."""
 
     def __init__(self, model: str, role: str = "none", extra: dict | None = None, env: dict | None = None,
-                 max_model_len: int = 8192, max_num_batched_tokens: int | None = None):
+                 max_model_len: int = 8192, max_num_batched_tokens: int | None = None, log=None):
+        """``log``: a file path the engine's stderr goes to (default: this process's stderr)."""
         import subprocess
 
         cmd = [sys.executable, "-m", "kvferry.bench.vllm_driver", "--model", str(model), "--role", role,
                "--extra", json.dumps(extra or {}), "--max-model-len", str(max_model_len)]
         if max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+        err = open(log, "w") if log else None
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         env={**os.environ, **(env or {})})
+        finally:
+            if err is not None:
+                err.close()
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -79,6 +85,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="below the prompt length: chunked prefill")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    _log_to_stderr()
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
 
@@ -111,6 +118,20 @@ def main() -> None:
             out.append({"tokens": list(comp.token_ids), "num_cached_tokens": res.num_cached_tokens, "ttft_s": ttft,
                         "top_logprobs": {str(t): lp.logprob for t, lp in top.items()}})
         print(json.dumps({"results": out}), flush=True)
+
+
+def _log_to_stderr() -> None:
+    """vLLM's and the connector's INFO lines on stderr, in every process vLLM starts (stdout carries the JSON
+    lines): vLLM reads a logging dictConfig from the file VLLM_LOGGING_CONFIG_PATH names, in each of its processes."""
+    import tempfile
+
+    handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "plain"}
+    config = {"version": 1, "disable_existing_loggers": False, "formatters": {"plain": {"format": "%(levelname)s %(name)s: %(message)s"}},
+              "handlers": {"stderr": handler},
+              "loggers": {name: {"handlers": ["stderr"], "level": "INFO", "propagate": False} for name in ("vllm", "kvferry")}}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvferry-vllm-logging-", delete=False) as f:
+        json.dump(config, f)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = f.name
 
 
 def _together(llm, prompts: list[list[int]], SamplingParams, TokensPrompt) -> list[dict]:
