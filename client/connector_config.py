@@ -55,10 +55,13 @@ class ConnectorConfig:
     """Consumer: a request whose prefix is published waits for its translation off the engine's step (vLLM's
     asynchronous KV loads: the engine keeps stepping other requests while it arrives); false loads it inside the
     step that first schedules the request, which delays that step (see layer_by_layer)."""
-    layer_by_layer: bool = True
+    layer_by_layer: bool = False
     """Consumer, with async_loads false: the step's forward starts before the translation has arrived and each
     attention layer waits for its own layer's pages only (vLLM's wait_for_layer_load), so the first layers' attention
-    overlaps the arrival of later ones. False: the whole translation is in the pages before the forward starts."""
+    overlaps the arrival of later ones. Off by default: on a CPU engine the forward and the load share the cores, and
+    `kvferry bench vllm` measured an 8,000-token load's first token later layer by layer than whole (docs/benchmarks.md);
+    it pays where the forward runs elsewhere (a GPU) while the translation arrives. False: the whole translation is in
+    the pages before the forward starts."""
     direct_reads: bool = False
     """Consumer: read a translation whose mapped blocks are all stored straight from the prefix store, without the
     sidecar hop (kvferry.client.direct; the sidecar is still asked on a miss and for the map's status). No sidecar

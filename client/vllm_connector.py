@@ -15,9 +15,9 @@ each token into vLLM's paged KV cache (or, with ``direct_reads``, reads a full h
 computes only the uncovered tail. Each block is written into its pages as it arrives (client.stream). By default the
 load is asynchronous: the request waits for its translation (vLLM's WAITING_FOR_REMOTE_KVS) while the engine keeps
 stepping other requests, and ``get_finished`` reports it when the translation is in its pages. With ``async_loads``
-off, the load runs inside the step that first schedules the request, layer by layer: the forward starts at once and
-each attention layer waits for its own layer's pages only (``wait_for_layer_load``), so the first layers' attention
-overlaps the arrival of later ones. If the translation fails, the blocks are reported as load errors and vLLM
+off, the load runs inside the step that first schedules the request; with ``layer_by_layer`` too, the forward starts
+at once and each attention layer waits for its own layer's pages only (``wait_for_layer_load``), so the first layers'
+attention overlaps the arrival of later ones. If the translation fails, the blocks are reported as load errors and vLLM
 recomputes them: a request never fails because of us.
 """
 
@@ -106,7 +106,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._pending: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()  # asynchronous loads fail on the loader thread
-        self._loader: ThreadPoolExecutor | None = None  # worker: the thread asynchronous loads run on
+        self._loader: ThreadPoolExecutor | None = None  # worker: the thread loads off the engine's thread run on
         self._loading: dict[str, Future] = {}
         self._layer_by_layer = self.cfg.layer_by_layer  # off for good if the attention backend never waits for a layer
         self._step_loads: list[tuple[_Load, LayerLoad, Future]] = []  # this step's loads, arriving layer by layer

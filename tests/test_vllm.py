@@ -62,7 +62,8 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
     consumer = lambda model, name: {**common, "sidecar": sidecar.address, "map_name": name, "status_seconds": 0}  # noqa: E731
     log = tmp_path / "target.log"
     try:  # the target loads in its step, layer by layer: each attention layer waits for its own layer's pages
-        with EngineProcess(MODELS / "T", "kv_consumer", {**consumer(MODELS / "T", "S__T"), "async_loads": False},
+        with EngineProcess(MODELS / "T", "kv_consumer", {**consumer(MODELS / "T", "S__T"), "async_loads": False,
+                                                                 "layer_by_layer": True},
                            log=log) as target, \
                 EngineProcess(MODELS / "S", "kv_producer", common, max_num_batched_tokens=256) as source:  # chunked prefill
             bs = target.info["block_size"]
@@ -122,7 +123,7 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
         try:
             for asynchronous in (True, False):
                 with EngineProcess(MODELS / "S", "kv_consumer", {**common, "sidecar": other.address, "map_name": "S__S-self",
-                                                                 "async_loads": asynchronous}) as engine:
+                                                                 "async_loads": asynchronous, "layer_by_layer": True}) as engine:
                     failed = engine.batch(prompts)
                 assert [r["tokens"] for r in failed] == same, asynchronous
         finally:
