@@ -600,34 +600,104 @@ class AsyncTranslateClient:
         layers = cache_layers(cache)
         spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
         timeout = self.options.timeout if timeout is None else timeout
-        if self.direct is not None and spec.prefix_key:
-            try:
-                if self.direct.maps_stale:
-                    self.direct.set_maps(await self.list_mappings())
-                hit = await asyncio.to_thread(self.direct.answer, spec)
-            except grpc.RpcError:
-                hit = None
-            if hit is not None:
-                return _direct_result(hit)
+        hit = await self._direct_hit(spec)
+        if hit is not None:
+            return _direct_result(hit)
+        out = AsyncTranslateStream(live=False)
+        async for _ in self._attempts(spec, layers, timeout, out):
+            raise AssertionError("a call without a live stream yields no block")
+        return out.result
+
+    def stream(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
+               token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
+               pages_per_block: int = ALL_PAGES, target_dtype: torch.dtype | None = None, tenant: str = "",
+               prefix_key: str = "", source_dtype: torch.dtype | None = None,
+               timeout: float | None = None) -> "AsyncTranslateStream":
+        """As TranslateClient.stream: ``async for block in client.stream(...)``."""
+        layers = cache_layers(cache)
+        spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
+        timeout = self.options.timeout if timeout is None else timeout
+        out = AsyncTranslateStream()
+        out._blocks = self._streamed(spec, layers, timeout, out)
+        return out
+
+    async def _streamed(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "AsyncTranslateStream"):
+        hit = await self._direct_hit(spec)
+        if hit is not None:
+            out.info, out.stats, out.attempts = hit.info, hit.stats, 0
+            for block in hit.blocks:
+                yield block
+            return
+        async for block in self._attempts(spec, layers, timeout, out):
+            yield block
+
+    async def _direct_hit(self, spec: TranslateSpec):
+        if self.direct is None or not spec.prefix_key:
+            return None
+        try:
+            if self.direct.maps_stale:
+                self.direct.set_maps(await self.list_mappings())
+            return await asyncio.to_thread(self.direct.answer, spec)
+        except grpc.RpcError:
+            return None
+
+    async def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "AsyncTranslateStream"):
+        """As TranslateClient._attempts; the result goes to ``out.result`` (an async generator returns nothing), and
+        blocks are yielded only for a live stream."""
         attempt, deadline = 0, _Deadline(timeout)
         while True:
             region = self.regions.lease() if self.regions is not None else None
-            col = _Collector(region)
-            ok = False
+            col = _Collector(region, keep=not out.live)
+            call, ok = None, False
             try:
-                async for msg in self.endpoints.call(spec, layers, deadline.remaining(), region):
-                    col.take(msg)
-                result, ok = col.result(attempt + 1), True
-                return result
+                call = self.endpoints.call(spec, layers, deadline.remaining(), region)
+                async for msg in call:
+                    block = col.take(msg)
+                    out.info = col.info
+                    if out.live and block is not None:
+                        yield block
+                out.result, ok = col.result(attempt + 1), True
+                out.stats, out.attempts, out.first_block_seconds = (out.result.stats, out.result.attempts,
+                                                                    out.result.first_block_seconds)
+                return
             except grpc.RpcError as err:
-                if self.endpoints.by_key_refused(spec, layers, err):
+                handed = out.live and col.handed > 0
+                if not handed and self.endpoints.by_key_refused(spec, layers, err):
                     continue  # the same attempt, through Translate
-                wait = _retry_wait(self.options, attempt, err, deadline, False)
+                wait = _retry_wait(self.options, attempt, err, deadline, handed)
                 if wait is None:
                     raise error_for(err) from None
                 self.endpoints.fail_over()
                 await asyncio.sleep(wait)
                 attempt += 1
             finally:
+                if not ok and call is not None:
+                    call.cancel()
                 if region is not None:
                     region.release(ok)
+
+
+class AsyncTranslateStream(TranslateStream):
+    """TranslateStream for the asyncio client: ``async for``, ``aclose``, ``async with``."""
+
+    def __init__(self, live: bool = True) -> None:
+        super().__init__()
+        self.live = live  # False: translate() running on the stream's loop, keeping the blocks for its result
+        self.result: TranslateResult | None = None
+
+    def __aiter__(self) -> "AsyncTranslateStream":
+        return self
+
+    async def __anext__(self) -> Block:
+        return await self._blocks.__anext__()
+
+    async def aclose(self) -> None:
+        close = getattr(self._blocks, "aclose", None)
+        if close is not None:
+            await close()
+
+    async def __aenter__(self) -> "AsyncTranslateStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

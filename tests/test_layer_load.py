@@ -2,6 +2,7 @@
 (client.layer_load: what the vLLM connector's wait_for_layer_load waits on), against a real sidecar and a real
 cross-model map (S -> T64: a wider target, so shapes cannot be confused)."""
 
+import asyncio
 import dataclasses
 import shutil
 import threading
@@ -9,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from kvferry.client import ClientOptions, TranslateClient
+from kvferry.client import AsyncTranslateClient, ClientOptions, TranslateClient
 from kvferry.client.importers import contiguous_layers, vllm_cpu_views
 from kvferry.client.layer_load import LayerLoad, write_stream
 from kvferry.common.errors import InvalidInput, Unavailable
@@ -178,3 +179,29 @@ def test_a_stream_is_retried_until_its_first_block_and_never_after(sidecar_facto
         again = c.stream(kv, MAP, **spec_kw(family["S"]))  # a is gone: the next attempt goes to b
         assert sum(blk.end - blk.start for blk in again) == 8192 * again.info.layers and again.attempts == 2
     assert served(b) == 1
+
+
+def test_the_asyncio_client_streams_alike(sidecar_factory, maps_dir, geometry, family):
+    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
+    kv = _source_kv(geometry, 300)
+    cancelled = lambda: sample(sc, "kvferry_requests_total", method="Translate", code="CANCELLED")  # noqa: E731
+
+    async def go():
+        async with AsyncTranslateClient(ClientOptions(sc.address, chunk_tokens=64)) as c:
+            whole = await c.translate(kv, MAP, **spec_kw(family["S"]))
+            stream = c.stream(kv, MAP, **spec_kw(family["S"]))
+            got = []
+            async with stream:
+                async for block in stream:
+                    assert stream.info is not None and stream.stats is None
+                    got.append(block)
+            assert stream.stats is not None and stream.attempts == 1
+            early = c.stream(_source_kv(geometry, 4096), MAP, **spec_kw(family["S"]))
+            async with early:
+                await early.__anext__()
+            return whole, got
+
+    whole, got = asyncio.run(go())
+    for (k, v), (wk, wv) in zip(contiguous_layers(got, whole.info.layers, 300), whole.layers()):
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+    wait_until(lambda: cancelled() == 1 and sample(sc, "kvferry_active_streams") == 0, what="the sidecar's cancel")
