@@ -59,8 +59,8 @@ class ConnectorConfig:
     """Consumer, with async_loads false: the step's forward starts before the translation has arrived and each
     attention layer waits for its own layer's pages only (vLLM's wait_for_layer_load), so the first layers' attention
     overlaps the arrival of later ones. Off by default: on a CPU engine the forward and the load share the cores, and
-    `kvferry bench vllm` measured an 8,000-token load's first token later layer by layer than whole (docs/benchmarks.md);
-    it pays where the forward runs elsewhere (a GPU) while the translation arrives. False: the whole translation is in
+    `kvferry bench vllm` measured an 8,000-token load's first token layer by layer from par with a whole load to 22%
+    sooner across runs (docs/benchmarks.md); it is meant for engines whose forward runs elsewhere (a GPU). False: the whole translation is in
     the pages before the forward starts."""
     direct_reads: bool = False
     """Consumer: read a translation whose mapped blocks are all stored straight from the prefix store, without the
