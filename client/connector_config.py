@@ -42,7 +42,9 @@ class ConnectorConfig:
     """Consumer: the rollout policy file (see kvferry.client.rollout): kill switch, canary share, version pin,
     min_tokens and refresh for map_name, re-read when it changes. Empty: the fields above apply as they are."""
     auth_token: str = ""
-    """Consumer: bearer token for the sidecar."""
+    """Consumer: bearer token for the sidecar (vLLM logs its connector settings at start: prefer auth_token_file)."""
+    auth_token_file: str = ""
+    """Consumer: file holding the bearer token (instead of auth_token)."""
     timeout: float = 30.0
     """Consumer: deadline of one translation, seconds."""
     status_seconds: float = 5.0
@@ -74,6 +76,8 @@ class ConnectorConfig:
                                "the prefix store")
         if not (self.prefix_secret or self.prefix_secret_file):
             raise InvalidInput("kvferry connector: prefix_secret (or prefix_secret_file) is required")
+        if self.auth_token and self.auth_token_file:
+            raise InvalidInput("kvferry connector: give auth_token or auth_token_file, not both")
         if self.prefix_block_size < 1 or self.min_tokens <= self.refresh or self.refresh < 1:
             raise InvalidInput("kvferry connector: prefix_block_size >= 1 and min_tokens > refresh >= 1")
 
@@ -84,6 +88,10 @@ class ConnectorConfig:
         except InvalidInput as e:
             raise InvalidInput(f"kvferry connector: {e}") from None
         return cls(**typed)
+
+    def token(self) -> str:
+        """The sidecar's bearer token ("" without one)."""
+        return Path(self.auth_token_file).read_text().strip() if self.auth_token_file else self.auth_token
 
     def secret(self) -> bytes:
         return (Path(self.prefix_secret_file).read_text().strip() if self.prefix_secret_file else self.prefix_secret).encode()

@@ -135,7 +135,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
                 direct = DirectReader(self.store(), self._secret, self.cfg.prefix_block_size)
             self._client = TranslateClient(ClientOptions(target=self.cfg.sidecar, timeout=self.cfg.timeout, retries=1,
-                                                         auth_token=self.cfg.auth_token, shm_dir=self.cfg.shm_dir),
+                                                         auth_token=self.cfg.token(), shm_dir=self.cfg.shm_dir),
                                            direct=direct)
         return self._client
 

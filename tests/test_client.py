@@ -145,13 +145,22 @@ def test_gated_map_falls_back(sidecar_factory, maps_dir, family):
     assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible")
 
 
-def test_vllm_connector_settings_are_validated_once():
+def test_vllm_connector_settings_are_validated_once(tmp_path):
     from kvferry.client.connector_config import ConnectorConfig
     from kvferry.mappings.errors import InvalidInput
 
     cfg = ConnectorConfig.from_extra({"redis_url": "redis://r:6379/0", "prefix_secret": "x" * 32, "prefix_block_size": "256",
                                       "refresh": 16, "sidecar": "s:1", "map_name": "S__T", "timeout": "5"})
     assert cfg.prefix_block_size == 256 and cfg.timeout == 5.0 and cfg.secret() == b"x" * 32 and not cfg.direct_reads
+    assert cfg.token() == "" and not cfg.layer_by_layer and cfg.async_loads
+    (tmp_path / "secret").write_text("s" * 32 + "\n")
+    (tmp_path / "token").write_text("t0k3n\n")
+    files = ConnectorConfig.from_extra({"redis_url": "redis://r", "prefix_secret_file": str(tmp_path / "secret"),
+                                        "auth_token_file": str(tmp_path / "token")})
+    assert files.secret() == b"s" * 32 and files.token() == "t0k3n"  # kept out of the settings vLLM logs
+    with pytest.raises(InvalidInput, match="auth_token or auth_token_file, not both"):
+        ConnectorConfig.from_extra({"redis_url": "redis://r", "prefix_secret": "x", "auth_token": "a",
+                                    "auth_token_file": str(tmp_path / "token")})
     base = {"redis_url": "redis://r", "prefix_secret": "x"}
     assert [ConnectorConfig.from_extra({**base, "direct_reads": v}).direct_reads for v in (True, "true", "1", False, "False", "0")] \
         == [True, True, True, False, False, False]
