@@ -187,6 +187,14 @@ SPEC_KEYWORDS = frozenset(("source_geometry", "tokenizer", "token_ids", "start_p
 """make_spec's keywords, which translate() takes by name."""
 
 
+def _request(options: ClientOptions, cache, map_name: str, version: str, arguments: dict, timeout: float | None):
+    """What a translate or stream call sends: (the source layers, the request header from the call's keyword
+    ``arguments``, the call's timeout)."""
+    layers = cache_layers(cache)
+    spec = make_spec(layers, map_name, version, **{k: v for k, v in arguments.items() if k in SPEC_KEYWORDS})
+    return layers, spec, options.timeout if timeout is None else timeout
+
+
 def _token_ids(token_ids) -> tuple[int, ...]:
     """Token ids as a tuple of ints. A list or tuple of ints is taken as it is (0.15 ms per 8k ids to check, against
     0.34 ms for an int() per id); anything else is converted id by id."""
@@ -440,13 +448,14 @@ class TranslateClient:
         The keywords are the request header's (make_spec); ``timeout``: seconds for the whole call, retries included
         (None: ClientOptions.timeout). A failed call raises the service's typed error (kvferry.common.status: NotFound,
         InvalidInput, Unavailable, ...; each is also a grpc.RpcError)."""
-        layers = cache_layers(cache)
-        spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
-        timeout = self.options.timeout if timeout is None else timeout
+        layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
         hit = self._direct_hit(spec)
         if hit is not None:
             return _direct_result(hit)
-        return _returned(self._attempts(spec, layers, timeout))
+        out = TranslateStream(live=False)
+        for _ in self._attempts(spec, layers, timeout, out):
+            raise AssertionError("a call without a live stream yields no block")
+        return out.result
 
     def stream(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
                token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
@@ -455,9 +464,7 @@ class TranslateClient:
                timeout: float | None = None) -> "TranslateStream":
         """As ``translate``, but the blocks are handed over as they arrive (a TranslateStream to iterate), so a
         caller can import the first target layers while later ones are still on the wire."""
-        layers = cache_layers(cache)
-        spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
-        timeout = self.options.timeout if timeout is None else timeout
+        layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
         out = TranslateStream()
         out._blocks = self._streamed(spec, layers, timeout, out)
         return out
@@ -465,7 +472,7 @@ class TranslateClient:
     def _streamed(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "TranslateStream"):
         hit = self._direct_hit(spec)
         if hit is not None:
-            out.info, out.stats, out.attempts = hit.info, hit.stats, 0
+            out.finish(_direct_result(hit))
             yield from hit.blocks
             return
         yield from self._attempts(spec, layers, timeout, out)
@@ -480,28 +487,26 @@ class TranslateClient:
         except grpc.RpcError:
             return None  # the sidecar's own path retries and fails over
 
-    def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "TranslateStream | None" = None):
-        """One call's attempts, retried by ``_retry_wait``; returns the TranslateResult. With ``out`` (a stream) each
-        block is yielded as it is decoded and ``out`` gets the header and trailer; without, nothing is yielded."""
+    def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "TranslateStream"):
+        """One call's attempts, retried by ``_retry_wait``; ``out`` gets the header, then the TranslateResult
+        (``out.finish``). A live stream's blocks are yielded as they are decoded; otherwise nothing is yielded."""
         attempt, deadline = 0, _Deadline(timeout)
         while True:
             region = self.regions.lease() if self.regions is not None else None
-            col = _Collector(region, keep=out is None)
+            col = _Collector(region, keep=not out.live)
             call, ok = None, False
             try:
                 call = self.endpoints.call(spec, layers, deadline.remaining(), region)
                 for msg in call:
                     block = col.take(msg)
-                    if out is not None:
-                        out.info = col.info
-                        if block is not None:
-                            yield block
-                result, ok = col.result(attempt + 1), True
-                if out is not None:
-                    out.stats, out.attempts, out.first_block_seconds = result.stats, result.attempts, result.first_block_seconds
-                return result
+                    out.info = col.info
+                    if out.live and block is not None:
+                        yield block
+                out.finish(col.result(attempt + 1))
+                ok = True
+                return
             except grpc.RpcError as err:
-                handed = out is not None and col.handed > 0
+                handed = out.live and col.handed > 0
                 if not handed and self.endpoints.by_key_refused(spec, layers, err):
                     continue  # the same attempt, through Translate
                 wait = _retry_wait(self.options, attempt, err, deadline, handed)
@@ -517,17 +522,23 @@ class TranslateClient:
                     region.release(ok)
 
 
-def _returned(attempts):
-    """The TranslateResult of ``_attempts`` run without a stream (it yields nothing)."""
-    try:
-        next(attempts)
-    except StopIteration as done:
-        return done.value
-    attempts.close()
-    raise AssertionError("a call without a stream yields no block")
+class _StreamState:
+    """What a call has said so far: its header (``info``), then its result (``finish``)."""
+
+    def __init__(self, live: bool = True) -> None:
+        self.live = live  # False: translate() running on the stream's attempt loop, keeping the blocks for its result
+        self.info: TargetInfo | None = None
+        self.stats: Stats | None = None
+        self.result: TranslateResult | None = None
+        self.attempts = 0
+        self.first_block_seconds = 0.0
+
+    def finish(self, result: TranslateResult) -> None:
+        self.result, self.info, self.stats = result, result.info, result.stats
+        self.attempts, self.first_block_seconds = result.attempts, result.first_block_seconds
 
 
-class TranslateStream:
+class TranslateStream(_StreamState):
     """A translation's blocks as they arrive (``TranslateClient.stream``): iterate it for each Block, in the order the
     sidecar sends them: a key-only answer (or a source sent in one token range) layer after layer, a source uploaded
     in token ranges range by range, each layer's ranges in order. ``info`` is set once the
@@ -536,11 +547,8 @@ class TranslateStream:
     back. Closing the stream early (``close``, or leaving its ``with`` block) cancels the call. Blocks view the bytes
     they arrived in, as TranslateResult's do."""
 
-    def __init__(self) -> None:
-        self.info: TargetInfo | None = None
-        self.stats: Stats | None = None
-        self.attempts = 0
-        self.first_block_seconds = 0.0
+    def __init__(self, live: bool = True) -> None:
+        super().__init__(live)
         self._blocks: Iterator[Block] = iter(())
 
     def __iter__(self) -> "TranslateStream":
@@ -597,9 +605,7 @@ class AsyncTranslateClient:
                         prefix_key: str = "", source_dtype: torch.dtype | None = None,
                         timeout: float | None = None) -> TranslateResult:
         """As TranslateClient.translate."""
-        layers = cache_layers(cache)
-        spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
-        timeout = self.options.timeout if timeout is None else timeout
+        layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
         hit = await self._direct_hit(spec)
         if hit is not None:
             return _direct_result(hit)
@@ -614,9 +620,7 @@ class AsyncTranslateClient:
                prefix_key: str = "", source_dtype: torch.dtype | None = None,
                timeout: float | None = None) -> "AsyncTranslateStream":
         """As TranslateClient.stream: ``async for block in client.stream(...)``."""
-        layers = cache_layers(cache)
-        spec = make_spec(layers, map_name, version, **{k: v for k, v in locals().items() if k in SPEC_KEYWORDS})
-        timeout = self.options.timeout if timeout is None else timeout
+        layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
         out = AsyncTranslateStream()
         out._blocks = self._streamed(spec, layers, timeout, out)
         return out
@@ -624,7 +628,7 @@ class AsyncTranslateClient:
     async def _streamed(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "AsyncTranslateStream"):
         hit = await self._direct_hit(spec)
         if hit is not None:
-            out.info, out.stats, out.attempts = hit.info, hit.stats, 0
+            out.finish(_direct_result(hit))
             for block in hit.blocks:
                 yield block
             return
@@ -642,8 +646,7 @@ class AsyncTranslateClient:
             return None
 
     async def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "AsyncTranslateStream"):
-        """As TranslateClient._attempts; the result goes to ``out.result`` (an async generator returns nothing), and
-        blocks are yielded only for a live stream."""
+        """As TranslateClient._attempts."""
         attempt, deadline = 0, _Deadline(timeout)
         while True:
             region = self.regions.lease() if self.regions is not None else None
@@ -656,9 +659,8 @@ class AsyncTranslateClient:
                     out.info = col.info
                     if out.live and block is not None:
                         yield block
-                out.result, ok = col.result(attempt + 1), True
-                out.stats, out.attempts, out.first_block_seconds = (out.result.stats, out.result.attempts,
-                                                                    out.result.first_block_seconds)
+                out.finish(col.result(attempt + 1))
+                ok = True
                 return
             except grpc.RpcError as err:
                 handed = out.live and col.handed > 0
@@ -677,13 +679,12 @@ class AsyncTranslateClient:
                     region.release(ok)
 
 
-class AsyncTranslateStream(TranslateStream):
+class AsyncTranslateStream(_StreamState):
     """TranslateStream for the asyncio client: ``async for``, ``aclose``, ``async with``."""
 
     def __init__(self, live: bool = True) -> None:
-        super().__init__()
-        self.live = live  # False: translate() running on the stream's loop, keeping the blocks for its result
-        self.result: TranslateResult | None = None
+        super().__init__(live)
+        self._blocks = None  # the call's async generator, set by AsyncTranslateClient.stream
 
     def __aiter__(self) -> "AsyncTranslateStream":
         return self
