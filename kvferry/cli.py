@@ -42,7 +42,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     settings = FitSettings(k=a.k, seq_len=a.seq_len, max_tokens=a.max_tokens, subsample=a.subsample, seed=a.seed,
                            inputs=a.inputs, per_head=a.per_head, dtype=a.dtype, selection=a.selection,
                            min_gain=a.min_gain, window=a.window, window_layers=a.window_layers,
-                           window_kinds=a.window_kinds, window_sources=a.window_sources)
+                           window_kinds=a.window_kinds, window_sources=a.window_sources, basis_rank=a.basis_rank)
     src, tgt = load_model(a.source, a.source_name), load_model(a.target, a.target_name)
     ms = fit_pair(src, tgt, a.corpus, settings, a.version, progress=not a.quiet, stats_path=a.stats,
                  features=a.features)
@@ -51,7 +51,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
         print(f"wrote {dest}")
         for (t, kind), m in sorted(ms.maps.items()):
             span = f" x {m.window} tokens" if m.window > 1 else ""
-            print(f"  layer {t} {kind.upper()}: sources {list(m.source_layers)}{span}  lambda {m.lam:g}  held-out R² {m.heldout_r2:.4f}")
+            reads = f"the basis (rank {ms.basis.rank})" if ms.basis else f"sources {list(m.source_layers)}{span}"
+            print(f"  layer {t} {kind.upper()}: {reads}  lambda {m.lam:g}  held-out R² {m.heldout_r2:.4f}")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -207,6 +208,17 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         cell = lambda x: "n/a" if x is None or x != x else f"{x:.2f}"  # noqa: E731 - n/a: not measured (absent or NaN)
         return label + ", ".join(cell(r2.get(t)) for t in range(tl))
 
+    if ms.basis is not None:
+        from kvferry.mappings.fit import format_curve
+
+        sw = ms.source.geometry.kv_width
+        print(f"shared basis: rank {ms.basis.rank} over source layers {_spans(ms.basis.source_layers)} "
+              f"({'+'.join(c.upper() for c in ms.basis.inputs)}), every target map reads it; "
+              f"{2 * (ms.basis.encoder.shape[0] + ms.target.geometry.kv_width * len(ms.maps)) * ms.basis.rank / 1e6:.1f} "
+              f"MFLOP per token ({sw} features per source layer and kind)")
+        if ms.fit.get("rank_curve") and not a.brief:
+            print("the fit's cost/quality curve (held-out R², fitted on the training rows):")
+            print(format_curve(ms.fit["rank_curve"]))
     for kind in ("k", "v"):
         print(r2_line(f"held-out R² of {kind.upper()} by target layer: ", {t: ms.maps[(t, kind)].heldout_r2 for t in range(tl)}))
     if "distilled" in ms.fit:
@@ -230,6 +242,17 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     serves, problems = Gates().verdict(ms.evidence)
     print("serving gates (defaults): " + ("pass" if serves else "fail: " + "; ".join(problems)))
     return 0
+
+
+def _spans(layers) -> str:
+    """(0, 1, 2, 5) -> "0-2, 5"."""
+    out, layers = [], sorted(layers)
+    for layer in layers:
+        if out and layer == out[-1][1] + 1:
+            out[-1][1] = layer
+        else:
+            out.append([layer, layer])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -272,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--min-gain", type=float, default=0.0,
                    help="greedy: stop adding source layers once the next raises held-out R² by less than this (0: always k)")
     f.add_argument("--per-head", action="store_true", help="block-diagonal maps (target head j reads one source head)")
+    f.add_argument("--basis-rank", type=int, default=None, metavar="R",
+                   help="one shared low-rank code of every source layer's K and V, R numbers per token, read by every "
+                        "target map (reduced-rank regression; --k and --selection do not apply); prints the cost/R² curve")
     f.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights' stored and applied dtype (bfloat16: faster apply; evaluate it before serving)")
     # --window .. --window-sources: FitSettings' fields (their defaults and meaning are documented there)

@@ -56,6 +56,38 @@ def check_push(ms: MapSet, layer: int, kind: str, tensor: torch.Tensor, start: i
         raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens past the declared {tokens}")
 
 
+class CodeSums:
+    """A shared-basis set's codes, summed as source chunks arrive: each (layer, kind) chunk adds its features times its
+    rows of the encoder to its tokens' codes, so no source feature is kept past its own push. Tokens before
+    ``first`` are taken (decoded) and dropped; the buffer grows as later tokens arrive, in float32."""
+
+    def __init__(self, basis, width: int, compute: torch.dtype, device):
+        self.basis, self.width = basis, width
+        self.encoder = basis.encoder.to(device=device, dtype=compute)
+        self.bias = basis.bias.to(device=device, dtype=torch.float32)
+        self.first = 0  # token index of self.sums[:, 0]
+        self.sums: torch.Tensor | None = None  # [B, tokens held, rank]
+
+    def add(self, layer: int, kind: str, start: int, feats: torch.Tensor) -> None:
+        """Add one source chunk's contribution: ``feats`` [B, n, width] for tokens [start, start + n)."""
+        n = feats.shape[1]
+        part = feats.reshape(-1, self.width).to(self.encoder.dtype) @ self.encoder[self.basis.rows(layer, kind, self.width)]
+        end = start + n - self.first
+        if self.sums is None:
+            self.sums = self.bias.expand(feats.shape[0], end, -1).clone()
+        elif end > self.sums.shape[1]:
+            grow = max(end - self.sums.shape[1], self.sums.shape[1])  # doubling: O(n) copies for n small chunks
+            self.sums = torch.cat([self.sums, self.bias.expand(self.sums.shape[0], grow, -1)], dim=1)
+        self.sums[:, start - self.first : end] += part.reshape(feats.shape[0], n, -1).float()
+
+    def take(self, a: int, b: int) -> torch.Tensor:
+        """The finished codes of tokens [a, b) (every source chunk of them added; ``a`` is the first token held), which
+        are then dropped."""
+        out = self.sums[:, a - self.first : b - self.first]
+        self.sums, self.first = self.sums[:, b - self.first :], b
+        return out
+
+
 class StreamingApplier:
     """Feed source chunks (a layer's K or V for a token range) in any order; get target KV out as
     soon as it can be computed.
@@ -65,6 +97,11 @@ class StreamingApplier:
     each piece of output leaves as early as possible, and source features are dropped once every
     map that reads them has consumed them. ``push`` yields (target_layer, start, end, K, V) with
     K, V [B, kv_heads, end - start, head_dim]; token indices are relative to the first token.
+
+    A shared-basis set (``ms.basis``) keeps no features: each chunk is folded into its tokens' codes as it arrives
+    (:class:`CodeSums`), and every target layer of a token range is decoded at once when its last source chunk has come.
+    What that gives up: no target layer of a range leaves before every source layer of it has arrived (a per-layer set
+    emits a target layer once its own few source layers are in).
 
     Windowed maps (``ms.context`` > 0) also read the tokens before each token. Before position 0 there are none (the
     fit saw zeros there too); a translation that starts later must first push those ``context`` tokens, at negative
@@ -87,6 +124,7 @@ class StreamingApplier:
         self.out_dtype = out_dtype
         self.tokens = tokens  # total tokens, when known: completion is then checkable
         self._groups = ms.fused_groups(matmul_dtype(ms.dtype, ms.device))  # maps reading the same source features share one matmul
+        self._codes: CodeSums | None = None  # a shared-basis set's code sums, made at the first push (its device)
         self._done = [0] * len(self._groups)  # tokens mapped per group
         self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind); starts at -context
         self._feats: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {}  # (start, [B, n, w]) pieces
@@ -115,7 +153,12 @@ class StreamingApplier:
         rope = sg.rope if kind == "k" else None
         feats = torch.empty(tensor.shape[0], n, sg.kv_width, dtype=self.ms.dtype, device=tensor.device)
         to_features(tensor, rope, pos, self.ms.dtype, feats)
-        _append_merged(self._feats.setdefault(key, []), start, feats, dim=1)
+        if self.ms.basis is not None:
+            if self._codes is None:
+                self._codes = CodeSums(self.ms.basis, sg.kv_width, matmul_dtype(self.ms.dtype, tensor.device), tensor.device)
+            self._codes.add(layer, kind, start, feats)
+        else:
+            _append_merged(self._feats.setdefault(key, []), start, feats, dim=1)
         yield from self._advance(self._readers[key])
 
     def _slice(self, key: tuple[int, str], a: int, b: int) -> torch.Tensor:
@@ -145,7 +188,7 @@ class StreamingApplier:
             if ready <= a:
                 continue
             _, keys, _, _ = self._groups[gi]
-            f = self._feats[self._reads[gi][0]][0][1]
+            f = self._codes.sums if self._codes is not None else self._feats[self._reads[gi][0]][0][1]
             outs = [torch.empty(f.shape[0], tg.kv_heads, ready - a, tg.head_dim, dtype=self.out_dtype, device=f.device)
                     for _ in keys]
             self._map_rows(gi, a, ready, outs)
@@ -170,7 +213,7 @@ class StreamingApplier:
         kind) the group feeds)."""
         tg = self.ms.target.geometry
         group, keys, _, _ = self._groups[gi]
-        x = self._inputs(group, a, b)
+        x = self._codes.take(a, b) if self._codes is not None else self._inputs(group, a, b)
         compute = matmul_dtype(self.ms.dtype, x.device)
         _, _, w, bias = self.ms.fused_groups(compute)[gi]
         rows = x.reshape(-1, x.shape[-1]).to(compute)  # features already carry the stored dtype's rounding
@@ -191,9 +234,10 @@ class StreamingApplier:
     def _trim(self, keys) -> None:
         """Drop the features of ``keys`` (source (layer, kind)s) that every map reading them is past."""
         for key in keys:
+            if key not in self._feats:
+                continue
             low = min(self._done[g] - self._groups[g][0][2] + 1 for g in self._readers[key])  # windows keep their last tokens
-            if key in self._feats:
-                self._feats[key] = [(s, f) for s, f in self._feats[key] if s + f.shape[1] > low]
+            self._feats[key] = [(s, f) for s, f in self._feats[key] if s + f.shape[1] > low]
 
     maps_off_thread = False  # push yields everything its chunk completes; nothing is finished later
 

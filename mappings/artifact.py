@@ -1,7 +1,8 @@
 """The versioned map artifact: ``<root>/<source>__<target>/<version>/{maps.safetensors,manifest.json}``.
 
 ``maps.safetensors`` holds per target layer and K/V a weight, a bias and the source-layer
-indices; its header metadata names the format, map and fingerprints. ``manifest.json`` holds
+indices (and, for a shared-basis set, the basis' encoder, bias and source layers); its header metadata names the
+format, map and fingerprints. ``manifest.json`` holds
 the identities of both models, the fit settings, the calibration corpus digest, the measured
 evidence, and two checksums: ``content_sha256`` of the tensor file and ``manifest_sha256`` of
 the manifest's other fields. Loading checks all of it and refuses what does not add up.
@@ -29,8 +30,8 @@ from .geometry import ModelIdentity, check_pair, digest
 from .versions import check_version
 
 FORMAT = "kvferry.maps"
-FORMAT_VERSION = 2  # written only for sets with a windowed map; per-token sets are still written as version 1
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 3: a shared-basis set; 2: a set with a windowed map; per-token sets are still written as version 1
+READ_VERSIONS = (1, 2, 3)
 KINDS = ("k", "v")
 MAP_DTYPES = (torch.float32, torch.bfloat16)  # what maps are stored and applied in
 MAX_WINDOW = 64  # tokens a windowed map may read per output token
@@ -68,6 +69,28 @@ class LayerMap:
 
 
 @dataclass
+class Basis:
+    """A low-rank code shared by every map of a set: z[t] = concat(x[t, s, c] for s in source_layers for c in inputs)
+    @ encoder + bias, r numbers per token. Each map of a shared-basis set reads z (its weight is [r, target_width]), so
+    the source's features are multiplied once for all the target's maps: the set costs (source width + target
+    width) x r multiply-adds per token, whatever the number of source layers it reads."""
+
+    source_layers: tuple[int, ...]
+    encoder: torch.Tensor  # [len(source_layers) * len(inputs) * source_width, rank]
+    bias: torch.Tensor  # [rank]
+    inputs: tuple[str, ...] = KINDS
+
+    @property
+    def rank(self) -> int:
+        return int(self.encoder.shape[1])
+
+    def rows(self, layer: int, kind: str, width: int) -> slice:
+        """The encoder's rows that source ``layer``'s ``kind`` features multiply."""
+        i = self.source_layers.index(layer) * len(self.inputs) + self.inputs.index(kind)
+        return slice(i * width, (i + 1) * width)
+
+
+@dataclass
 class MapSet:
     """All maps from one source model to one target model, with their provenance and evidence."""
 
@@ -81,6 +104,8 @@ class MapSet:
     created_at: str = ""
     kvferry_version: str = ""
     content_sha256: str = ""
+    basis: Basis | None = None
+    """A shared low-rank code every map reads (None: each map reads its source layers' features directly)."""
     _fused: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # see fused_groups()
 
     @property
@@ -107,8 +132,9 @@ class MapSet:
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "MapSet":
         """Move the maps (and, with ``dtype``, convert them: the evidence was measured in the stored dtype)."""
-        for m in self.maps.values():
-            m.weight = m.weight.to(device=device, dtype=dtype or m.weight.dtype)
+        for m in [*self.maps.values(), *([self.basis] if self.basis else [])]:
+            name = "encoder" if m is self.basis else "weight"
+            setattr(m, name, getattr(m, name).to(device=device, dtype=dtype or getattr(m, name).dtype))
             m.bias = m.bias.to(device=device, dtype=dtype or m.bias.dtype)
         self._fused = {}
         return self
@@ -116,7 +142,8 @@ class MapSet:
     def fused_groups(self, dtype: torch.dtype | None = None) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
         """Maps grouped by the source features they read ((source_layers, inputs, window)), weights and biases
         concatenated per group (in ``dtype``, default the stored one): built once per MapSet and dtype (and again after
-        ``to()``), so apply runs one matmul per group. Lives and dies with the MapSet."""
+        ``to()``), so apply runs one matmul per group. Lives and dies with the MapSet. A shared-basis set is one group
+        whose weight multiplies the basis' code (:meth:`code`), not the source features."""
         dtype = dtype or self.dtype
         if dtype not in self._fused:
             groups: dict[tuple, list[tuple[int, str]]] = {}
@@ -134,6 +161,8 @@ class MapSet:
         if dtype not in MAP_DTYPES:
             raise ArtifactError(f"map weights are {dtype}; kvferry applies maps in float32 or bfloat16. "
                                 "Refit with --dtype float32 (or bfloat16)")
+        if self.basis is not None:
+            _check_basis(self.basis, sg.layers, sg.kv_width, dtype)
         for t in range(tg.layers):
             for kind in KINDS:
                 m = self.maps.get((t, kind))
@@ -145,7 +174,13 @@ class MapSet:
                     raise ArtifactError(f"layer {t}{kind}: inputs {m.inputs} must be distinct items of {KINDS}")
                 if not isinstance(m.window, int) or not 1 <= m.window <= MAX_WINDOW:
                     raise ArtifactError(f"layer {t}{kind}: window {m.window!r} outside 1..{MAX_WINDOW}")
-                want = (m.window * len(m.source_layers) * len(m.inputs) * sg.kv_width, tg.kv_width)
+                if self.basis is not None and (m.source_layers, m.inputs, m.window) != (self.basis.source_layers,
+                                                                                     self.basis.inputs, 1):
+                    raise ArtifactError(f"layer {t}{kind}: a shared-basis set's maps read the basis (sources "
+                                        f"{list(self.basis.source_layers)}, inputs {self.basis.inputs}, window 1); this one "
+                                        f"reads {list(m.source_layers)}, {m.inputs}, window {m.window}. Refit the map")
+                want = ((self.basis.rank if self.basis is not None else
+                         m.window * len(m.source_layers) * len(m.inputs) * sg.kv_width), tg.kv_width)
                 if tuple(m.weight.shape) != want or tuple(m.bias.shape) != (tg.kv_width,):
                     raise ArtifactError(f"layer {t}{kind}: weight {tuple(m.weight.shape)} / bias {tuple(m.bias.shape)}, "
                                         f"expected {want} / ({tg.kv_width},) for these geometries")
@@ -156,8 +191,30 @@ class MapSet:
                     raise ArtifactError(f"layer {t}{kind}: weights contain NaN or Inf")
 
 
+def _check_basis(basis: Basis, source_layers: int, width: int, dtype: torch.dtype) -> None:
+    if not basis.source_layers or len(set(basis.source_layers)) != len(basis.source_layers) or any(
+            not 0 <= s < source_layers for s in basis.source_layers):
+        raise ArtifactError(f"basis: source layers {list(basis.source_layers)} must be distinct layers in 0..{source_layers - 1}")
+    if not basis.inputs or any(c not in KINDS for c in basis.inputs) or len(set(basis.inputs)) != len(basis.inputs):
+        raise ArtifactError(f"basis: inputs {basis.inputs} must be distinct items of {KINDS}")
+    rows = len(basis.source_layers) * len(basis.inputs) * width
+    if basis.encoder.dim() != 2 or basis.encoder.shape[0] != rows or not 1 <= basis.encoder.shape[1] <= rows:
+        raise ArtifactError(f"basis: encoder {tuple(basis.encoder.shape)}, expected [{rows}, rank] with 1 <= rank <= {rows}")
+    if tuple(basis.bias.shape) != (basis.rank,):
+        raise ArtifactError(f"basis: bias {tuple(basis.bias.shape)}, expected ({basis.rank},)")
+    if basis.encoder.dtype != dtype or basis.bias.dtype != dtype:
+        raise ArtifactError(f"basis: dtype {basis.encoder.dtype}/{basis.bias.dtype} differs from the maps' {dtype}; "
+                            "every tensor of a set shares one dtype. Refit the map")
+    if not (torch.isfinite(basis.encoder).all() and torch.isfinite(basis.bias).all()):
+        raise ArtifactError("basis: weights contain NaN or Inf")
+
+
 def _tensors(ms: MapSet) -> dict[str, torch.Tensor]:
     out = {}
+    if ms.basis is not None:
+        out["basis.encoder"] = ms.basis.encoder.detach().cpu().contiguous()
+        out["basis.bias"] = ms.basis.bias.detach().cpu().contiguous()
+        out["basis.sources"] = torch.tensor(ms.basis.source_layers, dtype=torch.int64)
     for (t, kind), m in sorted(ms.maps.items()):
         out[f"layer.{t}.{kind}.weight"] = m.weight.detach().cpu().contiguous()
         out[f"layer.{t}.{kind}.bias"] = m.bias.detach().cpu().contiguous()
@@ -166,9 +223,10 @@ def _tensors(ms: MapSet) -> dict[str, torch.Tensor]:
 
 
 def _format_version(ms: MapSet) -> int:
-    """1 for per-token sets (byte-identical to what earlier kvferry wrote), 2 once a map is windowed: a kvferry that
-    cannot apply windows refuses the artifact instead of reading its weights as per-token maps."""
-    return 2 if ms.context else 1
+    """1 for per-token sets (byte-identical to what earlier kvferry wrote), 2 once a map is windowed, 3 for a
+    shared-basis set: a kvferry that cannot apply windows (a basis) refuses the artifact instead of reading its weights
+    as per-token maps."""
+    return 3 if ms.basis is not None else 2 if ms.context else 1
 
 
 def _manifest(ms: MapSet) -> dict:
@@ -182,6 +240,8 @@ def _manifest(ms: MapSet) -> dict:
         "fit": ms.fit, "calibration": ms.calibration, "evidence": ms.evidence,
         "created_at": ms.created_at, "kvferry_version": ms.kvferry_version,
     }
+    if ms.basis is not None:
+        body["basis"] = {"rank": ms.basis.rank, "source_layers": list(ms.basis.source_layers), "inputs": list(ms.basis.inputs)}
     body["manifest_sha256"] = digest(body)
     return body
 
@@ -284,7 +344,8 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
         maps[(t, kind)] = LayerMap(t, kind, srcs, w, b, float(entry.get("lambda", 0.0)), float("nan") if r2 is None else r2,
                                    tuple(entry.get("inputs") or (kind,)), _window(path, entry, man["format_version"]))
     ms = MapSet(source, target, maps, man["version"], man.get("fit", {}), man.get("calibration", {}), man.get("evidence"),
-                man.get("created_at", ""), man.get("kvferry_version", ""), man["content_sha256"])
+                man.get("created_at", ""), man.get("kvferry_version", ""), man["content_sha256"],
+                _basis(path, man, tensors))
     if ms.name != man["name"]:
         raise ArtifactError(f"{path}: manifest name {man['name']!r} does not match its models ({ms.name!r})")
     ms.validate()
@@ -292,6 +353,24 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
         if want is not None:
             check_identity(want, got, role)
     return ms
+
+
+def _basis(path: Path, man: dict, tensors: dict[str, torch.Tensor]) -> Basis | None:
+    """The shared basis a format-3 manifest declares (tensors and manifest must agree); None for other formats."""
+    entry = man.get("basis")
+    if (entry is not None) != (man["format_version"] == 3) or (entry is None) != ("basis.encoder" not in tensors):
+        raise ArtifactError(f"{path}: format_version {man['format_version']}, a basis in the manifest and one in the "
+                            "tensors must go together; the artifact was edited: re-export it")
+    if entry is None:
+        return None
+    try:
+        basis = Basis(tuple(int(s) for s in tensors["basis.sources"].tolist()), tensors["basis.encoder"],
+                      tensors["basis.bias"], tuple(entry["inputs"]))
+    except (KeyError, TypeError) as e:
+        raise ArtifactError(f"{path}: basis entry or tensor {e} is missing") from None
+    if list(basis.source_layers) != entry.get("source_layers") or basis.rank != entry.get("rank"):
+        raise ArtifactError(f"{path}: the basis' source layers or rank disagree between tensors and manifest")
+    return basis
 
 
 def _window(path: Path, entry: dict, format_version: int) -> int:

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .apply import apply
-from .artifact import LayerMap, MapSet
+from .artifact import Basis, LayerMap, MapSet
 from .capture import LayerKV, capture_kv, to_dynamic_cache
 from .errors import InvalidInput
 from .features import from_features, to_features, window_inputs
@@ -95,13 +95,21 @@ def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tenso
 
 
 class TrainableMaps:
-    """float32 copies of the maps of target layers >= ``from_layer``, and the cache they give."""
+    """float32 copies of the maps of target layers >= ``from_layer``, and the cache they give. A shared-basis set's
+    encoder is trained too when every target layer is (``from_layer`` 0); otherwise it stays fixed, since the layers
+    below read it as well."""
 
     def __init__(self, ms: MapSet, from_layer: int):
         self.ms, self.from_layer = ms, from_layer
         self.keys = sorted(k for k in ms.maps if k[0] >= from_layer)
         self.weight = {k: ms.maps[k].weight.float().clone().requires_grad_() for k in self.keys}
         self.bias = {k: ms.maps[k].bias.float().clone().requires_grad_() for k in self.keys}
+        basis, trained = ms.basis, ms.basis is not None and from_layer == 0
+        self.encoder = None if basis is None else basis.encoder.float().clone().requires_grad_(trained)
+        self.encoder_bias = None if basis is None else basis.bias.float().clone().requires_grad_(trained)
+        if trained:
+            self.weight["basis"], self.bias["basis"] = self.encoder, self.encoder_bias  # trained, saved, restored with the maps
+            self.keys = ["basis", *self.keys]
 
     def params(self) -> list[torch.Tensor]:
         return [self.weight[k] for k in self.keys] + [self.bias[k] for k in self.keys]
@@ -139,6 +147,8 @@ class TrainableMaps:
                 sig = (m.source_layers, m.inputs, m.window)
                 if sig not in inputs:
                     inputs[sig] = window_inputs(feature, *sig)
+                    if self.encoder is not None:  # a shared-basis set's maps read the code of those features
+                        inputs[sig] = inputs[sig] @ self.encoder + self.encoder_bias
                 y = self.output((layer, kind), inputs[sig])
                 kv.append(from_features(y[None], g.kv_heads, g.rope if kind == "k" else None, range(stop)))
             out.append((kv[0], kv[1]))
@@ -147,13 +157,18 @@ class TrainableMaps:
     def mapset(self, version: str, fit_record: dict) -> MapSet:
         """The distilled set, its weights in the starting set's dtype; ``fit_record`` joins its fit provenance. A trained
         map's held-out R² is unknown (NaN): the closed form's no longer describes it (``kvferry eval`` measures it)."""
-        maps = dict(self.ms.maps)
+        maps, basis = dict(self.ms.maps), self.ms.basis
+        if basis is not None:
+            basis = Basis(basis.source_layers, self.encoder.detach().to(self.ms.dtype).contiguous(),
+                          self.encoder_bias.detach().to(self.ms.dtype).contiguous(), basis.inputs)
         for k in self.keys:
+            if k == "basis":
+                continue
             m = self.ms.maps[k]
             maps[k] = LayerMap(m.target_layer, m.kind, m.source_layers, self.weight[k].detach().to(self.ms.dtype).contiguous(),
                                self.bias[k].detach().to(self.ms.dtype).contiguous(), m.lam, float("nan"), m.inputs, m.window)
         fit = dict(self.ms.fit) | {"distilled": fit_record | {"base_version": self.ms.version}}
-        return MapSet(self.ms.source, self.ms.target, maps, version, fit, dict(self.ms.calibration))
+        return MapSet(self.ms.source, self.ms.target, maps, version, fit, dict(self.ms.calibration), basis=basis)
 
 
 @torch.no_grad()

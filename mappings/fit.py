@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 
-from .artifact import KINDS, MAX_WINDOW, LayerMap, MapSet
+from .artifact import KINDS, MAX_WINDOW, Basis, LayerMap, MapSet
 from .capture import LoadedModel, capture_kv, corpus_digest, read_corpus, token_windows
 from .errors import InvalidInput
 from .features import to_features, window_inputs
 from .geometry import Geometry, ModelIdentity, check_pair
 from .gram import GramStats, all_reduce
+from .reduced_rank import heldout_r2 as rr_heldout_r2
+from .reduced_rank import reduced_rank
 from .ridge import DEFAULT_LAMBDAS, SELECTIONS, RidgeSolver, rounding_variance, select_and_fit
 
 DEFAULT_K = 4  # source layers per target map; see README "choosing k" for the measurement
@@ -66,6 +68,10 @@ class FitSettings:
     """First and last target layer whose maps are windowed (None with window > 1: every target layer)."""
     window_kinds: str = "k"
     """Which of those layers' maps are windowed: "k" (the keys, where copying is lost) or "kv"."""
+    basis_rank: int | None = None
+    """A shared-basis set (:class:`kvferry.mappings.artifact.Basis`): every source layer's K and V coded into this many
+    numbers per token, which every target map reads (reduced-rank regression, :mod:`kvferry.mappings.reduced_rank`);
+    None: each map reads its own k source layers. ``k`` and ``selection`` do not apply to it."""
     window_sources: int = 6
     """A windowed map reads the K and V of the source's last this-many layers (all, if it has fewer): one set for
     every windowed map, so one eigendecomposition solves them all. Greedy selection is not run for them: a window
@@ -104,6 +110,11 @@ class FitSettings:
         if self.window == 1 and self.window_layers is not None:
             raise InvalidInput(f"window_layers {self.window_layers!r} names windowed maps but window is 1; "
                                "set window (the tokens each reads) above 1")
+        if self.basis_rank is not None and (not isinstance(self.basis_rank, int) or self.basis_rank < 1):
+            raise InvalidInput(f"basis_rank must be a positive integer, got {self.basis_rank!r}")
+        if self.basis_rank is not None and (self.window > 1 or self.per_head or self.inputs != "kv"):
+            raise InvalidInput("a shared basis reads every source layer's K and V per token: drop window, per_head and "
+                               "inputs='same', or basis_rank")
         if self.window > 1 and self.per_head:
             raise InvalidInput("per_head maps cannot be windowed: drop per_head or set window to 1")
 
@@ -117,6 +128,7 @@ class FitSettings:
                 **({"dtype": self.dtype} if self.dtype != "float32" else {}),
                 **({"selection": self.selection} if self.selection != "greedy" else {}),
                 **({"min_gain": self.min_gain} if self.min_gain else {}),
+                **({"basis_rank": self.basis_rank} if self.basis_rank is not None else {}),
                 **(self._window_dict() if self.window > 1 else {})}
 
     def _window_dict(self) -> dict:
@@ -300,6 +312,56 @@ def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settin
     return maps
 
 
+def solve_basis(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settings: FitSettings,
+                solver: RidgeSolver | None = None, curve_ranks: tuple[int, ...] | None = None) -> tuple[dict, Basis, list[dict]]:
+    """A shared-basis set of rank ``settings.basis_rank``: each target map's lambda by its every-source ridge path's
+    held-out R² (one eigendecomposition serves all), then the reduced-rank projection on all rows.
+
+    Also returns the cost/quality curve: per rank (``curve_ranks``, default powers of two and the chosen rank), the
+    held-out R² of K and V (mean and worst target layer) of the projection fitted on the training rows, and its
+    multiply-adds per token; the last row, ``rank`` None, is the every-source ridge map itself."""
+    sg, tg = source.geometry, target.geometry
+    solver = solver or RidgeSolver(gs.train, gs.heldout)
+    top = min(gs.train.dx, gs.train.dy)
+    if settings.basis_rank > top:
+        raise InvalidInput(f"basis_rank {settings.basis_rank} exceeds the {top} features of the narrower side; pick a lower rank")
+    xi, keys = torch.arange(gs.train.dx), [(t, kind) for t in range(tg.layers) for kind in KINDS]
+    blocks = [feature_cols(tg, t, kind) for t, kind in keys]
+    lams, ridge_r2 = [], []
+    for cols in blocks:
+        path = solver.heldout_r2_path(xi, cols, settings.lambdas, rounding_variance(settings.dtype))
+        best = int(torch.argmax(path))
+        lams.append(settings.lambdas[best])
+        if rounding_variance(settings.dtype):  # the curve's rows leave storage rounding out, and so does this one
+            path = solver.heldout_r2_path(xi, cols, settings.lambdas)
+        ridge_r2.append(float(path[best]))
+    ranks = sorted({r for r in (curve_ranks or _powers_of_two(top)) if r <= top} | {settings.basis_rank})
+    train_fit = reduced_rank(gs.train, blocks, lams, max(ranks))
+    by_rank = rr_heldout_r2(train_fit, gs.train, gs.heldout, blocks, ranks)
+    del train_fit
+    curve = [_curve_row(r, by_rank[r], keys, gs.train.dx * r + r * gs.train.dy) for r in ranks]
+    curve.append(_curve_row(None, ridge_r2, keys, gs.train.dx * gs.train.dy))
+    fit = reduced_rank(solver.merged, blocks, lams, settings.basis_rank)
+    dt = getattr(torch, settings.dtype)
+    order = torch.cat([feature_cols(sg, l, c) for l in range(sg.layers) for c in KINDS])  # Basis.rows' layout
+    basis = Basis(tuple(range(sg.layers)), fit.encoder[order].to(dt).contiguous(), fit.encoder_bias.to(dt), KINDS)
+    r2 = dict(zip(keys, by_rank[settings.basis_rank]))
+    maps = {key: LayerMap(key[0], key[1], basis.source_layers, fit.decoder[:, cols].to(dt).contiguous(),
+                          fit.decoder_bias[cols].to(dt), lam, r2[key], KINDS)
+            for key, cols, lam in zip(keys, blocks, lams)}
+    return maps, basis, curve
+
+
+def _powers_of_two(top: int) -> list[int]:
+    return [1 << i for i in range(6, top.bit_length()) if 1 << i < top] + [top]
+
+
+def _curve_row(rank: int | None, r2: list[float], keys: list[tuple[int, str]], macs: int) -> dict:
+    by_kind = {kind: [v for (_, k), v in zip(keys, r2) if k == kind] for kind in KINDS}
+    return {"rank": rank, "mflop_per_token": round(2 * macs / 1e6, 2),
+            **{f"{kind}_r2_{stat}": round(f(v), 4) for kind, v in by_kind.items() for stat, f in (("mean", lambda v: sum(v) / len(v)), ("worst", min))}}
+
+
 def _solve_windowed(gs: GramSet, plan: WindowPlan, tg: Geometry, settings: FitSettings) -> dict:
     """Every windowed map, each with its own lambda by held-out R²; they share one input set, so one solver."""
     solver, xi, dt = RidgeSolver(gs.train, gs.heldout), torch.arange(gs.train.dx), getattr(torch, settings.dtype)
@@ -417,14 +479,31 @@ def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
         origin = ""
     t0 = time.perf_counter()
     solver = RidgeSolver(gs.train, gs.heldout)
-    maps = solve_maps(gs, source.identity, target.identity, settings, solver)
+    fit_record, basis = settings.as_dict(), None
+    if settings.basis_rank is not None:
+        maps, basis, curve = solve_basis(gs, source.identity, target.identity, settings, solver)
+        fit_record["rank_curve"] = curve
+        if progress:
+            print(format_curve(curve))
+    else:
+        maps = solve_maps(gs, source.identity, target.identity, settings, solver)
     if progress:
         print(f"solved {len(maps)} maps{origin} in {time.perf_counter() - t0:.1f}s ({solver.decompositions} eigendecompositions)")
     calibration = {"corpus_sha256": corpus_sha, "tokens": gs.tokens, "windows": gs.windows, "seq_len": settings.seq_len,
                    "processes": processes}
-    ms = MapSet(source.identity, target.identity, maps, version, settings.as_dict(), calibration)
+    ms = MapSet(source.identity, target.identity, maps, version, fit_record, calibration, basis=basis)
     ms.validate()
     return ms
+
+
+def format_curve(curve: list[dict]) -> str:
+    """The shared basis' cost/quality curve as a table (``rank`` None: the every-source ridge map)."""
+    lines = ["rank   MFLOP/token   held-out R² K mean / worst   V mean / worst"]
+    for row in curve:
+        name = "ridge" if row["rank"] is None else str(row["rank"])
+        lines.append(f"{name:>6} {row['mflop_per_token']:>12.1f}   {row['k_r2_mean']:.3f} / {row['k_r2_worst']:.3f}"
+                     f"              {row['v_r2_mean']:.3f} / {row['v_r2_worst']:.3f}")
+    return "\n".join(lines)
 
 
 def _capture(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings, rank: int, world: int,
