@@ -420,12 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     onoff.add_argument("--disable", action="store_true", help="kill switch on: every request takes the full prefill")
     r.set_defaults(func=cmd_rollout)
 
-    from kvferry.bench import hits, load, maps, rollout, translate, vllm_ttft
+    from kvferry.bench import apply_cost, hits, load, maps, rollout, translate, vllm_ttft
 
     b = sub.add_parser("bench", help="benchmarks (JSON + a table)")
     bsub = b.add_subparsers(dest="bench", required=True)
     translate.add_parser(bsub)
     maps.add_parser(bsub)
+    apply_cost.add_parser(bsub)
     hits.add_parser(bsub)
     load.add_parser(bsub)
     rollout.add_parser(bsub)
