@@ -239,8 +239,17 @@ def cmd_inspect(a: argparse.Namespace) -> int:
               + ", ".join(windowed))
     if ms.evidence and not a.brief:
         print_evidence(ms, [], verdict=False)
-    serves, problems = Gates().verdict(ms.evidence)
-    print("serving gates (defaults): " + ("pass" if serves else "fail: " + "; ".join(problems)))
+    gates = Gates()
+    if ms.evidence and "arms" in ms.evidence:
+        measured = [c for c in gates.checks(ms.evidence)[1] if c.interval is not None]
+        if measured:
+            print("gated measures with their 95% intervals over prompts (paired bootstrap):")
+            for c in measured:
+                state = "marginal" if c.marginal else "pass" if c.passes else "fail"
+                print(f"  {c.where}: {c.measure} {c.value:.3f} [{c.interval.low:.3f}, {c.interval.high:.3f}], "
+                      f"bar {'>=' if c.at_least else '<='} {c.bar}: {state}")
+    serves, problems = gates.verdict(ms.evidence)
+    print(f"serving gates (defaults; marginal measures: {gates.marginal}): " + ("pass" if serves else "fail: " + "; ".join(problems)))
     return 0
 
 

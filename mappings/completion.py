@@ -137,11 +137,11 @@ def write_line(model, tokenizer, ids: list[int], prefix=None, max_new_tokens: in
 @torch.no_grad()
 def completion_task(ms: MapSet | None, source: LoadedModel | None, target: LoadedModel, texts: list[str],
                     s: CompletionSettings | None = None, progress: bool = False, memo: Memo | None = None) -> dict:
-    """Each arm's exact-match rate on the tasks (``ms`` None: only the target's own arms, which come from ``memo``
-    when it has them)."""
+    """Each arm's exact-match rate on the tasks, and each task's hit (``per_task``, for the gate's interval) (``ms``
+    None: only the target's own arms, which come from ``memo`` when it has them)."""
     s = s or CompletionSettings()
     tasks = make_tasks(target.tokenizer, texts, s)
-    hits = {arm: 0 for arm in COMPLETION_ARMS}
+    hits: dict[str, list[int]] = {arm: [] for arm in COMPLETION_ARMS}  # per task, 1 for an exact line
     it = tasks
     if progress:
         from tqdm import tqdm
@@ -154,12 +154,13 @@ def completion_task(ms: MapSet | None, source: LoadedModel | None, target: Loade
         for arm, ids in (("full", t.prompt), ("truncate", t.prompt[n - r:])):
             line = remembered(memo, (f"completion-{arm}", *who, ids),
                               lambda: write_line(target.model, tok, ids, None, s.max_new_tokens) or "")
-            hits[arm] += line == t.answer
+            hits[arm].append(int(line == t.answer))
         if ms is not None:
             mapped = apply(ms, capture_kv(source.model, torch.tensor([t.prompt[: n - r]])), 0)
-            hits["mapped_refresh"] += write_line(target.model, tok, t.prompt, mapped, s.max_new_tokens) == t.answer
-    arms = {arm: h / len(tasks) for arm, h in hits.items() if ms is not None or arm != "mapped_refresh"}
-    return {"settings": s.as_dict(), "arms": arms, "prompt_tokens": sum(len(t.prompt) for t in tasks) / len(tasks)}
+            hits["mapped_refresh"].append(int(write_line(target.model, tok, t.prompt, mapped, s.max_new_tokens) == t.answer))
+    hits = {arm: h for arm, h in hits.items() if ms is not None or arm != "mapped_refresh"}
+    return {"settings": s.as_dict(), "arms": {arm: sum(h) / len(tasks) for arm, h in hits.items()}, "per_task": hits,
+            "prompt_tokens": sum(len(t.prompt) for t in tasks) / len(tasks)}
 
 
 def format_completion_table(ev: dict, title: str = "") -> str:

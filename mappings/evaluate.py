@@ -94,26 +94,33 @@ class _AttnTap:
 
 class NextTokenScores:
     """Running next-token agreement of an arm with the full prefill: top-1, top-10 overlap (shared tokens counted as
-    integers, so a mean that is exactly a threshold reads as it), KL(full || arm) and attention-output cosine."""
+    integers, so a mean that is exactly a threshold reads as it), KL(full || arm) and attention-output cosine. Each
+    prompt's top-1, top-10 and KL are kept too (``per_prompt`` in the result), for the gate's intervals."""
 
     def __init__(self):
         self.n = 0
         self.top1 = self.kl = self.cos = 0.0
         self.top10 = 0  # shared tokens, counted exactly: a mean of tenths summed in floats drifts (48/60 read 0.79999…)
+        self.per_prompt: dict[str, list[float]] = {"top1": [], "top10": [], "kl": []}
 
     def add(self, gold: torch.Tensor, logits: torch.Tensor, attn_gold=None, attn=None) -> None:
         lp_g, lp = gold.log_softmax(-1), logits.log_softmax(-1)
         self.n += 1
-        self.top1 += float(gold.argmax() == logits.argmax())
+        top1 = float(gold.argmax() == logits.argmax())
         a, b = set(gold.topk(10).indices.tolist()), set(logits.topk(10).indices.tolist())
+        kl = float((lp_g.exp() * (lp_g - lp)).sum())
+        self.top1 += top1
         self.top10 += len(a & b)
-        self.kl += float((lp_g.exp() * (lp_g - lp)).sum())
+        self.kl += kl
+        for key, value in (("top1", top1), ("top10", len(a & b) / 10), ("kl", round(kl, 6))):
+            self.per_prompt[key].append(value)
         if attn is not None:
             self.cos += float(torch.nn.functional.cosine_similarity(attn_gold, attn, dim=-1).mean())
 
     def result(self, with_cos: bool) -> dict:
         n = max(self.n, 1)
-        out = {"top1": self.top1 / n, "top10": self.top10 / (10 * n), "kl": self.kl / n}
+        out = {"top1": self.top1 / n, "top10": self.top10 / (10 * n), "kl": self.kl / n,
+               "per_prompt": {k: list(v) for k, v in self.per_prompt.items()}}
         if with_cos:
             out["attn_cos"] = self.cos / n
         return out

@@ -6,6 +6,47 @@ from dataclasses import dataclass
 
 from .artifact import MapSet
 from .errors import GateFailed, InvalidInput
+from .intervals import Interval, difference_interval, mean_interval, ratio_interval
+
+
+MARGINAL_POLICIES = ("refuse", "serve")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One gated measure: its point estimate against its bar, with its 95% interval where per-prompt data exist."""
+
+    where: str
+    """The domain ("code", "prose") or "completion"."""
+    measure: str
+    value: float | None
+    bar: float
+    at_least: bool
+    """The value must be at least the bar (else at most)."""
+    interval: Interval | None = None
+    note: str = ""
+    """How a failure is explained (default: the measure, its value and its bar)."""
+
+    @property
+    def passes(self) -> bool:
+        return self.value is not None and (self.value >= self.bar if self.at_least else self.value <= self.bar)
+
+    @property
+    def marginal(self) -> bool:
+        return self.interval is not None and self.interval.holds(self.bar)
+
+    def message(self) -> str:
+        where = "" if self.where in ("code", "completion") else f"{self.where}: "
+        shown = f"{self.value:.3f}" if isinstance(self.value, float) else self.value
+        op = ">=" if self.at_least else "<="
+        if self.passes:
+            text = f"{where}{self.measure}={shown} passes its bar ({op} {self.bar}) but is marginal"
+        else:
+            text = self.note or f"{where}{self.measure}={shown} fails the gate ({op} {self.bar})"
+        if self.interval is not None:
+            text += (f" [95% interval {self.interval.low:.3f} to {self.interval.high:.3f}"
+                     + (": the bar lies inside it]" if self.marginal else "]"))
+        return text
 
 
 @dataclass(frozen=True)
@@ -33,6 +74,11 @@ class Gates:
     max_completion_drop: float = 0.02
     """Downstream gate, read where the evidence has the completion task: the served arm's exact-match rate may
     fall at most this far below the target's own (full prefill)."""
+    marginal: str = "refuse"
+    """What a marginal measure does, one whose bar lies inside its 95% interval over prompts (the data cannot say
+    which side of the bar the map is on): "refuse" (the default) blocks the map, as a failure does; "serve" lets it
+    pass, whichever side its point estimate is on. A measure whose whole interval misses the bar fails either way; one
+    recorded without per-prompt data (no interval) is judged by its point estimate."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.min_top10 <= 1 and 0 <= self.min_top1 <= 1 and -1 <= self.min_attn_cos <= 1):
@@ -43,62 +89,102 @@ class Gates:
             raise InvalidInput("max_completion_drop must lie in [0, 1]")
         if not (0 <= self.min_copy_retention <= 1 and 0 <= self.min_copy_full <= 1):
             raise InvalidInput("min_copy_retention and min_copy_full must lie in [0, 1]")
+        if self.marginal not in MARGINAL_POLICIES:
+            raise InvalidInput(f"marginal must be one of {MARGINAL_POLICIES}, got {self.marginal!r}")
 
     def failures(self, evidence: dict | None) -> list[str]:
         """Reasons the evidence fails; empty when it passes. Every domain the evidence holds is read (code, and
-        English prose when it was measured): a map passes only where its worst domain passes."""
+        English prose when it was measured): a map passes only where its worst domain passes. A measure whose bar lies
+        inside its 95% interval is *marginal*: it blocks the map or not as ``marginal`` says, whichever side of the bar
+        its point estimate is on."""
         if not evidence or "arms" not in evidence:
             return ["the map has no evaluation evidence; run `kvferry eval` on it first"]
-        out = []
+        problems, checks = self.checks(evidence)
+        return problems + [c.message() for c in checks if self.blocks(c)]
+
+    def blocks(self, check: "Check") -> bool:
+        """Whether one measured check keeps the map from serving, under the marginal policy."""
+        if check.marginal:
+            return self.marginal == "refuse"
+        return not check.passes
+
+    def marginal_checks(self, evidence: dict | None) -> list["Check"]:
+        """The measures whose bar lies inside their interval (what the verdict names as marginal)."""
+        return [c for c in self.checks(evidence)[1] if c.marginal] if evidence and "arms" in evidence else []
+
+    def checks(self, evidence: dict) -> tuple[list[str], list["Check"]]:
+        """Every gated measure of the evidence as a Check (value, bar, interval where per-prompt data exist), and the
+        structural problems (an arm or a probe missing) that fail the map whatever the numbers."""
+        problems: list[str] = []
+        checks: list[Check] = []
         for domain, ev in domains(evidence):
             row = ev.get("arms", {}).get(self.arm)
             if row is None:
-                out.append(f"the {domain} evidence has no {self.arm!r} arm; re-run `kvferry eval`")
+                problems.append(f"the {domain} evidence has no {self.arm!r} arm; re-run `kvferry eval`")
                 continue
-            for key, bound, ok in (("top10", self.min_top10, lambda v, b: v >= b), ("top1", self.min_top1, lambda v, b: v >= b),
-                                   ("kl", self.max_kl, lambda v, b: v <= b), ("attn_cos", self.min_attn_cos, lambda v, b: v >= b)):
+            per = row.get("per_prompt") or {}
+            for key, bound, at_least in (("top10", self.min_top10, True), ("top1", self.min_top1, True),
+                                         ("kl", self.max_kl, False), ("attn_cos", self.min_attn_cos, True)):
                 value = row.get(key)
                 if value is None and domain != "code" and key not in _PROSE_METRICS:
                     continue  # prose is scored on the next-token metrics alone
-                if value is None or not ok(value, bound):
-                    shown = f"{value:.3f}" if isinstance(value, float) else value
-                    where = "" if domain == "code" else f"{domain}: "
-                    out.append(f"{where}{self.arm} {key}={shown} fails the gate ({'<=' if key == 'kl' else '>='} {bound})")
-        return out + self.copy_failures(evidence) + self.completion_failures(evidence)
+                interval = mean_interval(per[key]) if per.get(key) else None
+                checks.append(Check(domain, f"{self.arm} {key}", value, bound, at_least, interval))
+        copy_problems, copy_checks = self.copy_checks(evidence)
+        done_problems, done_checks = self.completion_checks(evidence)
+        return problems + copy_problems + done_problems, checks + copy_checks + done_checks
 
     def completion_failures(self, evidence: dict) -> list[str]:
         """The downstream gate alone (empty when the evidence has no completion task)."""
+        problems, checks = self.completion_checks(evidence)
+        return problems + [c.message() for c in checks if self.blocks(c)]
+
+    def completion_checks(self, evidence: dict) -> tuple[list[str], list["Check"]]:
         arms = (evidence.get("completion") or {}).get("arms")
         if not arms:
-            return []
+            return [], []
         full, got = arms.get("full"), arms.get(self.arm)
         if full is None or got is None:
-            return [f"the completion task has no full or {self.arm!r} arm; re-run `kvferry eval`"]
-        if got < full - self.max_completion_drop:
-            return [f"completion: {self.arm} writes {got:.3f} of the lines exactly, full prefill {full:.3f} (gate: within "
-                    f"{self.max_completion_drop:.2f}; truncation {arms.get('truncate', float('nan')):.3f})"]
-        return []
+            return [f"the completion task has no full or {self.arm!r} arm; re-run `kvferry eval`"], []
+        per = (evidence["completion"].get("per_task") or {})
+        interval = (difference_interval(per[self.arm], per["full"]) if per.get(self.arm) and per.get("full") else None)
+        note = (f"completion: {self.arm} writes {got:.3f} of the lines exactly, full prefill {full:.3f} (gate: within "
+                f"{self.max_completion_drop:.2f}; truncation {arms.get('truncate', float('nan')):.3f})")
+        return [], [Check("completion", f"{self.arm} exact lines minus full prefill's", got - full, -self.max_completion_drop,
+                          True, interval, note)]
 
     def copy_failures(self, evidence: dict) -> list[str]:
-        """The long-range gate alone: reasons the copy-probe evidence fails (empty when it passes or is off). The code
-        domain's probe is required; a prose probe, where measured, must pass too."""
+        """The long-range gate alone: reasons the copy-probe evidence fails (empty when it passes or is off)."""
+        problems, checks = self.copy_checks(evidence)
+        return problems + [c.message() for c in checks if self.blocks(c)]
+
+    def copy_checks(self, evidence: dict) -> tuple[list[str], list["Check"]]:
+        """The long-range gate's checks: per domain and gap where the target copies, the share of its copy accuracy the
+        arm keeps. The code domain's probe is required; a prose probe, where measured, is checked too."""
         if self.min_copy_retention <= 0:
-            return []
+            return [], []
         copy = evidence.get("copy")
         if not copy or not copy.get("gaps"):
-            return ["the map has no long-range (copy probe) evidence; re-run `kvferry eval` on it"]
-        out = []
+            return ["the map has no long-range (copy probe) evidence; re-run `kvferry eval` on it"], []
+        problems, checks = [], []
         for domain, ev in domains(evidence):
             where = "" if domain == "code" else f"{domain}: "
             for gap, row in sorted((ev.get("copy") or {}).get("gaps", {}).items(), key=lambda kv: int(kv[0])):
                 full, got = row.get("full"), row.get(self.arm)
                 if full is None or got is None:
-                    out.append(f"{where}the copy probe at gap {gap} has no {self.arm!r} arm; re-run `kvferry eval`")
-                elif full >= self.min_copy_full and got < self.min_copy_retention * full:
-                    out.append(f"{where}long-range copy at gap {gap}: {self.arm} {got:.3f} keeps {got / full:.0%} of full "
-                               f"prefill's {full:.3f} (gate: >= {self.min_copy_retention:.0%}; truncation scores "
-                               f"{row.get('truncate', float('nan')):.3f})")
-        return out
+                    problems.append(f"{where}the copy probe at gap {gap} has no {self.arm!r} arm; re-run `kvferry eval`")
+                    continue
+                if full < self.min_copy_full:
+                    continue  # the target shows no long-range skill here to lose
+                per = row.get("per_prompt") or []
+                interval = (ratio_interval([p[self.arm] for p in per], [p["full"] for p in per])
+                            if per and all(self.arm in p for p in per) else None)
+                note = (f"{where}long-range copy at gap {gap}: {self.arm} {got:.3f} keeps {got / full:.0%} of full "
+                        f"prefill's {full:.3f} (gate: >= {self.min_copy_retention:.0%}; truncation scores "
+                        f"{row.get('truncate', float('nan')):.3f})")
+                checks.append(Check(domain, f"copy kept at gap {gap}", got / full, self.min_copy_retention, True,
+                                    interval, note))
+        return problems, checks
 
     def verdict(self, evidence: dict | None, force: bool = False) -> tuple[bool, list[str]]:
         """The one answer to "may this map serve?": (serves, the gate failures). ``force`` serves it anyway (testing)."""

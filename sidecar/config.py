@@ -50,6 +50,9 @@ class SidecarConfig:
     gate_min_copy_retention: float = 0.85
     """Long-range serving gate: share of the target's own copy-probe accuracy the arm must keep at every gap
     (0 turns it off; a map without copy-probe evidence does not serve while it is on)."""
+    gate_marginal: str = "refuse"
+    """What a marginal gated measure does (its bar inside its 95% interval over prompts): "refuse" blocks the map,
+    "serve" lets it pass (kvferry.mappings.gates.Gates.marginal)."""
     gate_max_completion_drop: float = 0.02
     """Downstream serving gate: how far below the target's own exact-match rate on the completion task the arm may
     fall, where the evidence has that task."""
@@ -179,7 +182,7 @@ class SidecarConfig:
 
         return Gates(arm=self.gate_arm, min_top10=self.gate_min_top10, max_kl=self.gate_max_kl,
                      min_copy_retention=self.gate_min_copy_retention,
-                     max_completion_drop=self.gate_max_completion_drop)
+                     max_completion_drop=self.gate_max_completion_drop, marginal=self.gate_marginal)
 
     @property
     def limits(self) -> "Limits":

@@ -42,7 +42,7 @@ def run(a: argparse.Namespace) -> int:
         r2 = [l["r2"] for l in ev["layers"]]
         rows[name] = {"heldout_r2_fit": sum(m.heldout_r2 for m in ms.maps.values()) / len(ms.maps),
                       "eval_r2_mean": sum(r2) / len(r2), **{f"{arm}_{k}": v for arm in ("mapped", "mapped_refresh")
-                                                             for k, v in ev["arms"][arm].items()},
+                                                             for k, v in ev["arms"][arm].items() if k != "per_prompt"},
                       "truncate_kl": ev["arms"]["truncate"]["kl"]}
         print(json.dumps({name: {k: round(v, 4) for k, v in rows[name].items()}}), flush=True)
     cols = ["eval_r2_mean", "mapped_top1", "mapped_top10", "mapped_kl", "mapped_attn_cos", "mapped_refresh_top1",
