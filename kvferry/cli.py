@@ -76,7 +76,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
     from kvferry.mappings.distill import DistillSettings, capture_tails, distill
 
     quiet_transformers()
-    given = {k: getattr(a, k) for k in ("from_layer", "tail", "tails", "repeat_span", "epochs", "lr", "seed", "temperature")}
+    given = {k: getattr(a, k) for k in ("from_layer", "tail", "tails", "repeat_span", "epochs", "lr", "seed", "temperature",
+                                        "ref_top_k")}
     settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})  # unset: DistillSettings' defaults
     ms = load(a.map)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
@@ -87,8 +88,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
         cut = max(1, len(windows) // 10)
         train_w, held_w = windows[:-cut], windows[-cut:]
     rng = random.Random(settings.seed)
-    train = capture_tails(ms, src, tgt, train_w, settings, rng, a.tails_cache)
-    held = capture_tails(ms, src, tgt, held_w, settings, rng, a.tails_cache)
+    train = capture_tails(ms, src, tgt, train_w, settings, rng, a.tails_cache, a.refs)
+    held = capture_tails(ms, src, tgt, held_w, settings, rng, a.tails_cache, a.refs)
     print(f"{len(train)} training and {len(held)} held-out tails from {len(train_w)} + {len(held_w)} windows of {a.seq_len} tokens")
     maps, log = distill(ms, src, tgt, train, held, settings, progress=None if a.quiet else print,
                         checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_minutes * 60)
@@ -350,8 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--seed", type=int, default=None)
     dl.add_argument("--temperature", type=float, default=None)
     dl.add_argument("--tails-cache", type=Path, default=None,
-                    help="keep each window's captures (source cache, target log-probabilities) here: a stopped capture "
-                         "resumes, and later distillations of the pair skip both prefills")
+                    help="keep each window's source cache here (read back per step: memory holds one window's): a stopped "
+                         "capture resumes, and later distillations of the pair skip the source's prefill")
+    dl.add_argument("--refs", type=Path, default=None,
+                    help="keep the target's compact references (top-k log-probabilities and the rest's mass per tail "
+                         "position) here, small enough to commit, so its forward over a window runs once (default: "
+                         "--tails-cache)")
+    dl.add_argument("--ref-top-k", type=int, default=None, help="tokens per position a reference keeps (default 64)")
     dl.add_argument("--checkpoint", type=Path, default=None,
                     help="training state file: written every --checkpoint-minutes and after each epoch; a run with the "
                          "same map, settings and text resumes from it")

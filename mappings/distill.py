@@ -29,6 +29,10 @@ from .errors import InvalidInput
 from .features import from_features, to_features, window_inputs
 
 
+REF_TOP_K = 64
+"""Tokens per tail position whose full-prefill log-probability a reference keeps (the rest's mass is kept as one)."""
+
+
 @dataclass(frozen=True)
 class DistillSettings:
     """How a map set is distilled through its target."""
@@ -51,6 +55,8 @@ class DistillSettings:
     """The training loss is the KL at this temperature (both distributions softened, times T², as in knowledge
     distillation): above 1 it weighs how the less likely tokens rank, which the gate's top-10 overlap reads. The
     held-out KL that picks the epoch is always at temperature 1, the evidence's."""
+    ref_top_k: int = REF_TOP_K
+    """Tokens per tail position whose full-prefill log-probability a reference (:class:`TailRef`) keeps."""
 
     def __post_init__(self) -> None:
         if self.from_layer < 0:
@@ -59,6 +65,8 @@ class DistillSettings:
             raise InvalidInput(f"tail and tails must be >= 1, got {self.tail} and {self.tails}")
         if not self.temperature > 0:
             raise InvalidInput(f"temperature must be > 0, got {self.temperature}")
+        if not isinstance(self.ref_top_k, int) or self.ref_top_k < 1:
+            raise InvalidInput(f"ref_top_k must be a positive number of tokens, got {self.ref_top_k!r}")
         if self.repeat_span < 0 or self.epochs < 0 or not self.lr > 0:
             raise InvalidInput("repeat_span and epochs must be >= 0 and lr > 0; "
                                f"got {self.repeat_span}, {self.epochs}, {self.lr}")
@@ -71,18 +79,56 @@ class DistillSettings:
 
     def as_dict(self) -> dict:
         return {"from_layer": self.from_layer, "tail": self.tail, "tails": self.tails, "repeat_span": self.repeat_span,
-                "epochs": self.epochs, "lr": self.lr, "seed": self.seed, "temperature": self.temperature}
+                "epochs": self.epochs, "lr": self.lr, "seed": self.seed, "temperature": self.temperature,
+                "ref_top_k": self.ref_top_k}
+
+
+@dataclass(frozen=True)
+class TailRef:
+    """The target's own next-token distributions over one tail, compact: per position the ``k`` most likely tokens'
+    log-probabilities and the log of the mass of all others (about 0.5 KB a position at k = 64, against 300 KB for a
+    151,936-token vocabulary), so the target's forward over a training window runs once and its result can be kept.
+
+    The loss compares the two distributions on these k + 1 outcomes (each top token, and "any other"): the KL of a
+    coarsening, never more than the full KL, equal to it where the rest's mass is negligible."""
+
+    index: torch.Tensor  # [tail, k] token ids
+    logp: torch.Tensor  # [tail, k] float32
+    rest: torch.Tensor  # [tail] float32: log of the probability of every token outside ``index``
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, k: int = REF_TOP_K) -> "TailRef":
+        """The reference of ``logits`` [tail, vocab] (the target's own, over the tail's positions)."""
+        lp = logits.float().log_softmax(-1)
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        return cls(top.indices, top.values, _rest(lp, top.indices))
+
+    def kl(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Mean KL(reference ‖ softmax(logits)) over the tail's positions, on the k + 1 outcomes, both at
+        ``temperature`` (times its square, so gradients keep their scale)."""
+        q = (logits.float() / temperature).log_softmax(-1)
+        mine = torch.cat([q.gather(-1, self.index), _rest(q, self.index)[:, None]], -1)
+        want = torch.cat([self.logp, self.rest[:, None]], -1)
+        if temperature != 1.0:
+            want = (want / temperature).log_softmax(-1)
+        p = want.exp()
+        return torch.where(p > 0, p * (want - mine), torch.zeros_like(p)).sum(-1).mean() * temperature ** 2
+
+
+def _rest(lp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log of the probability outside ``index`` per row of log-probabilities ``lp`` (-inf when there is none)."""
+    return lp.scatter(-1, index, float("-inf")).logsumexp(-1)
 
 
 @dataclass(frozen=True)
 class TailSample:
-    """One training tail: the source cache up to its end, the fixed (untrained) mapped layers of its prefix, the tail's
-    token ids, and the target's full-prefill log-probabilities over them (kept in bfloat16)."""
+    """One training tail: its token ids, the target's full-prefill reference over them, and how to get the source cache
+    up to its end with the fixed (untrained) mapped layers of its prefix: from memory, or read from the window's
+    file when the tail is trained on (a distillation over hundreds of windows never holds their caches at once)."""
 
-    source_kv: list[LayerKV]
-    fixed: list[LayerKV]
     ids: torch.Tensor
-    logp: torch.Tensor
+    ref: TailRef
+    inputs: Callable[[], tuple[list[LayerKV], list[LayerKV]]]
 
 
 def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tensor:
@@ -173,37 +219,72 @@ class TrainableMaps:
 
 @torch.no_grad()
 def capture_tails(ms: MapSet, source, target, windows: list[torch.Tensor], s: DistillSettings,
-                  rng: random.Random, cache_dir: str | Path | None = None) -> list[TailSample]:
+                  rng: random.Random, cache_dir: str | Path | None = None,
+                  refs_dir: str | Path | None = None) -> list[TailSample]:
     """Tails of ``windows`` (every other one given a repeat): one source and one target prefill per window.
 
-    ``cache_dir``: each window's captures (its source cache and the target's log-probabilities, which no map
-    changes) are kept there as they are made, so a stopped capture resumes and a second distillation of the pair
-    skips both prefills."""
+    ``cache_dir``: each window's source cache is kept there as it is made (``<source key>/<window>.safetensors``) and
+    read back when a tail is trained on, so a stopped capture resumes and memory holds one window at a time.
+    ``refs_dir`` (default ``cache_dir``): each window's compact references (:class:`TailRef`) are kept there
+    (``<target key>/<window>.safetensors``, small enough to commit), so the target's forward over a window runs once."""
     out = []
-    cache = Path(cache_dir) / _pair_key(ms) if cache_dir else None
+    refs_dir = refs_dir if refs_dir is not None else cache_dir
+    kv_folder = Path(cache_dir) / _model_key(ms.source, "source") if cache_dir else None
+    ref_folder = Path(refs_dir) / _model_key(ms.target, f"refs {s.tail}:{s.tails}:{s.ref_top_k}") if refs_dir else None
     for i, ids in enumerate(windows):
         s.check_window(len(ids))
         if s.repeat_span and i % 2 == 1:
             ids = with_repeat(ids, s.repeat_span, rng)
-        got = _load_window(cache, ids, s) if cache else None
-        if got is None:
-            skv = capture_kv(source.model, ids[None])
+        ends = _ends(len(ids), s)
+        refs = _load(ref_folder, ids, lambda t: [TailRef(t[f"index{j}"], t[f"logp{j}"], t[f"rest{j}"]) for j in range(len(ends))])
+        if refs is None:
             logits = target.model(input_ids=ids[None]).logits[0]
-            got = ([(k.bfloat16(), v.bfloat16()) for k, v in skv],
-                   [logits[end - s.tail : end].float().log_softmax(-1).bfloat16() for end in _ends(len(ids), s)])
-            if cache:
-                _save_window(cache, ids, s, *got)
-        skv, logps = got
-        fixed = apply(ms, [(k.float(), v.float()) for k, v in skv], 0)[: s.from_layer]
-        for end, logp in zip(_ends(len(ids), s), logps):
-            out.append(TailSample([(k[:, :, :end], v[:, :, :end]) for k, v in skv],
-                                  [(k[:, :, : end - s.tail].bfloat16(), v[:, :, : end - s.tail].bfloat16()) for k, v in fixed],
-                                  ids[end - s.tail : end].clone(), logp))
+            refs = [TailRef.of(logits[end - s.tail : end], s.ref_top_k) for end in ends]
+            _save(ref_folder, ids, {f"{name}{j}": getattr(r, name) for j, r in enumerate(refs) for name in ("index", "logp", "rest")})
+        skv = _load(kv_folder, ids, _read_kv)
+        if skv is None:
+            skv = [(k.bfloat16(), v.bfloat16()) for k, v in capture_kv(source.model, ids[None])]
+            _save(kv_folder, ids, {f"{kind}{l}": x for l, kv in enumerate(skv) for kind, x in zip("kv", kv)})
+        load = _kept(kv_folder, ids, None if kv_folder is not None else skv)
+        for end, ref in zip(ends, refs):
+            out.append(TailSample(ids[end - s.tail : end].clone(), ref, _inputs(ms, s, load, end)))
     return out
+
+
+def _read_kv(t: dict) -> list[LayerKV]:
+    return [(t[f"k{l}"], t[f"v{l}"]) for l in range(sum(1 for n in t if n.startswith("k")))]
+
+
+def _kept(folder: Path | None, ids: torch.Tensor, skv: list[LayerKV] | None) -> Callable[[], list[LayerKV]]:
+    """A window's source cache on demand: ``skv`` itself, or (``skv`` None) read back from ``folder`` each time, so
+    that memory holds one window's cache at a time."""
+
+    def load() -> list[LayerKV]:
+        return skv if skv is not None else _load(folder, ids, _read_kv)
+
+    return load
+
+
+def _inputs(ms: MapSet, s: DistillSettings, load: Callable[[], list[LayerKV]], end: int):
+    """A tail's inputs on demand: the source cache up to ``end`` and the fixed mapped layers of its prefix."""
+
+    def inputs() -> tuple[list[LayerKV], list[LayerKV]]:
+        skv = [(k[:, :, :end].float(), v[:, :, :end].float()) for k, v in load()]
+        with torch.no_grad():
+            fixed = apply(ms, skv, 0)[: s.from_layer] if s.from_layer else []
+        return skv, [(k[:, :, : end - s.tail], v[:, :, : end - s.tail]) for k, v in fixed]
+
+    return inputs
 
 
 def _ends(n: int, s: DistillSettings) -> list[int]:
     return [n // s.tails * (j + 1) for j in range(s.tails)]
+
+
+def _model_key(identity, what: str) -> str:
+    from .geometry import digest
+
+    return digest({"model": identity.as_dict(), "what": what})[:24]
 
 
 def _pair_key(ms: MapSet) -> str:
@@ -212,53 +293,50 @@ def _pair_key(ms: MapSet) -> str:
     return digest({"source": ms.source.as_dict(), "target": ms.target.as_dict()})[:24]
 
 
-def _window_file(cache: Path, ids: torch.Tensor, s: DistillSettings) -> Path:
+def _window_file(folder: Path, ids: torch.Tensor) -> Path:
     import hashlib
 
-    h = hashlib.sha256(ids.to(torch.int64).numpy().tobytes() + f"{s.tail}:{s.tails}".encode()).hexdigest()[:32]
-    return cache / f"{h}.safetensors"
+    return folder / (hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:32] + ".safetensors")
 
 
-def _save_window(cache: Path, ids, s: DistillSettings, skv, logps) -> None:
+def _save(folder: Path | None, ids: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    """Keep a window's tensors (with its ids) in ``folder``, written whole by one rename; nothing without a folder."""
     import os
 
     from safetensors.torch import save_file
 
-    cache.mkdir(parents=True, exist_ok=True)
-    path = _window_file(cache, ids, s)
-    t = {"ids": ids.to(torch.int64).contiguous()}
-    for l, (k, v) in enumerate(skv):
-        t[f"k{l}"], t[f"v{l}"] = k.contiguous(), v.contiguous()
-    for j, lp in enumerate(logps):
-        t[f"logp{j}"] = lp.contiguous()
-    save_file(t, str(path.with_suffix(".tmp")))
+    if folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    path = _window_file(folder, ids)
+    save_file({"ids": ids.to(torch.int64).contiguous()} | {k: v.contiguous() for k, v in tensors.items()},
+              str(path.with_suffix(".tmp")))
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def _load_window(cache: Path, ids, s: DistillSettings):
+def _load(folder: Path | None, ids: torch.Tensor, read: Callable[[dict], object]):
+    """``read`` of the window's kept tensors, or None when the folder has none for exactly these ids."""
     from safetensors.torch import load_file
 
-    path = _window_file(cache, ids, s)
+    if folder is None:
+        return None
+    path = _window_file(folder, ids)
     if not path.is_file():
         return None
     t = load_file(str(path))
     if not torch.equal(t["ids"], ids.to(torch.int64)):
         return None
-    layers = sum(1 for k in t if k.startswith("k"))
-    return [(t[f"k{l}"], t[f"v{l}"]) for l in range(layers)], [t[f"logp{j}"] for j in range(s.tails)]
+    return read({k: v for k, v in t.items() if k != "ids"})
 
 
 def tail_kl(target_model, maps: TrainableMaps, sample: TailSample, temperature: float = 1.0) -> torch.Tensor:
-    """Mean KL(full ‖ mapped) over the tail's next-token distributions, at ``temperature`` (times its square, so
-    gradients keep their scale)."""
-    skv = [(k.float(), v.float()) for k, v in sample.source_kv]
-    fixed = [(k.float(), v.float()) for k, v in sample.fixed]
+    """Mean KL(full ‖ mapped) over the tail's next-token distributions on its reference's outcomes, at
+    ``temperature`` (times its square, so gradients keep their scale)."""
+    skv, fixed = sample.inputs()
     stop = skv[0][0].shape[2] - len(sample.ids)
     cache = to_dynamic_cache(maps.cache(skv, fixed, stop), target_model.config)
-    logits = target_model(input_ids=sample.ids[None], past_key_values=cache).logits[0].float()
-    logq = (logits / temperature).log_softmax(-1)
-    want = (sample.logp.float() / temperature).log_softmax(-1)  # log-probabilities are logits up to a constant
-    return (want.exp() * (want - logq)).sum(-1).mean() * temperature ** 2
+    logits = target_model(input_ids=sample.ids[None], past_key_values=cache).logits[0]
+    return sample.ref.kl(logits, temperature)
 
 
 def distill(ms: MapSet, source, target, train: list[TailSample], held: list[TailSample], s: DistillSettings,

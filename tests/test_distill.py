@@ -67,7 +67,7 @@ def test_distillation_lowers_the_heldout_tail_kl_and_trains_only_its_layers(s_t,
     s = DistillSettings(from_layer=3, tail=16, repeat_span=48, epochs=2, lr=3e-4, seed=0)
     rng = random.Random(0)
     train, held = capture_tails(start, source, target, windows[:11], s, rng), capture_tails(start, source, target, windows[11:], s, rng)
-    assert len(train) == 11 and len(held) == 3 and train[0].ids.shape == (16,) and train[0].fixed[0][0].shape[2] == 240
+    assert len(train) == 11 and len(held) == 3 and train[0].ids.shape == (16,) and train[0].inputs()[1][0][0].shape[2] == 240
     maps, log = distill(start, source, target, train, held, s)
     assert [e["epoch"] for e in log[:-1]] == [0, 1, 2] and log[-1]["kept_epoch"] > 0
     kept = log[log[-1]["kept_epoch"]]["held_kl"]
@@ -81,8 +81,9 @@ def test_distillation_lowers_the_heldout_tail_kl_and_trains_only_its_layers(s_t,
 
 
 def test_a_temperature_softens_both_distributions(s_t, family):
-    """tail_kl at temperature T is T² × KL(softmax(full / T) ‖ softmax(mapped / T)), computed here by hand from the
-    target's logits over the mapped cache; T = 1 is the plain KL the held-out epochs are chosen by."""
+    """tail_kl at temperature T is T² × KL(softmax(full / T) ‖ softmax(mapped / T)) on the reference's outcomes (its
+    top tokens and "any other"), computed here by hand from both models' logits; T = 1 is the plain KL the held-out
+    epochs are chosen by."""
     from kvferry.mappings.capture import to_dynamic_cache
 
     source, target = family["S"], family["T"]
@@ -91,13 +92,19 @@ def test_a_temperature_softens_both_distributions(s_t, family):
                            random.Random(0))[0]
     maps = TrainableMaps(s_t, 3)
     with torch.no_grad():
-        skv = [(k.float(), v.float()) for k, v in sample.source_kv]
-        fixed = [(k.float(), v.float()) for k, v in sample.fixed]
+        skv, fixed = sample.inputs()
         cache = to_dynamic_cache(maps.cache(skv, fixed, skv[0][0].shape[2] - 16), target.model.config)
         logits = target.model(input_ids=sample.ids[None], past_key_values=cache).logits[0].float()
-        full = sample.logp.float()
+        full = target.model(input_ids=windows[0][None]).logits[0, -16:].float().log_softmax(-1)
+        top = sample.ref.index
+
+        def coarse(lp):  # the k + 1 outcomes: each top token, then every other token together
+            other = lp.clone().scatter_(-1, top, float("-inf")).logsumexp(-1, keepdim=True)
+            return torch.cat([lp.gather(-1, top), other], -1)
+
         for t in (1.0, 2.0, 4.0):
-            p, q = (full / t).log_softmax(-1), (logits / t).log_softmax(-1)
+            p = (coarse(full) / t).log_softmax(-1)
+            q = coarse((logits / t).log_softmax(-1))
             want = float((p.exp() * (p - q)).sum(-1).mean()) * t * t
             assert float(tail_kl(target.model, maps, sample, t)) == pytest.approx(want, rel=1e-4), t
     with torch.no_grad():
@@ -145,11 +152,12 @@ def test_a_stopped_distillation_resumes_where_it_stopped(s_t, family, tmp_path, 
     tails = tmp_path / "tails"
     train = capture_tails(start, source, target, windows[:10], s, random.Random(0), tails)
     held = capture_tails(start, source, target, windows[10:], s, random.Random(1), tails)
-    assert len(list(tails.rglob("*.safetensors"))) == 12
+    assert len(list(tails.rglob("*.safetensors"))) == 24  # per window: the source's cache and the target's references
     calls = []
     monkeypatch.setattr(d, "capture_kv", lambda *a: calls.append(1))  # kept windows need no prefill
+    monkeypatch.setattr(target, "model", None)  # nor the target's forward
     again = capture_tails(start, source, target, windows[:10], s, random.Random(0), tails)
-    assert not calls and all(torch.equal(a.ids, b.ids) and torch.equal(a.logp, b.logp) for a, b in zip(again, train))
+    assert not calls and all(torch.equal(a.ids, b.ids) and torch.equal(a.ref.logp, b.ref.logp) for a, b in zip(again, train))
     monkeypatch.undo()
 
     want, want_log = distill(start, source, target, train, held, s)
@@ -173,3 +181,23 @@ def test_a_stopped_distillation_resumes_where_it_stopped(s_t, family, tmp_path, 
         torch.testing.assert_close(got.weight[key], want.weight[key], rtol=0, atol=0)
     other = DistillSettings(from_layer=3, tail=16, repeat_span=48, epochs=2, lr=2e-3)  # another run ignores it
     assert d._load_checkpoint(ckpt, d._run_key(start, other, train, held)) is None
+
+
+def test_a_compact_reference_keeps_the_top_tokens_and_the_rest_mass():
+    """TailRef: with every token kept its KL is the exact KL; with k of them it is the KL of the coarsened
+    distributions, never above the exact one and close to it when the top tokens hold most of the mass; its size
+    does not grow with the vocabulary."""
+    from kvferry.mappings.distill import TailRef
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(8, 300, generator=g) * 3
+    mine = full + torch.randn(8, 300, generator=g)
+    p, q = full.log_softmax(-1), mine.log_softmax(-1)
+    exact = float((p.exp() * (p - q)).sum(-1).mean())
+    assert float(TailRef.of(full, 300).kl(mine)) == pytest.approx(exact, rel=1e-5)
+    ref = TailRef.of(full, 32)
+    assert ref.index.shape == ref.logp.shape == (8, 32) and ref.rest.shape == (8,)
+    torch.testing.assert_close(torch.cat([ref.logp.exp(), ref.rest.exp()[:, None]], -1).sum(-1), torch.ones(8))
+    coarse = float(ref.kl(mine))
+    assert 0 < coarse <= exact + 1e-6 and coarse > 0.5 * exact
+    assert float(TailRef.of(full, 32).kl(full)) == pytest.approx(0.0, abs=1e-6)
