@@ -73,7 +73,7 @@ class DistillSettings:
 
     def check_window(self, seq_len: int) -> None:
         """A window must hold ``tails`` tails each after some mapped prefix, and room for the repeat."""
-        if seq_len // self.tails <= self.tail or (self.repeat_span and seq_len < 2 * self.repeat_span + 64):
+        if seq_len // self.tails <= self.tail or (self.repeat_span and seq_len <= 2 * self.repeat_span + 64):
             raise InvalidInput(f"training windows of {seq_len} tokens are too short for {self.tails} tail(s) of {self.tail} "
                                f"and a repeat of {self.repeat_span}; use longer windows or a shorter tail or repeat")
 

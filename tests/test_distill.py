@@ -120,6 +120,9 @@ def test_settings_and_windows_are_checked():
         DistillSettings(lr=0.0)
     with pytest.raises(InvalidInput, match="too short"):
         DistillSettings(tail=48, tails=2).check_window(90)
+    with pytest.raises(InvalidInput, match="too short"):  # no room left to place the repeated stretch
+        DistillSettings(tail=16, repeat_span=32).check_window(128)
+    DistillSettings(tail=16, repeat_span=32).check_window(129)
     ids = torch.arange(400)
     rep = with_repeat(ids, 100, random.Random(1))
     start = int(rep[300])
