@@ -76,6 +76,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
     from kvferry.mappings.distill import DistillSettings, capture_tails, distill
 
     quiet_transformers()
+    if not a.version and not a.capture_only:
+        raise SystemExit("kvferry distill: --version is required (the distilled artifact's), unless --capture-only")
     given = {k: getattr(a, k) for k in ("from_layer", "tail", "tails", "repeat_span", "epochs", "lr", "seed", "temperature",
                                         "ref_top_k")}
     settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})  # unset: DistillSettings' defaults
@@ -91,6 +93,9 @@ def cmd_distill(a: argparse.Namespace) -> int:
     train = capture_tails(ms, src, tgt, train_w, settings, rng, a.tails_cache, a.refs)
     held = capture_tails(ms, src, tgt, held_w, settings, rng, a.tails_cache, a.refs)
     print(f"{len(train)} training and {len(held)} held-out tails from {len(train_w)} + {len(held_w)} windows of {a.seq_len} tokens")
+    if a.capture_only:
+        print(f"captured (references in {a.refs or a.tails_cache}); no training with --capture-only")
+        return 0
     maps, log = distill(ms, src, tgt, train, held, settings, progress=None if a.quiet else print,
                         checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_minutes * 60)
     record = settings.as_dict() | {"seq_len": a.seq_len, "train_windows": len(train_w), "held_windows": len(held_w), "log": log}
@@ -377,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="held-out text for choosing the epoch (default: the corpus's last tenth of windows)")
     dl.add_argument("--held-windows", type=int, default=12, help="windows of --heldout used")
     dl.add_argument("--out", type=Path, default=Path("runs/maps"), help="registry root to write <source>__<target>/<version>")
-    dl.add_argument("--version", required=True)
+    dl.add_argument("--version", default=None, help="the distilled artifact's version (required unless --capture-only)")
     dl.add_argument("--seq-len", type=int, default=1024)
     dl.add_argument("--max-tokens", type=int, default=None)
     # --from-layer .. --temperature: DistillSettings' fields (their defaults and meaning are documented there)
@@ -397,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "position) here, small enough to commit, so its forward over a window runs once (default: "
                          "--tails-cache)")
     dl.add_argument("--ref-top-k", type=int, default=None, help="tokens per position a reference keeps (default 64)")
+    dl.add_argument("--capture-only", action="store_true",
+                    help="capture the tails (the target's references, the source's caches) into --refs / --tails-cache "
+                         "and stop: the slow part, resumable, run ahead of training")
     dl.add_argument("--checkpoint", type=Path, default=None,
                     help="training state file: written every --checkpoint-minutes and after each epoch; a run with the "
                          "same map, settings and text resumes from it")

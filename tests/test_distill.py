@@ -204,3 +204,24 @@ def test_a_compact_reference_keeps_the_top_tokens_and_the_rest_mass():
     coarse = float(ref.kl(mine))
     assert 0 < coarse <= exact + 1e-6 and coarse > 0.5 * exact
     assert float(TailRef.of(full, 32).kl(full)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_capture_only_keeps_the_references_for_a_later_run(tmp_path):
+    """--capture-only runs both prefills per window and stops: the references (small, committable) and the source's
+    caches are kept, no artifact is written; a later run with the same windows reads them instead of the models."""
+    args = [sys.executable, "-m", "kvferry", "distill", str(ROOT / "maps" / "S__T" / "1.0.0"), "--source", str(MODELS / "S"),
+            "--target", str(MODELS / "T"), "--out", str(tmp_path / "maps"), "--seq-len", "256",
+            "--max-tokens", str(256 * 6), "--tail", "16", "--repeat-span", "48", "--refs", str(tmp_path / "refs"),
+            "--tails-cache", str(tmp_path / "kv"), "--quiet"]
+    run = subprocess.run(args + ["--capture-only"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "no training with --capture-only" in run.stdout and not (tmp_path / "maps").exists()
+    refs = list((tmp_path / "refs").rglob("*.safetensors"))
+    assert len(refs) == 6 and len(list((tmp_path / "kv").rglob("*.safetensors"))) == 6
+    assert all(p.stat().st_size < 20_000 for p in refs)  # a 16-token tail's top-64: far below a vocabulary row per token
+    stamp = {p: p.stat().st_mtime_ns for p in refs}
+    run = subprocess.run(args + ["--version", "1.0.1", "--epochs", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert {p: p.stat().st_mtime_ns for p in refs} == stamp  # read, not recomputed
+    missing = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "--version is required" in missing.stderr
