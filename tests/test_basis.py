@@ -15,7 +15,7 @@ from kvferry.mappings.geometry import ModelIdentity, geometry_of
 from kvferry.mappings.gram import GramStats
 from kvferry.mappings.reduced_rank import heldout_r2, reduced_rank
 
-from conftest import DATA, tiny_config
+from conftest import DATA, make_kv, tiny_config
 
 CALIB = [str(DATA / "calib.jsonl")]
 GOLDEN = Path(__file__).parent / "golden" / "artifact_v3"
@@ -105,6 +105,11 @@ def test_basis_apply_equals_the_materialised_map_in_any_chunking(basis_set, fami
     for (k, v), (wk, wv) in zip(got, want):
         torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4)
+    import copy
+
+    bf16 = apply(copy.deepcopy(ms).to(dtype=torch.bfloat16), kv)  # stored and applied in bfloat16: within its rounding
+    for (k, v), (wk, wv) in zip(bf16, got):
+        assert float((k.float() - wk).norm() / wk.norm()) < 0.03 and float((v.float() - wv).norm() / wv.norm()) < 0.03
     applier = StreamingApplier(ms, 0, tokens=37)
     out: dict[int, list] = {}
     for a, b in ((0, 1), (1, 9), (9, 37)):  # token ranges, every layer of each before the next range
@@ -258,3 +263,23 @@ def test_distilling_a_basis_set_trains_its_encoder_and_matches_apply(basis_set, 
     later = TrainableMaps(start, 2)
     assert "basis" not in later.keys and not later.encoder.requires_grad
     assert torch.equal(later.mapset("1.0.2", {}).basis.encoder, start.basis.encoder)
+
+
+@pytest.mark.parametrize("map_threads", [1, 2])
+def test_a_real_sidecar_serves_a_basis_set_as_apply_maps_it(basis_set, family, sidecar_factory, tmp_path, map_threads):
+    """Through gRPC, in chunks of 16 tokens, mapped by one thread or by token lanes: the target blocks equal the
+    in-process apply; the listing shows the version (the wire and the client are unchanged)."""
+    from kvferry.client.client import ClientOptions, TranslateClient
+
+    save(basis_set, tmp_path / "maps")
+    s = family["S"].identity
+    g = s.geometry
+    kv = make_kv(layers=g.layers, tokens=70, heads=g.kv_heads, head_dim=g.head_dim, seed=4)
+    want = apply(basis_set, kv)
+    sc = sidecar_factory(maps_dir=str(tmp_path / "maps"), force_maps=True, map_threads=map_threads)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=16)) as c:
+        assert [m.version for m in c.list_mappings("S__T")] == [basis_set.version]
+        got = c.translate(kv, "S__T", basis_set.version, source_geometry=g.fingerprint, tokenizer=s.tokenizer)
+        for (k, v), (wk, wv) in zip(got.layers(), want):
+            torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4)
