@@ -109,7 +109,7 @@ def test_basis_apply_equals_the_materialised_map_in_any_chunking(basis_set, fami
 
     bf16 = apply(copy.deepcopy(ms).to(dtype=torch.bfloat16), kv)  # stored and applied in bfloat16: within its rounding
     for (k, v), (wk, wv) in zip(bf16, got):
-        assert float((k.float() - wk).norm() / wk.norm()) < 0.03 and float((v.float() - wv).norm() / wv.norm()) < 0.03
+        assert float((k.float() - wk).norm() / wk.norm()) < 0.05 and float((v.float() - wv).norm() / wv.norm()) < 0.05
     applier = StreamingApplier(ms, 0, tokens=37)
     out: dict[int, list] = {}
     for a, b in ((0, 1), (1, 9), (9, 37)):  # token ranges, every layer of each before the next range
