@@ -107,9 +107,13 @@ def test_basis_apply_equals_the_materialised_map_in_any_chunking(basis_set, fami
         torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4)
     import copy
 
-    bf16 = apply(copy.deepcopy(ms).to(dtype=torch.bfloat16), kv)  # stored and applied in bfloat16: within its rounding
-    for (k, v), (wk, wv) in zip(bf16, got):
-        assert float((k.float() - wk).norm() / wk.norm()) < 0.05 and float((v.float() - wv).norm() / wv.norm()) < 0.05
+    def worst(out):  # the largest relative error of any layer's K or V against the float32 basis set's
+        return max(float((a.float() - b).norm() / b.norm()) for (k, v), (wk, wv) in zip(out, got) for a, b in ((k, wk), (v, wv)))
+
+    # stored and applied in bfloat16, the code rounded between the two products: no worse than the same map
+    # materialised and applied in bfloat16 (this float32 fit's weights are large for bf16 either way: a bf16 fit
+    # chooses its lambdas for that rounding)
+    assert worst(apply(copy.deepcopy(ms).to(dtype=torch.bfloat16), kv)) < 1.5 * worst(apply(dense.to(dtype=torch.bfloat16), kv))
     applier = StreamingApplier(ms, 0, tokens=37)
     out: dict[int, list] = {}
     for a, b in ((0, 1), (1, 9), (9, 37)):  # token ranges, every layer of each before the next range
