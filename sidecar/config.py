@@ -201,7 +201,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     docs = _field_docs()
     ap.add_argument("--config", default=None, help="TOML file with any of the fields below (flags and env override it)")
     for f in fields(SidecarConfig):
-        kw = {"default": None, "help": docs.get(f.name, "") + f" (env KVFERRY_{f.name.upper()}; default {f.default})"}
+        text = docs.get(f.name, "") + f" (env KVFERRY_{f.name.upper()}; default {f.default})"
+        kw = {"default": None, "help": text.replace("%", "%%")}  # argparse formats help with %: a docstring's % is text
         if f.type in ("bool", bool):
             ap.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, **kw)
         else:

@@ -126,3 +126,22 @@ def test_public_names_import_from_the_packages():
     from kvferry.client import Cascade, TranslateClient  # noqa: F401
     from kvferry.mappings import Gates, fit_pair  # noqa: F401
     from kvferry.sidecar import BackgroundSidecar, SidecarConfig  # noqa: F401
+
+
+def test_every_command_prints_its_help():
+    """Each command's and bench's --help renders (argparse formats help text with %: a stray % in a docstring that
+    feeds a flag's help broke `kvferry serve --help`)."""
+    import argparse
+
+    from kvferry.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> int:
+        assert parser.format_help(), path
+        count = 1
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    count += walk(sub, f"{path} {name}")
+        return count
+
+    assert walk(build_parser(), "kvferry") > 20
