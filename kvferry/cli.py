@@ -132,6 +132,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     from kvferry.mappings.copy_probe import copy_probe, format_copy_table
     from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
     from kvferry.mappings.memo import Memo
+    from kvferry.mappings.next_line import NextLineSettings, format_next_line_table
 
     quiet_transformers()
     ms = load(a.map)
@@ -148,7 +149,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
                                 greedy_prompts=a.greedy_prompts, min_len=a.min_len, max_len=a.max_len, copy=copy,
                                 prose_prompts=a.prose_prompts if a.prose else 0,
                                 completion=CompletionSettings(tasks=a.completion_tasks, refresh=a.refresh)
-                                if a.completion_tasks else None)
+                                if a.completion_tasks else None,
+                                next_line=NextLineSettings(tasks=a.next_line_tasks, refresh=a.refresh)
+                                if a.next_line_tasks else None)
         ev = evaluate(ms, src, tgt, a.heldout, settings, progress=not a.quiet, prose=a.prose, memo=memo)
         print(format_table(ev, f"{ms.name} {ms.version} (r={a.refresh}, s={a.sinks}, {a.prompts} prompts)"))
         for kind in "kv":
@@ -158,6 +161,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
             print(format_table(ev["prose"], f"prose ({a.prose_prompts} prompts)"))
         if "completion" in ev:
             print(format_completion_table(ev["completion"], "completion task (exact match of a function's first line)"))
+        if "next_line" in ev:
+            print(format_next_line_table(ev["next_line"], "next-line task (a file's next line after 2,000+ tokens of it)"))
     if "copy" in ev:
         print(format_copy_table(ev["copy"], "long-range copy probe (next-token accuracy on the repeated passage)"))
     if "copy" in ev.get("prose", {}):
@@ -430,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--copy-prompts", type=int, default=12, help="copy-probe prompts per gap (CopySettings.prompts)")
     e.add_argument("--copy-plain", action="store_true",
                    help="copy-probe passages as written (default: scrambled, so that only the passage predicts them)")
+    e.add_argument("--next-line-tasks", type=int, default=0,
+                   help="the next-line task (LCC style: a file's next line after 2,000+ tokens of it, scored by edit "
+                        "similarity) on this many files of data/next_line_files.json (0: skip); the gate's downstream "
+                        "bar reads it")
     e.add_argument("--completion-tasks", type=int, default=0,
                    help="downstream task: functions whose first body line the target writes after the file (0 skips)")
     e.add_argument("--only-copy", action="store_true", help="run only the copy probe and add it to the existing evidence")

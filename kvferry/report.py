@@ -10,6 +10,7 @@ def print_evidence(ms, summary: list[str], verdict: bool = True) -> list[str]:
     from kvferry.mappings.copy_probe import format_copy_table
     from kvferry.mappings.evaluate import format_table
     from kvferry.mappings.gates import Gates
+    from kvferry.mappings.next_line import format_next_line_table
 
     ev = ms.evidence or {}
     print(f"== {ms.name} {ms.version}: evidence from `kvferry eval` (in its manifest)")
@@ -21,7 +22,9 @@ def print_evidence(ms, summary: list[str], verdict: bool = True) -> list[str]:
                                                                     "<gap> tokens earlier)")),
               ("copy" in ev.get("prose", {}), lambda: format_copy_table(ev["prose"]["copy"], "   copy probe on prose")),
               ("completion" in ev, lambda: format_completion_table(ev["completion"], "   completion task (the first "
-                                                                   "line of a function's body, exact match)")))
+                                                                   "line of a function's body, exact match)")),
+              ("next_line" in ev, lambda: format_next_line_table(ev["next_line"], "   next-line task (a file's next "
+                                                                 "line after 2,000+ tokens of it)")))
     for present, table in tables:
         if present:
             print(table())

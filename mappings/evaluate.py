@@ -25,6 +25,7 @@ from .memo import Memo
 from .features import to_features
 from .completion import CompletionSettings, completion_task
 from .copy_probe import CopySettings, copy_probe
+from .next_line import NextLineSettings, library_files, next_line_task
 from .recall import make_probe, probe_fillers
 
 ARMS = ("gold", "no_context", "truncate", "mapped", "mapped_refresh", "mapped_sinks")
@@ -57,6 +58,9 @@ class EvalSettings:
     copy probe runs on it too, and the gate reads the worse of the two domains."""
     completion: CompletionSettings | None = None
     """The downstream task on the held-out code (:mod:`completion`; None skips it)."""
+    next_line: NextLineSettings | None = None
+    """The long-context downstream task (:mod:`next_line`, on the files of ``data/next_line_files.json``; None skips
+    it). Where measured, the gate's downstream bar reads it."""
     seed: int = 0
     """Seed for prompt sampling."""
 
@@ -250,7 +254,7 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
     if s.recall_prompts:
         for arm, acc in recall_accuracy(ms, source, target, texts, s).items():
             arms_out.setdefault(arm, {})["recall"] = acc
-    settings = {k: getattr(s, k) for k in s.__dataclass_fields__ if k not in ("copy", "completion")}
+    settings = {k: getattr(s, k) for k in s.__dataclass_fields__ if k not in ("copy", "completion", "next_line")}
     out = {"settings": settings, "arms": arms_out, "layers": layer_err.result(), "recommended_refresh": s.refresh}
     if s.copy is not None:
         out["copy"] = copy_probe(ms, source, target, texts, s.copy, progress, memo)
@@ -261,6 +265,11 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
             out["prose"]["copy"] = copy_probe(ms, source, target, prose_texts, s.copy, progress, memo)
     if s.completion is not None:
         out["completion"] = completion_task(ms, source, target, texts, s.completion, progress, memo)
+    if s.next_line is not None:
+        from kvferry import paths
+
+        files = library_files(paths.data_file("next_line_files.json"))
+        out["next_line"] = next_line_task(ms, source, target, files, s.next_line, progress, memo)
     return out
 
 

@@ -140,6 +140,10 @@ class Gates:
         return problems + [c.message() for c in checks if self.blocks(c)]
 
     def completion_checks(self, evidence: dict) -> tuple[list[str], list["Check"]]:
+        """The downstream bar: on the next-line task where the evidence has it (edit similarity), else on the
+        completion task (exact lines); the served arm may fall at most ``max_completion_drop`` below full prefill."""
+        if evidence.get("next_line"):
+            return self._next_line_checks(evidence["next_line"])
         arms = (evidence.get("completion") or {}).get("arms")
         if not arms:
             return [], []
@@ -152,6 +156,19 @@ class Gates:
                 f"{self.max_completion_drop:.2f}; truncation {arms.get('truncate', float('nan')):.3f})")
         return [], [Check("completion", f"{self.arm} exact lines minus full prefill's", got - full, -self.max_completion_drop,
                           True, interval, note)]
+
+    def _next_line_checks(self, ev: dict) -> tuple[list[str], list["Check"]]:
+        arms, per = ev.get("arms") or {}, ev.get("per_task") or {}
+        if "full" not in arms or self.arm not in arms:
+            return [f"the next-line task has no full or {self.arm!r} arm; re-run `kvferry eval`"], []
+        full, got = arms["full"]["edit_sim"], arms[self.arm]["edit_sim"]
+        interval = (difference_interval(per[self.arm]["edit_sim"], per["full"]["edit_sim"])
+                    if self.arm in per and "full" in per else None)
+        truncate = arms.get("truncate", {}).get("edit_sim", float("nan"))
+        note = (f"next line: {self.arm} edit similarity {got:.3f}, full prefill {full:.3f} (gate: within "
+                f"{self.max_completion_drop:.2f}; truncation {truncate:.3f})")
+        return [], [Check("next line", f"{self.arm} edit similarity minus full prefill's", got - full,
+                          -self.max_completion_drop, True, interval, note)]
 
     def copy_failures(self, evidence: dict) -> list[str]:
         """The long-range gate alone: reasons the copy-probe evidence fails (empty when it passes or is off)."""
