@@ -274,13 +274,14 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if ms.evidence and "arms" in ms.evidence:
         measured = [c for c in gates.checks(ms.evidence)[1] if c.interval is not None]
         if measured:
-            print("gated measures with their 95% intervals over prompts (paired bootstrap):")
+            print(f"gated measures with their 95% intervals over prompts (paired bootstrap; a marginal measure, its bar "
+                  f"inside its interval: {gates.marginal}, the default policy):")
             for c in measured:
                 state = "marginal" if c.marginal else "pass" if c.passes else "fail"
                 print(f"  {c.where}: {c.measure} {c.value:.3f} [{c.interval.low:.3f}, {c.interval.high:.3f}], "
                       f"bar {'>=' if c.at_least else '<='} {c.bar}: {state}")
     serves, problems = gates.verdict(ms.evidence)
-    print(f"serving gates (defaults; marginal measures: {gates.marginal}): " + ("pass" if serves else "fail: " + "; ".join(problems)))
+    print("serving gates (defaults): " + ("pass" if serves else "fail: " + "; ".join(problems)))
     return 0
 
 
