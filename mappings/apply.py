@@ -58,31 +58,49 @@ def check_push(ms: MapSet, layer: int, kind: str, tensor: torch.Tensor, start: i
 
 class CodeSums:
     """A shared-basis set's codes, summed as source chunks arrive: each (layer, kind) chunk adds its features times its
-    rows of the encoder to its tokens' codes, so no source feature is kept past its own push. Tokens before
-    ``first`` are taken (decoded) and dropped; the buffer grows as later tokens arrive, in float32."""
+    rows of the encoder to its tokens' codes. Chunks of one token range are multiplied together, ``batch`` at a
+    time (one matmul over their features side by side, one addition into the float32 sums: adding each chunk on its
+    own costs a pass over the sums per chunk, measured at a fifth of the apply at 2,048 tokens); the rest wait at most
+    until the codes are taken. Tokens before ``first`` are taken (decoded) and dropped; the buffer grows as later
+    tokens arrive."""
 
-    def __init__(self, basis, width: int, compute: torch.dtype, device):
-        self.basis, self.width = basis, width
+    def __init__(self, basis, width: int, compute: torch.dtype, device, batch: int = 8):
+        self.basis, self.width, self.batch = basis, width, batch
         self.encoder = basis.encoder.to(device=device, dtype=compute)
         self.bias = basis.bias.to(device=device, dtype=torch.float32)
         self.first = 0  # token index of self.sums[:, 0]
         self.sums: torch.Tensor | None = None  # [B, tokens held, rank]
+        self._pending: list[tuple[int, str, int, torch.Tensor]] = []  # chunks of one token range, not yet added
 
     def add(self, layer: int, kind: str, start: int, feats: torch.Tensor) -> None:
         """Add one source chunk's contribution: ``feats`` [B, n, width] for tokens [start, start + n)."""
-        n = feats.shape[1]
-        part = feats.reshape(-1, self.width).to(self.encoder.dtype) @ self.encoder[self.basis.rows(layer, kind, self.width)]
+        if self._pending and (self._pending[0][2], self._pending[0][3].shape[1]) != (start, feats.shape[1]):
+            self.flush()
+        self._pending.append((layer, kind, start, feats))
+        if len(self._pending) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add the pending chunks (one token range) into the sums."""
+        if not self._pending:
+            return
+        _, _, start, first = self._pending[0]
+        b, n = first.shape[0], first.shape[1]
+        x = torch.cat([f for _, _, _, f in self._pending], dim=-1).reshape(b * n, -1).to(self.encoder.dtype)
+        rows = torch.cat([self.encoder[self.basis.rows(layer, kind, self.width)] for layer, kind, _, _ in self._pending])
+        self._pending = []
         end = start + n - self.first
         if self.sums is None:
-            self.sums = self.bias.expand(feats.shape[0], end, -1).clone()
+            self.sums = self.bias.expand(b, end, -1).clone()
         elif end > self.sums.shape[1]:
             grow = max(end - self.sums.shape[1], self.sums.shape[1])  # doubling: O(n) copies for n small chunks
             self.sums = torch.cat([self.sums, self.bias.expand(self.sums.shape[0], grow, -1)], dim=1)
-        self.sums[:, start - self.first : end] += part.reshape(feats.shape[0], n, -1).float()
+        self.sums[:, start - self.first : end].add_((x @ rows).reshape(b, n, -1))
 
     def take(self, a: int, b: int) -> torch.Tensor:
         """The finished codes of tokens [a, b) (every source chunk of them added; ``a`` is the first token held), which
         are then dropped."""
+        self.flush()
         out = self.sums[:, a - self.first : b - self.first]
         self.sums, self.first = self.sums[:, b - self.first :], b
         return out
@@ -188,6 +206,8 @@ class StreamingApplier:
             if ready <= a:
                 continue
             _, keys, _, _ = self._groups[gi]
+            if self._codes is not None:
+                self._codes.flush()  # the range is complete: its last chunks join the sums
             f = self._codes.sums if self._codes is not None else self._feats[self._reads[gi][0]][0][1]
             outs = [torch.empty(f.shape[0], tg.kv_heads, ready - a, tg.head_dim, dtype=self.out_dtype, device=f.device)
                     for _ in keys]
