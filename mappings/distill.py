@@ -236,11 +236,13 @@ def capture_tails(ms: MapSet, source, target, windows: list[torch.Tensor], s: Di
         if s.repeat_span and i % 2 == 1:
             ids = with_repeat(ids, s.repeat_span, rng)
         ends = _ends(len(ids), s)
-        refs = _load(ref_folder, ids, lambda t: [TailRef(t[f"index{j}"], t[f"logp{j}"], t[f"rest{j}"]) for j in range(len(ends))])
+        refs = _load(ref_folder, ids, lambda t: [TailRef(t[f"index{j}"].long(), t[f"logp{j}"], t[f"rest{j}"])
+                                                 for j in range(len(ends))])
         if refs is None:
             logits = target.model(input_ids=ids[None]).logits[0]
             refs = [TailRef.of(logits[end - s.tail : end], s.ref_top_k) for end in ends]
-            _save(ref_folder, ids, {f"{name}{j}": getattr(r, name) for j, r in enumerate(refs) for name in ("index", "logp", "rest")})
+            _save(ref_folder, ids, {f"{name}{j}": getattr(r, name).to(torch.int32 if name == "index" else torch.float32)
+                                    for j, r in enumerate(refs) for name in ("index", "logp", "rest")})
         skv = _load(kv_folder, ids, _read_kv)
         if skv is None:
             skv = [(k.bfloat16(), v.bfloat16()) for k, v in capture_kv(source.model, ids[None])]
