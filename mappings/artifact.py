@@ -132,10 +132,13 @@ class MapSet:
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "MapSet":
         """Move the maps (and, with ``dtype``, convert them: the evidence was measured in the stored dtype)."""
-        for m in [*self.maps.values(), *([self.basis] if self.basis else [])]:
-            name = "encoder" if m is self.basis else "weight"
-            setattr(m, name, getattr(m, name).to(device=device, dtype=dtype or getattr(m, name).dtype))
-            m.bias = m.bias.to(device=device, dtype=dtype or m.bias.dtype)
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype or t.dtype)
+
+        for m in self.maps.values():
+            m.weight, m.bias = moved(m.weight), moved(m.bias)
+        if self.basis is not None:
+            self.basis.encoder, self.basis.bias = moved(self.basis.encoder), moved(self.basis.bias)
         self._fused = {}
         return self
 

@@ -262,7 +262,11 @@ def _kept(folder: Path | None, ids: torch.Tensor, skv: list[LayerKV] | None) -> 
     that memory holds one window's cache at a time."""
 
     def load() -> list[LayerKV]:
-        return skv if skv is not None else _load(folder, ids, _read_kv)
+        got = skv if skv is not None else _load(folder, ids, _read_kv)
+        if got is None:
+            raise InvalidInput(f"a training window's source cache is gone from {folder}; run the capture again "
+                               "(it recaptures only what is missing)")
+        return got
 
     return load
 
