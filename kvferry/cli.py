@@ -82,6 +82,10 @@ def cmd_distill(a: argparse.Namespace) -> int:
                                         "ref_top_k")}
     settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})  # unset: DistillSettings' defaults
     ms = load(a.map)
+    if a.code_mlp is not None:
+        from kvferry.mappings.distill import with_code_mlp
+
+        ms = with_code_mlp(ms, a.code_mlp, settings.seed)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
     windows = token_windows(tgt.tokenizer, read_corpus(a.corpus), a.seq_len, a.max_tokens)
     if a.heldout:
@@ -98,7 +102,7 @@ def cmd_distill(a: argparse.Namespace) -> int:
         return 0
     maps, log = distill(ms, src, tgt, train, held, settings, progress=None if a.quiet else print,
                         checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_minutes * 60)
-    record = settings.as_dict() | {"seq_len": a.seq_len, "train_windows": len(train_w), "held_windows": len(held_w), "log": log}
+    record = settings.as_dict() | ({"code_mlp": a.code_mlp} if a.code_mlp is not None else {}) | {"seq_len": a.seq_len, "train_windows": len(train_w), "held_windows": len(held_w), "log": log}
     dest = save(maps.mapset(a.version, record), a.out, overwrite=a.overwrite)
     print(f"wrote {dest} (kept epoch {log[-1]['kept_epoch']}); it has no evidence yet: "
           f"run kvferry eval {dest} --write before it can serve")
@@ -245,8 +249,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         sw = ms.source.geometry.kv_width
         print(f"shared basis: rank {ms.basis.rank} over source layers {_spans(ms.basis.source_layers)} "
               f"({'+'.join(c.upper() for c in ms.basis.inputs)}), every target map reads it; "
-              f"{2 * (ms.basis.encoder.shape[0] + ms.target.geometry.kv_width * len(ms.maps)) * ms.basis.rank / 1e6:.1f} "
-              f"MFLOP per token ({sw} features per source layer and kind)")
+              f"{ms.flops_per_token / 1e6:.1f} MFLOP per token ({sw} features per source layer and kind)"
+              + (f"; a code MLP of {ms.basis.mlp.hidden} hidden units refines the code" if ms.basis.mlp is not None else ""))
         if ms.fit.get("rank_curve") and not a.brief:
             print("the fit's cost/quality curve (held-out R², fitted on the training rows):")
             print(format_curve(ms.fit["rank_curve"]))
@@ -408,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "position) here, small enough to commit, so its forward over a window runs once (default: "
                          "--tails-cache)")
     dl.add_argument("--ref-top-k", type=int, default=None, help="tokens per position a reference keeps (default 64)")
+    dl.add_argument("--code-mlp", type=int, default=None, metavar="H",
+                    help="a shared-basis set: add a per-token MLP of H hidden units on its code (residual, output "
+                         "starting at zero) and train it with the maps: the non-linear variant")
     dl.add_argument("--capture-only", action="store_true",
                     help="capture the tails (the target's references, the source's caches) into --refs / --tails-cache "
                          "and stop: the slow part, resumable, run ahead of training")

@@ -235,6 +235,8 @@ class StreamingApplier:
         group, keys, _, _ = self._groups[gi]
         x = self._codes.take(a, b) if self._codes is not None else self._inputs(group, a, b)
         compute = matmul_dtype(self.ms.dtype, x.device)
+        if self._codes is not None and self.ms.basis.mlp is not None:
+            x = self.ms.basis.mlp(x, compute)  # the code refined before every map reads it
         _, _, w, bias = self.ms.fused_groups(compute)[gi]
         rows = x.reshape(-1, x.shape[-1]).to(compute)  # features already carry the stored dtype's rounding
         y = torch.addmm(bias.to(x.device), rows, w.to(x.device)).reshape(x.shape[0], x.shape[1], -1)

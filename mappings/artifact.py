@@ -30,8 +30,8 @@ from .geometry import ModelIdentity, check_pair, digest
 from .versions import check_version
 
 FORMAT = "kvferry.maps"
-FORMAT_VERSION = 3  # 3: a shared-basis set; 2: a set with a windowed map; per-token sets are still written as version 1
-READ_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # 4: a shared basis with a code MLP; 3: a shared basis; 2: a windowed map; else version 1
+READ_VERSIONS = (1, 2, 3, 4)
 KINDS = ("k", "v")
 MAP_DTYPES = (torch.float32, torch.bfloat16)  # what maps are stored and applied in
 MAX_WINDOW = 64  # tokens a windowed map may read per output token
@@ -69,6 +69,30 @@ class LayerMap:
 
 
 @dataclass
+class CodeMLP:
+    """A per-token non-linearity on a shared basis' code, residual: z <- z + gelu(z @ w_in + b_in) @ w_out. Trained
+    through the target (``kvferry distill --code-mlp H`` adds one whose output starts at zero, so training starts from
+    the linear map)."""
+
+    w_in: torch.Tensor  # [rank, hidden]
+    b_in: torch.Tensor  # [hidden]
+    w_out: torch.Tensor  # [hidden, rank]
+
+    @property
+    def hidden(self) -> int:
+        return int(self.w_in.shape[1])
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.w_in, self.b_in, self.w_out
+
+    def __call__(self, z: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``z`` refined (the products in ``dtype``, default z's; the residual sum in z's dtype)."""
+        dtype = dtype or z.dtype
+        h = torch.nn.functional.gelu(z.to(dtype) @ self.w_in.to(dtype) + self.b_in.to(dtype))
+        return z + (h @ self.w_out.to(dtype)).to(z.dtype)
+
+
+@dataclass
 class Basis:
     """A low-rank code shared by every map of a set: z[t] = concat(x[t, s, c] for s in source_layers for c in inputs)
     @ encoder + bias, r numbers per token. Each map of a shared-basis set reads z (its weight is [r, target_width]), so
@@ -79,6 +103,8 @@ class Basis:
     encoder: torch.Tensor  # [len(source_layers) * len(inputs) * source_width, rank]
     bias: torch.Tensor  # [rank]
     inputs: tuple[str, ...] = KINDS
+    mlp: CodeMLP | None = None
+    """A non-linear refinement of the code before the maps read it (None: the linear code)."""
 
     @property
     def rank(self) -> int:
@@ -121,6 +147,15 @@ class MapSet:
         return self.maps[(target_layer, kind)]
 
     @property
+    def flops_per_token(self) -> float:
+        """Multiply-adds x 2 of one token through the set's matrices (the basis' encoder, its code MLP, the maps)."""
+        maps = sum(m.weight.numel() for m in self.maps.values())
+        if self.basis is None:
+            return 2.0 * maps
+        mlp = 2 * self.basis.mlp.hidden * self.basis.rank if self.basis.mlp is not None else 0
+        return 2.0 * (self.basis.encoder.numel() + mlp + maps)
+
+    @property
     def dtype(self) -> torch.dtype:
         """The dtype the maps are stored and applied in (float32, or bfloat16 for half the FLOP cost)."""
         return next(iter(self.maps.values())).weight.dtype if self.maps else torch.float32
@@ -139,6 +174,8 @@ class MapSet:
             m.weight, m.bias = moved(m.weight), moved(m.bias)
         if self.basis is not None:
             self.basis.encoder, self.basis.bias = moved(self.basis.encoder), moved(self.basis.bias)
+            if self.basis.mlp is not None:
+                self.basis.mlp = CodeMLP(*(moved(t) for t in self.basis.mlp.tensors()))
         self._fused = {}
         return self
 
@@ -210,6 +247,17 @@ def _check_basis(basis: Basis, source_layers: int, width: int, dtype: torch.dtyp
                             "every tensor of a set shares one dtype. Refit the map")
     if not (torch.isfinite(basis.encoder).all() and torch.isfinite(basis.bias).all()):
         raise ArtifactError("basis: weights contain NaN or Inf")
+    if basis.mlp is not None:
+        w_in, b_in, w_out = basis.mlp.tensors()
+        h = basis.mlp.hidden
+        if tuple(w_in.shape) != (basis.rank, h) or tuple(b_in.shape) != (h,) or tuple(w_out.shape) != (h, basis.rank) or h < 1:
+            raise ArtifactError(f"basis: code MLP shapes {tuple(w_in.shape)}, {tuple(b_in.shape)}, {tuple(w_out.shape)}; "
+                                f"expected [rank, hidden], [hidden], [hidden, rank] with rank {basis.rank}")
+        if any(t.dtype != dtype for t in basis.mlp.tensors()):
+            raise ArtifactError(f"basis: the code MLP's dtype differs from the maps' {dtype}; every tensor of a set "
+                                "shares one dtype")
+        if not all(torch.isfinite(t).all() for t in basis.mlp.tensors()):
+            raise ArtifactError("basis: the code MLP's weights contain NaN or Inf")
 
 
 def _tensors(ms: MapSet) -> dict[str, torch.Tensor]:
@@ -218,6 +266,9 @@ def _tensors(ms: MapSet) -> dict[str, torch.Tensor]:
         out["basis.encoder"] = ms.basis.encoder.detach().cpu().contiguous()
         out["basis.bias"] = ms.basis.bias.detach().cpu().contiguous()
         out["basis.sources"] = torch.tensor(ms.basis.source_layers, dtype=torch.int64)
+        if ms.basis.mlp is not None:
+            for name, t in zip(("w_in", "b_in", "w_out"), ms.basis.mlp.tensors()):
+                out[f"basis.mlp.{name}"] = t.detach().cpu().contiguous()
     for (t, kind), m in sorted(ms.maps.items()):
         out[f"layer.{t}.{kind}.weight"] = m.weight.detach().cpu().contiguous()
         out[f"layer.{t}.{kind}.bias"] = m.bias.detach().cpu().contiguous()
@@ -229,7 +280,9 @@ def _format_version(ms: MapSet) -> int:
     """1 for per-token sets (byte-identical to what earlier kvferry wrote), 2 once a map is windowed, 3 for a
     shared-basis set: a kvferry that cannot apply windows (a basis) refuses the artifact instead of reading its weights
     as per-token maps."""
-    return 3 if ms.basis is not None else 2 if ms.context else 1
+    if ms.basis is not None:
+        return 4 if ms.basis.mlp is not None else 3
+    return 2 if ms.context else 1
 
 
 def _manifest(ms: MapSet) -> dict:
@@ -244,7 +297,8 @@ def _manifest(ms: MapSet) -> dict:
         "created_at": ms.created_at, "kvferry_version": ms.kvferry_version,
     }
     if ms.basis is not None:
-        body["basis"] = {"rank": ms.basis.rank, "source_layers": list(ms.basis.source_layers), "inputs": list(ms.basis.inputs)}
+        body["basis"] = {"rank": ms.basis.rank, "source_layers": list(ms.basis.source_layers), "inputs": list(ms.basis.inputs),
+                         **({"mlp_hidden": ms.basis.mlp.hidden} if ms.basis.mlp is not None else {})}
     body["manifest_sha256"] = digest(body)
     return body
 
@@ -359,19 +413,23 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
 
 
 def _basis(path: Path, man: dict, tensors: dict[str, torch.Tensor]) -> Basis | None:
-    """The shared basis a format-3 manifest declares (tensors and manifest must agree); None for other formats."""
+    """The shared basis a format-3 or -4 manifest declares (tensors and manifest must agree); None for other formats."""
     entry = man.get("basis")
-    if (entry is not None) != (man["format_version"] == 3) or (entry is None) != ("basis.encoder" not in tensors):
+    with_mlp = man["format_version"] == 4
+    if (entry is not None) != (man["format_version"] in (3, 4)) or (entry is None) != ("basis.encoder" not in tensors) \
+            or with_mlp != ("basis.mlp.w_in" in tensors) or with_mlp != ("mlp_hidden" in (entry or {})):
         raise ArtifactError(f"{path}: format_version {man['format_version']}, a basis in the manifest and one in the "
                             "tensors must go together; the artifact was edited: re-export it")
     if entry is None:
         return None
     try:
+        mlp = CodeMLP(*(tensors[f"basis.mlp.{n}"] for n in ("w_in", "b_in", "w_out"))) if with_mlp else None
         basis = Basis(tuple(int(s) for s in tensors["basis.sources"].tolist()), tensors["basis.encoder"],
-                      tensors["basis.bias"], tuple(entry["inputs"]))
+                      tensors["basis.bias"], tuple(entry["inputs"]), mlp)
     except (KeyError, TypeError) as e:
         raise ArtifactError(f"{path}: basis entry or tensor {e} is missing") from None
-    if list(basis.source_layers) != entry.get("source_layers") or basis.rank != entry.get("rank"):
+    if list(basis.source_layers) != entry.get("source_layers") or basis.rank != entry.get("rank") or (
+            mlp is not None and mlp.hidden != entry.get("mlp_hidden")):
         raise ArtifactError(f"{path}: the basis' source layers or rank disagree between tensors and manifest")
     return basis
 

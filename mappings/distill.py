@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .apply import apply
-from .artifact import Basis, LayerMap, MapSet
+from .artifact import Basis, CodeMLP, LayerMap, MapSet
 from .capture import LayerKV, capture_kv, to_dynamic_cache
 from .errors import InvalidInput
 from .features import from_features, to_features, window_inputs
@@ -131,6 +131,24 @@ class TailSample:
     inputs: Callable[[], tuple[list[LayerKV], list[LayerKV]]]
 
 
+def with_code_mlp(ms: MapSet, hidden: int, seed: int = 0) -> MapSet:
+    """``ms`` (a shared-basis set) with a code MLP of ``hidden`` units added, its output weights zero: the same maps,
+    now with a non-linearity that distillation can train."""
+    if ms.basis is None:
+        raise InvalidInput("a code MLP refines a shared basis' code: this set has no basis (fit one with --basis-rank)")
+    if ms.basis.mlp is not None:
+        raise InvalidInput(f"{ms.name} {ms.version} already has a code MLP of {ms.basis.mlp.hidden} units")
+    if not isinstance(hidden, int) or hidden < 1:
+        raise InvalidInput(f"the code MLP needs a positive number of hidden units, got {hidden!r}")
+    g = torch.Generator().manual_seed(seed)
+    r = ms.basis.rank
+    mlp = CodeMLP((torch.randn(r, hidden, generator=g) / r ** 0.5).to(ms.dtype), torch.zeros(hidden, dtype=ms.dtype),
+                  torch.zeros(hidden, r, dtype=ms.dtype))
+    b = ms.basis
+    return MapSet(ms.source, ms.target, dict(ms.maps), ms.version, dict(ms.fit), dict(ms.calibration),
+                  basis=Basis(b.source_layers, b.encoder, b.bias, b.inputs, mlp))
+
+
 def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tensor:
     """``ids`` whose last ``span`` tokens are replaced by a copy of an earlier stretch (more than 64 tokens back)."""
     n = len(ids)
@@ -142,32 +160,38 @@ def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tenso
 
 class TrainableMaps:
     """float32 copies of the maps of target layers >= ``from_layer``, and the cache they give. A shared-basis set's
-    encoder is trained too when every target layer is (``from_layer`` 0); otherwise it stays fixed, since the layers
-    below read it as well."""
+    encoder is trained too when every target layer is (``from_layer`` 0; otherwise it stays fixed, since the layers
+    below read it as well), and so is its code MLP, where it has one."""
 
     def __init__(self, ms: MapSet, from_layer: int):
         self.ms, self.from_layer = ms, from_layer
         self.keys = sorted(k for k in ms.maps if k[0] >= from_layer)
         self.weight = {k: ms.maps[k].weight.float().clone().requires_grad_() for k in self.keys}
         self.bias = {k: ms.maps[k].bias.float().clone().requires_grad_() for k in self.keys}
-        basis, trained = ms.basis, ms.basis is not None and from_layer == 0
+        basis = ms.basis
+        trained = basis is not None and from_layer == 0
         self.encoder = None if basis is None else basis.encoder.float().clone().requires_grad_(trained)
         self.encoder_bias = None if basis is None else basis.bias.float().clone().requires_grad_(trained)
+        mlp = basis.mlp if basis is not None else None
+        self.mlp = None if mlp is None else CodeMLP(*(t.float().clone().requires_grad_() for t in mlp.tensors()))
+        self.shared: dict[str, torch.Tensor] = {}  # trained tensors every map reads: the encoder, the code MLP
         if trained:
-            self.weight["basis"], self.bias["basis"] = self.encoder, self.encoder_bias  # trained, saved, restored with the maps
-            self.keys = ["basis", *self.keys]
+            self.shared |= {"encoder": self.encoder, "encoder_bias": self.encoder_bias}
+        if self.mlp is not None:
+            self.shared |= dict(zip(("mlp_w_in", "mlp_b_in", "mlp_w_out"), self.mlp.tensors()))
 
     def params(self) -> list[torch.Tensor]:
-        return [self.weight[k] for k in self.keys] + [self.bias[k] for k in self.keys]
+        return [self.weight[k] for k in self.keys] + [self.bias[k] for k in self.keys] + list(self.shared.values())
 
     def state(self) -> dict:
-        return {k: (self.weight[k].detach().clone(), self.bias[k].detach().clone()) for k in self.keys}
+        return ({k: (self.weight[k].detach().clone(), self.bias[k].detach().clone()) for k in self.keys}
+                | {name: (t.detach().clone(),) for name, t in self.shared.items()})
 
     def load_state(self, state: dict) -> None:
         with torch.no_grad():
-            for k, (w, b) in state.items():
-                self.weight[k].copy_(w)
-                self.bias[k].copy_(b)
+            for k, saved in state.items():
+                for mine, value in zip((self.weight[k], self.bias[k]) if k in self.weight else (self.shared[k],), saved):
+                    mine.copy_(value)
 
     def output(self, key: tuple[int, str], x: torch.Tensor) -> torch.Tensor:
         """Map ``key``'s output features for its inputs ``x`` [tokens, inputs] (research variants add to it)."""
@@ -195,6 +219,8 @@ class TrainableMaps:
                     inputs[sig] = window_inputs(feature, *sig)
                     if self.encoder is not None:  # a shared-basis set's maps read the code of those features
                         inputs[sig] = inputs[sig] @ self.encoder + self.encoder_bias
+                        if self.mlp is not None:
+                            inputs[sig] = self.mlp(inputs[sig])
                 y = self.output((layer, kind), inputs[sig])
                 kv.append(from_features(y[None], g.kv_heads, g.rope if kind == "k" else None, range(stop)))
             out.append((kv[0], kv[1]))
@@ -205,11 +231,10 @@ class TrainableMaps:
         map's held-out R² is unknown (NaN): the closed form's no longer describes it (``kvferry eval`` measures it)."""
         maps, basis = dict(self.ms.maps), self.ms.basis
         if basis is not None:
+            mlp = None if self.mlp is None else CodeMLP(*(t.detach().to(self.ms.dtype).contiguous() for t in self.mlp.tensors()))
             basis = Basis(basis.source_layers, self.encoder.detach().to(self.ms.dtype).contiguous(),
-                          self.encoder_bias.detach().to(self.ms.dtype).contiguous(), basis.inputs)
+                          self.encoder_bias.detach().to(self.ms.dtype).contiguous(), basis.inputs, mlp)
         for k in self.keys:
-            if k == "basis":
-                continue
             m = self.ms.maps[k]
             maps[k] = LayerMap(m.target_layer, m.kind, m.source_layers, self.weight[k].detach().to(self.ms.dtype).contiguous(),
                                self.bias[k].detach().to(self.ms.dtype).contiguous(), m.lam, float("nan"), m.inputs, m.window)

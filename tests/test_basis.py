@@ -265,7 +265,7 @@ def test_distilling_a_basis_set_trains_its_encoder_and_matches_apply(basis_set, 
     assert all(not torch.equal(out.maps[k].weight, m.weight) for k, m in start.maps.items())
     out.validate()
     later = TrainableMaps(start, 2)
-    assert "basis" not in later.keys and not later.encoder.requires_grad
+    assert "encoder" not in later.shared and not later.encoder.requires_grad
     assert torch.equal(later.mapset("1.0.2", {}).basis.encoder, start.basis.encoder)
 
 
@@ -287,3 +287,101 @@ def test_a_real_sidecar_serves_a_basis_set_as_apply_maps_it(basis_set, family, s
         for (k, v), (wk, wv) in zip(got.layers(), want):
             torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4)
+
+
+def golden_mlp_set() -> MapSet:
+    """The golden basis set with a code MLP of 3 units (format 4)."""
+    from kvferry.mappings.artifact import CodeMLP
+
+    ms = golden_basis_set()
+    ms.version = "4.0.0"
+    ms.basis.mlp = CodeMLP(torch.linspace(-1, 1, 15).reshape(5, 3), torch.tensor([0.5, -0.5, 0.0]),
+                           torch.linspace(1, -1, 15).reshape(3, 5))
+    return ms
+
+
+def test_golden_bytes_of_a_basis_set_with_a_code_mlp(tmp_path):
+    dest = save(golden_mlp_set(), tmp_path)
+    golden = GOLDEN.parent / "artifact_v4"
+    for name in ("manifest.json", "maps.safetensors"):
+        assert (dest / name).read_bytes() == (golden / name).read_bytes(), f"{name} changed: a format change needs a new FORMAT_VERSION"
+    man = json.loads((dest / "manifest.json").read_text())
+    assert man["format_version"] == 4 and man["basis"]["mlp_hidden"] == 3
+    back = load(dest)
+    assert torch.equal(back.basis.mlp.w_out, golden_mlp_set().basis.mlp.w_out)
+    assert load(save(golden_basis_set(), tmp_path / "plain")).basis.mlp is None  # format 3 stays as it was
+
+
+def test_a_code_mlp_refines_the_code_every_map_reads(basis_set, family):
+    """apply decodes z + gelu(z W1 + b1) W2 (z the code); added by with_code_mlp it starts as the linear map."""
+    import copy
+
+    from kvferry.mappings.artifact import CodeMLP
+    from kvferry.mappings.distill import with_code_mlp
+
+    kv = capture_kv(family["S"].model, torch.randint(2, 4096, (1, 21)))
+    plain = apply(basis_set, kv)
+    added = with_code_mlp(basis_set, 16)
+    for (k, v), (wk, wv) in zip(apply(added, kv), plain):
+        torch.testing.assert_close(k, wk, rtol=1e-5, atol=1e-5)
+    ms = copy.deepcopy(added)
+    g = torch.Generator().manual_seed(1)
+    ms.basis.mlp = CodeMLP(ms.basis.mlp.w_in, torch.randn(16, generator=g), torch.randn(16, 48, generator=g) * 0.1)
+    got = apply(ms, kv)
+    from kvferry.mappings.attention_match import map_inputs
+
+    code = map_inputs(basis_set, kv)[0]
+    z = code + torch.nn.functional.gelu(code @ ms.basis.mlp.w_in + ms.basis.mlp.b_in) @ ms.basis.mlp.w_out
+    want = z @ ms.maps[(0, "v")].weight + ms.maps[(0, "v")].bias
+    tg = ms.target.geometry
+    torch.testing.assert_close(got[0][1][0].transpose(0, 1).reshape(21, tg.kv_width), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InvalidInput, match="already has a code MLP"):
+        with_code_mlp(added, 8)
+    with pytest.raises(ArtifactError, match="code MLP shapes"):
+        bad = copy.deepcopy(added)
+        bad.basis.mlp = CodeMLP(bad.basis.mlp.w_in[:, :4], bad.basis.mlp.b_in, bad.basis.mlp.w_out)
+        bad.validate()
+
+
+def test_distillation_trains_a_code_mlp(basis_set, family):
+    """From a degraded basis set with a zero-output code MLP, distillation moves the MLP and lowers the held-out KL."""
+    import random
+
+    from kvferry.mappings.capture import read_corpus, token_windows
+    from kvferry.mappings.distill import DistillSettings, capture_tails, distill, with_code_mlp
+
+    source, target = family["S"], family["T"]
+    start = with_code_mlp(MapSet(basis_set.source, basis_set.target, dict(basis_set.maps), "1.0.0", dict(basis_set.fit),
+                                 dict(basis_set.calibration), basis=Basis(basis_set.basis.source_layers,
+                                                                          basis_set.basis.encoder * 0.6,
+                                                                          basis_set.basis.bias)), 16)
+    windows = token_windows(target.tokenizer, read_corpus(CALIB), 256, 256 * 12)
+    s = DistillSettings(from_layer=0, tail=16, repeat_span=48, epochs=3, lr=5e-4, seed=0)
+    rng = random.Random(0)
+    train, held = capture_tails(start, source, target, windows[:9], s, rng), capture_tails(start, source, target, windows[9:], s, rng)
+    maps, log = distill(start, source, target, train, held, s)
+    assert log[log[-1]["kept_epoch"]]["held_kl"] < 0.8 * log[0]["held_kl"], log
+    out = maps.mapset("1.0.1", s.as_dict())
+    assert out.basis.mlp is not None and out.basis.mlp.w_out.abs().sum() > 0
+    out.validate()
+
+
+def test_what_a_set_costs_per_token(basis_set):
+    """One answer to "what does a map cost per token": the basis' encoder, its code MLP and the decoders."""
+    from kvferry.mappings.distill import with_code_mlp
+
+    rows, r, tw, maps = basis_set.basis.encoder.shape[0], 48, basis_set.target.geometry.kv_width, len(basis_set.maps)
+    assert basis_set.flops_per_token == 2 * (rows * r + r * tw * maps)
+    assert with_code_mlp(basis_set, 16).flops_per_token == basis_set.flops_per_token + 2 * 2 * r * 16
+    assert _dense(basis_set).flops_per_token == 2 * rows * tw * maps
+
+
+def test_distill_refuses_a_code_mlp_without_a_basis(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run = subprocess.run([sys.executable, "-m", "kvferry", "distill", str(ROOT / "maps" / "S__T" / "1.0.0"), "--version",
+                          "1.0.1", "--out", str(tmp_path), "--code-mlp", "8"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "has no basis" in run.stderr and "Traceback" not in run.stderr

@@ -30,13 +30,6 @@ def synthetic_basis_set(ms, rank: int, seed: int = 0):
     return MapSet(ms.source, ms.target, maps, "0.0.0", {"basis_rank": rank}, {}, basis=basis)
 
 
-def flops_per_token(ms) -> float:
-    """Multiply-adds x 2 of one token through ``ms``."""
-    if ms.basis is not None:
-        return 2.0 * ms.basis.rank * (ms.basis.encoder.shape[0] + sum(m.weight.shape[1] for m in ms.maps.values()))
-    return 2.0 * sum(m.weight.numel() for m in ms.maps.values())
-
-
 def run(a: argparse.Namespace) -> int:
     import torch
 
@@ -73,7 +66,7 @@ def run(a: argparse.Namespace) -> int:
         for name, ms in variants.items():
             ratio = paired_ratio(times, (name,), (base,))
             ms_median = sorted(times[name])[len(times[name]) // 2]
-            rows[name] = {"ms": ms_median, "mflop_per_token": flops_per_token(ms) / 1e6, "ratio_to_first": ratio}
+            rows[name] = {"ms": ms_median, "mflop_per_token": ms.flops_per_token / 1e6, "ratio_to_first": ratio}
             lines.append(f"| {name} | {n:,} | {rows[name]['mflop_per_token']:.1f} | {ms_median:.1f} | {spread(ratio)} |")
         results["sizes"][str(n)] = rows
     print("\n".join(lines))
