@@ -385,3 +385,19 @@ def test_distill_refuses_a_code_mlp_without_a_basis(tmp_path):
     run = subprocess.run([sys.executable, "-m", "kvferry", "distill", str(ROOT / "maps" / "S__T" / "1.0.0"), "--version",
                           "1.0.1", "--out", str(tmp_path), "--code-mlp", "8"], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "has no basis" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_bench_apply_counts_what_streaming_overlaps(basis_set, family):
+    """Fed layer by layer, a self map emits target layer 0 once source layer 0's K and V are in; a shared basis
+    emits nothing before the last source chunk."""
+    from kvferry.bench.apply_cost import first_layer_after, synthetic_basis_set
+    from kvferry.mappings.fit import identity_mapset
+
+    s = family["S"]
+    kv = capture_kv(s.model, torch.randint(2, 4096, (1, 12)))
+    layers = s.identity.geometry.layers
+    assert first_layer_after(identity_mapset(s.identity), kv) == 2
+    assert first_layer_after(basis_set, kv) == 2 * layers
+    synthetic = synthetic_basis_set(basis_set, 8)
+    assert synthetic.basis.rank == 8 and synthetic.flops_per_token < basis_set.flops_per_token
+    synthetic.validate()

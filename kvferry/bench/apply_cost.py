@@ -4,7 +4,9 @@ What a map costs per translated token depends on its kind and shape, not on its 
 given is applied to the same random source cache of its pair's geometry, and so is a shared-basis set of each rank
 in ``--basis-ranks`` with random weights of the first artifact's pair and dtype (its cost, before any such set is
 fitted). Calls are taken in turn within each round (``round_robin_ms``), and each variant's ratio to the first
-artifact is the median [quartiles] of the per-round ratios. No model is loaded.
+artifact is the median [quartiles] of the per-round ratios. The last column is what streaming can overlap: fed
+one source layer's K or V at a time, in layer order (as a source prefill produces them), how many chunks arrive before
+the first target layer leaves (a shared basis waits for all of them). No model is loaded.
 """
 
 from __future__ import annotations
@@ -30,6 +32,21 @@ def synthetic_basis_set(ms, rank: int, seed: int = 0):
     return MapSet(ms.source, ms.target, maps, "0.0.0", {"basis_rank": rank}, {}, basis=basis)
 
 
+def first_layer_after(ms, kv) -> int:
+    """Source chunks (one layer's K or V each, in layer order, as a source prefill produces them) pushed before the
+    first target layer leaves the streaming applier: what a set's pipelining can overlap with the source's own work."""
+    from kvferry.mappings.apply import StreamingApplier
+
+    applier = StreamingApplier(ms, 0, tokens=kv[0][0].shape[2])
+    pushes = 0
+    for layer, (k, v) in enumerate(kv):
+        for kind, x in (("k", k), ("v", v)):
+            pushes += 1
+            if any(True for _ in applier.push(layer, kind, x)):
+                return pushes
+    return pushes
+
+
 def run(a: argparse.Namespace) -> int:
     import torch
 
@@ -52,7 +69,8 @@ def run(a: argparse.Namespace) -> int:
             raise SystemExit(f"{name} maps another source model ({ms.source.name}); give maps of one source geometry")
     results = {"threads": torch.get_num_threads(), "reps": a.reps, "sizes": {}}
     lines = [f"in-process apply, {first.source.name} -> {first.target.name}, {results['threads']} threads, medians of {a.reps}",
-             "", "| map | tokens | MFLOP per token | ms | ratio to the first, median [q1, q3] |", "|---|---|---|---|---|"]
+             "", "| map | tokens | MFLOP per token | ms | ratio to the first, median [q1, q3] | first target layer after |",
+             "|---|---|---|---|---|---|"]
     for n in a.sizes:
         g = torch.Generator().manual_seed(n)
         kv = [(torch.randn(1, sg.kv_heads, n, sg.head_dim, generator=g), torch.randn(1, sg.kv_heads, n, sg.head_dim, generator=g))
@@ -66,8 +84,11 @@ def run(a: argparse.Namespace) -> int:
         for name, ms in variants.items():
             ratio = paired_ratio(times, (name,), (base,))
             ms_median = sorted(times[name])[len(times[name]) // 2]
-            rows[name] = {"ms": ms_median, "mflop_per_token": ms.flops_per_token / 1e6, "ratio_to_first": ratio}
-            lines.append(f"| {name} | {n:,} | {rows[name]['mflop_per_token']:.1f} | {ms_median:.1f} | {spread(ratio)} |")
+            first = first_layer_after(ms, kv)
+            rows[name] = {"ms": ms_median, "mflop_per_token": ms.flops_per_token / 1e6, "ratio_to_first": ratio,
+                          "first_target_layer_after_chunks": first, "chunks": 2 * sg.layers}
+            lines.append(f"| {name} | {n:,} | {rows[name]['mflop_per_token']:.1f} | {ms_median:.1f} | {spread(ratio)} | "
+                         f"{first} of {2 * sg.layers} source chunks |")
         results["sizes"][str(n)] = rows
     print("\n".join(lines))
     write_json(a.json, results)
