@@ -17,7 +17,7 @@ class Check:
     """One gated measure: its point estimate against its bar, with its 95% interval where per-prompt data exist."""
 
     where: str
-    """The domain ("code", "prose") or "completion"."""
+    """The domain ("code", "prose"), or the downstream task ("completion", "next line")."""
     measure: str
     value: float | None
     bar: float
@@ -72,8 +72,8 @@ class Gates:
     long-range skill there to lose (the tiny test family), so it neither passes nor fails the map."""
 
     max_completion_drop: float = 0.02
-    """Downstream gate, read where the evidence has the completion task: the served arm's exact-match rate may
-    fall at most this far below the target's own (full prefill)."""
+    """Downstream gate: the served arm's score may fall at most this far below the target's own (full prefill), on
+    the next-line task's edit similarity where the evidence has it, else on the completion task's exact-match rate."""
     marginal: str = "refuse"
     """What a marginal measure does, one whose bar lies inside its 95% interval over prompts (the data cannot say
     which side of the bar the map is on): "refuse" (the default) blocks the map, as a failure does; "serve" lets it
