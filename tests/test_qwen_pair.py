@@ -68,6 +68,19 @@ def _translated(client, ms, source, prompt: list[int], r: int, layout: str):
     return [(k.float(), v.float()) for k, v in pool.gather(table, n - r)], src
 
 
+def _same_map_output(ms, got: torch.Tensor, want: torch.Tensor) -> None:
+    """The sidecar's and the in-process apply's output of one layer: equal up to the map's own precision. A bfloat16
+    map on a CPU that multiplies bfloat16 natively (AMX, AVX512-BF16) rounds each product to bfloat16 after a kernel
+    whose blocking depends on how many tokens one call maps (the sidecar maps token ranges in lanes): the two may then
+    differ by one bfloat16 rounding of the layer's values (measured: 12 of 164,864 values, by 2^-6), which a wrong,
+    zeroed or swapped layer exceeds by orders of magnitude."""
+    got, want = got.float(), want.float()
+    if ms.dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=float(want.abs().amax()) * 2 ** -7)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
 def test_the_1_5b_continues_through_the_sidecar_as_its_evidence_says(pair, sidecar_factory):
     """The first prompts of the evidence's shortest gap, code and prose: each prefix translated by a real sidecar
     (forced on, whatever its gate says), the 1.5B recomputes the last r tokens and continues the passage; its
@@ -87,8 +100,8 @@ def test_the_1_5b_continues_through_the_sidecar_as_its_evidence_says(pair, sidec
                 layers, src = _translated(c, ms, source, ex.prompt, s.refresh, "paged" if i % 2 else "contiguous")
                 ref = apply(ms, src, 0)
                 for (k, v), (rk, rv) in zip(layers, ref):
-                    torch.testing.assert_close(k.float(), rk.float(), rtol=1e-3, atol=1e-3)
-                    torch.testing.assert_close(v.float(), rv.float(), rtol=1e-3, atol=1e-3)
+                    _same_map_output(ms, k, rk)
+                    _same_map_output(ms, v, rv)
                 n = len(ex.prompt)
                 got = continuation_accuracy(target.model, layers, ex.prompt[n - s.refresh:], ex.answer)
                 assert abs(got - want["mapped_refresh"]) <= 1 / s.score + 1e-9, (domain, i, got, want)
