@@ -29,6 +29,7 @@ import torch
 from .apply import apply
 from .artifact import LayerMap, MapSet
 from .capture import LayerKV, capture_kv
+from .distill import with_repeat
 from .drift import QueryTap
 from .errors import InvalidInput
 from .features import to_features, window_inputs
@@ -134,8 +135,6 @@ def match_values(ms: MapSet, source, target, windows: list[torch.Tensor], s: Mat
         if s.repeat_span and i % 2 == 1:
             if len(ids) <= 2 * s.repeat_span + 64:
                 raise InvalidInput(f"windows of {len(ids)} tokens are too short for a repeat of {s.repeat_span}")
-            from .distill import with_repeat
-
             ids = with_repeat(ids, s.repeat_span, rng)
         skv = capture_kv(source.model, ids[None])
         mapped = apply(ms, skv, 0)

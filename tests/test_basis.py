@@ -234,33 +234,43 @@ def test_basis_and_per_layer_solvers_agree_on_the_same_sums(family):
     assert curve[-1]["k_r2_mean"] == pytest.approx(k_mean, abs=1e-3)
 
 
-def test_distilling_a_basis_set_trains_its_encoder_and_matches_apply(basis_set, family):
-    """The trainable cache of a shared-basis set is what apply gives; distillation from layer 0 moves the encoder and
-    every decoder and lowers the held-out tail KL of a degraded copy; from a later layer the encoder stays as it was."""
+def _degraded(ms: MapSet) -> MapSet:
+    """``ms`` with its encoder shrunk to 0.6: a shared-basis set the target's tail KL can repair."""
+    b = ms.basis
+    return MapSet(ms.source, ms.target, dict(ms.maps), "1.0.0", dict(ms.fit), dict(ms.calibration),
+                  basis=Basis(b.source_layers, b.encoder * 0.6, b.bias, b.inputs, b.mlp))
+
+
+def _distilled(start: MapSet, family) -> MapSet:
+    """``start`` distilled from layer 0 on 9 windows of 256 tokens; asserts the held-out tail KL fell by a fifth."""
     import random
 
     from kvferry.mappings.capture import read_corpus, token_windows
-    from kvferry.mappings.distill import DistillSettings, TrainableMaps, capture_tails, distill
-
-    from conftest import make_kv
+    from kvferry.mappings.distill import DistillSettings, capture_tails, distill
 
     source, target = family["S"], family["T"]
-    g = basis_set.source.geometry
-    kv = make_kv(layers=g.layers, tokens=30, heads=g.kv_heads, head_dim=g.head_dim, seed=1)
-    want = apply(basis_set, kv, 0)
-    for (gk, gv), (wk, wv) in zip(TrainableMaps(basis_set, 0).cache(kv, want, 30), want):
-        torch.testing.assert_close(gk, wk, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(gv, wv, rtol=1e-4, atol=1e-4)
-    start = MapSet(basis_set.source, basis_set.target, dict(basis_set.maps), "1.0.0", dict(basis_set.fit),
-                   dict(basis_set.calibration),
-                   basis=Basis(basis_set.basis.source_layers, basis_set.basis.encoder * 0.6, basis_set.basis.bias))
     windows = token_windows(target.tokenizer, read_corpus(CALIB), 256, 256 * 12)
     s = DistillSettings(from_layer=0, tail=16, repeat_span=48, epochs=3, lr=5e-4, seed=0)
     rng = random.Random(0)
     train, held = capture_tails(start, source, target, windows[:9], s, rng), capture_tails(start, source, target, windows[9:], s, rng)
     maps, log = distill(start, source, target, train, held, s)
     assert log[log[-1]["kept_epoch"]]["held_kl"] < 0.8 * log[0]["held_kl"], log
-    out = maps.mapset("1.0.1", s.as_dict())
+    return maps.mapset("1.0.1", s.as_dict())
+
+
+def test_distilling_a_basis_set_trains_its_encoder_and_matches_apply(basis_set, family):
+    """The trainable cache of a shared-basis set is what apply gives; distillation from layer 0 moves the encoder and
+    every decoder and lowers the held-out tail KL of a degraded copy; from a later layer the encoder stays as it was."""
+    from kvferry.mappings.distill import TrainableMaps
+
+    g = basis_set.source.geometry
+    kv = make_kv(layers=g.layers, tokens=30, heads=g.kv_heads, head_dim=g.head_dim, seed=1)
+    want = apply(basis_set, kv, 0)
+    for (gk, gv), (wk, wv) in zip(TrainableMaps(basis_set, 0).cache(kv, want, 30), want):
+        torch.testing.assert_close(gk, wk, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gv, wv, rtol=1e-4, atol=1e-4)
+    start = _degraded(basis_set)
+    out = _distilled(start, family)
     assert not torch.equal(out.basis.encoder, start.basis.encoder)
     assert all(not torch.equal(out.maps[k].weight, m.weight) for k, m in start.maps.items())
     out.validate()
@@ -345,23 +355,9 @@ def test_a_code_mlp_refines_the_code_every_map_reads(basis_set, family):
 
 def test_distillation_trains_a_code_mlp(basis_set, family):
     """From a degraded basis set with a zero-output code MLP, distillation moves the MLP and lowers the held-out KL."""
-    import random
+    from kvferry.mappings.distill import with_code_mlp
 
-    from kvferry.mappings.capture import read_corpus, token_windows
-    from kvferry.mappings.distill import DistillSettings, capture_tails, distill, with_code_mlp
-
-    source, target = family["S"], family["T"]
-    start = with_code_mlp(MapSet(basis_set.source, basis_set.target, dict(basis_set.maps), "1.0.0", dict(basis_set.fit),
-                                 dict(basis_set.calibration), basis=Basis(basis_set.basis.source_layers,
-                                                                          basis_set.basis.encoder * 0.6,
-                                                                          basis_set.basis.bias)), 16)
-    windows = token_windows(target.tokenizer, read_corpus(CALIB), 256, 256 * 12)
-    s = DistillSettings(from_layer=0, tail=16, repeat_span=48, epochs=3, lr=5e-4, seed=0)
-    rng = random.Random(0)
-    train, held = capture_tails(start, source, target, windows[:9], s, rng), capture_tails(start, source, target, windows[9:], s, rng)
-    maps, log = distill(start, source, target, train, held, s)
-    assert log[log[-1]["kept_epoch"]]["held_kl"] < 0.8 * log[0]["held_kl"], log
-    out = maps.mapset("1.0.1", s.as_dict())
+    out = _distilled(with_code_mlp(_degraded(basis_set), 16), family)
     assert out.basis.mlp is not None and out.basis.mlp.w_out.abs().sum() > 0
     out.validate()
 
