@@ -7,6 +7,7 @@ import pytest
 from kvferry.mappings.capture import read_corpus, token_stream
 from kvferry.mappings.completion import CompletionSettings, completion_task, format_completion_table, make_tasks
 from kvferry.mappings.copy_probe import CopySettings, copy_probe, examples_for, make_examples
+from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
 from kvferry.mappings.memo import Memo
@@ -129,7 +130,7 @@ def test_the_downstream_gate():
     assert bad == ["completion: mapped_refresh writes 0.450 of the lines exactly, full prefill 0.500 (gate: within 0.02; "
                    "truncation 0.200)"]
     assert Gates(max_completion_drop=0.1).failures(_domain_evidence(completion=(0.5, 0.2, 0.45))) == []
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidInput, match="max_completion_drop must lie in"):
         Gates(max_completion_drop=-1)
 
 
