@@ -141,26 +141,37 @@ def completion_task(ms: MapSet | None, source: LoadedModel | None, target: Loade
     None: only the target's own arms, which come from ``memo`` when it has them)."""
     s = s or CompletionSettings()
     tasks = make_tasks(target.tokenizer, texts, s)
-    hits: dict[str, list[int]] = {arm: [] for arm in COMPLETION_ARMS}  # per task, 1 for an exact line
-    it = tasks
+    lines = written_lines(ms, source, target, [t.prompt for t in tasks], s.refresh, s.max_new_tokens, "completion",
+                          progress, memo)
+    hits = {arm: [int(line == t.answer) for line, t in zip(got, tasks)] for arm, got in lines.items()}
+    return {"settings": s.as_dict(), "arms": {arm: sum(h) / len(tasks) for arm, h in hits.items()}, "per_task": hits,
+            "prompt_tokens": sum(len(t.prompt) for t in tasks) / len(tasks)}
+
+
+@torch.no_grad()
+def written_lines(ms: MapSet | None, source: LoadedModel | None, target: LoadedModel, prompts: list[list[int]],
+                  refresh: int, max_new_tokens: int, task: str, progress: bool = False,
+                  memo: Memo | None = None) -> dict[str, list[str | None]]:
+    """The line each arm writes after each prompt (None: not finished within ``max_new_tokens``): the target's own
+    arms (full prefill and truncation to ``refresh``, kept in ``memo`` under ``task``'s name; "" when unfinished) and,
+    with ``ms``, mapped + refresh."""
+    lines: dict[str, list[str | None]] = {arm: [] for arm in COMPLETION_ARMS if ms is not None or arm != "mapped_refresh"}
+    it = prompts
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(tasks, desc="completion", unit="task")
-    tok, r = target.tokenizer, s.refresh
-    who = (target.identity.weights, target.identity.geometry.fingerprint, s.max_new_tokens)
-    for t in it:
-        n = len(t.prompt)
-        for arm, ids in (("full", t.prompt), ("truncate", t.prompt[n - r:])):
-            line = remembered(memo, (f"completion-{arm}", *who, ids),
-                              lambda: write_line(target.model, tok, ids, None, s.max_new_tokens) or "")
-            hits[arm].append(int(line == t.answer))
+        it = tqdm(prompts, desc=task, unit="task")
+    tok, r = target.tokenizer, refresh
+    who = (target.identity.weights, target.identity.geometry.fingerprint, max_new_tokens)
+    for prompt in it:
+        n = len(prompt)
+        for arm, ids in (("full", prompt), ("truncate", prompt[n - r:])):
+            lines[arm].append(remembered(memo, (f"{task}-{arm}", *who, ids),
+                                         lambda: write_line(target.model, tok, ids, None, max_new_tokens) or ""))
         if ms is not None:
-            mapped = apply(ms, capture_kv(source.model, torch.tensor([t.prompt[: n - r]])), 0)
-            hits["mapped_refresh"].append(int(write_line(target.model, tok, t.prompt, mapped, s.max_new_tokens) == t.answer))
-    hits = {arm: h for arm, h in hits.items() if ms is not None or arm != "mapped_refresh"}
-    return {"settings": s.as_dict(), "arms": {arm: sum(h) / len(tasks) for arm, h in hits.items()}, "per_task": hits,
-            "prompt_tokens": sum(len(t.prompt) for t in tasks) / len(tasks)}
+            mapped = apply(ms, capture_kv(source.model, torch.tensor([prompt[: n - r]])), 0)
+            lines["mapped_refresh"].append(write_line(target.model, tok, prompt, mapped, max_new_tokens))
+    return lines
 
 
 def format_completion_table(ev: dict, title: str = "") -> str:

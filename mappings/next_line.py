@@ -25,15 +25,13 @@ from pathlib import Path
 
 import torch
 
-from .apply import apply
 from .artifact import MapSet
-from .capture import LoadedModel, capture_kv
-from .completion import write_line
+from .capture import LoadedModel
+from .completion import written_lines
 from .errors import InvalidInput
-from .memo import Memo, remembered
+from .memo import Memo
 from .scramble import scramble
 
-NEXT_LINE_ARMS = ("full", "truncate", "mapped_refresh")
 
 
 @dataclass(frozen=True)
@@ -122,22 +120,8 @@ def next_line_task(ms: MapSet | None, source: LoadedModel | None, target: Loaded
     the gate's intervals); ``ms`` None: only the target's own arms (which come from ``memo`` when it has them)."""
     s = s or NextLineSettings()
     tasks = make_tasks(target.tokenizer, texts, s)
-    lines: dict[str, list[str | None]] = {arm: [] for arm in NEXT_LINE_ARMS}
-    it = tasks
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(tasks, desc="next line", unit="task")
-    tok, r = target.tokenizer, s.refresh
-    who = (target.identity.weights, target.identity.geometry.fingerprint, s.max_new_tokens)
-    for t in it:
-        n = len(t.prompt)
-        for arm, ids in (("full", t.prompt), ("truncate", t.prompt[n - r:])):
-            lines[arm].append(remembered(memo, (f"next-line-{arm}", *who, ids),
-                                         lambda: write_line(target.model, tok, ids, None, s.max_new_tokens) or ""))
-        if ms is not None:
-            mapped = apply(ms, capture_kv(source.model, torch.tensor([t.prompt[: n - r]])), 0)
-            lines["mapped_refresh"].append(write_line(target.model, tok, t.prompt, mapped, s.max_new_tokens))
+    lines = written_lines(ms, source, target, [t.prompt for t in tasks], s.refresh, s.max_new_tokens, "next-line",
+                          progress, memo)
     return score(lines, [t.answer for t in tasks], s)
 
 
