@@ -79,7 +79,7 @@ def cmd_distill(a: argparse.Namespace) -> int:
     if not a.version and not a.capture_only:
         raise SystemExit("kvferry distill: --version is required (the distilled artifact's), unless --capture-only")
     given = {k: getattr(a, k) for k in ("from_layer", "tail", "tails", "repeat_span", "epochs", "lr", "seed", "temperature",
-                                        "ref_top_k")}
+                                        "ref_top_k", "capture_precision", "train_precision")}
     settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})  # unset: DistillSettings' defaults
     ms = load(a.map)
     if a.code_mlp is not None:
@@ -130,23 +130,54 @@ def cmd_match_values(a: argparse.Namespace) -> int:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    import time
+
     from kvferry.mappings.artifact import load, write_evidence
-    from kvferry.mappings.capture import load_model, read_corpus
-    from kvferry.mappings.completion import CompletionSettings, format_completion_table
-    from kvferry.mappings.copy_probe import copy_probe, format_copy_table
-    from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
-    from kvferry.mappings.memo import Memo
-    from kvferry.mappings.next_line import NextLineSettings, format_next_line_table
+    from kvferry.mappings.capture import load_model
+    from kvferry.mappings.copy_probe import format_copy_table
+    from kvferry.mappings.memo import Memo, Pin
+    from kvferry.mappings.precision import autocast
 
     quiet_transformers()
     ms = load(a.map)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
     copy = _copy_settings(a)
-    memo = Memo(a.memo) if a.memo else None
+    if a.update_references and not a.references:
+        raise SystemExit("kvferry eval: --update-references needs --references FILE")
+    memo = Memo(a.references, Pin.of(tgt, a.precision), frozen=not a.update_references) if a.references else None
+    started = time.monotonic()
+    with autocast(tgt.model, a.precision):
+        ev = _evaluate(a, ms, src, tgt, copy, memo)
+    ev["precision"] = a.precision
+    print(f"evaluated in {time.monotonic() - started:.0f} s ({a.precision}"
+          + (f", references {a.references}" if a.references else ", no references") + ")")
+    if "copy" in ev:
+        print(format_copy_table(ev["copy"], "long-range copy probe (next-token accuracy on the repeated passage)"))
+    if "copy" in ev.get("prose", {}):
+        print(format_copy_table(ev["prose"]["copy"], "long-range copy probe on prose"))
+    if a.json:
+        Path(a.json).write_text(json.dumps(ev, indent=1) + "\n")
+    if a.write:
+        write_evidence(a.map, ev)
+        print(f"evidence written to {Path(a.map) / 'manifest.json'}")
+    return 0
+
+
+def _evaluate(a: argparse.Namespace, ms, src, tgt, copy, memo) -> dict:
+    """``kvferry eval``'s measurements (printing each table but the copy probe's), in the caller's precision."""
+    from kvferry.mappings.capture import read_corpus
+    from kvferry.mappings.completion import CompletionSettings, format_completion_table
+    from kvferry.mappings.copy_probe import copy_probe
+    from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
+    from kvferry.mappings.next_line import NextLineSettings, format_next_line_table
+
     if a.only_copy:
         if copy is None:
             raise SystemExit("kvferry eval: --only-copy needs --copy-gaps")
         ev = dict(ms.evidence or {})
+        if ev.get("precision", "float32") != a.precision:
+            raise SystemExit(f"kvferry eval: the artifact's evidence was measured in {ev.get('precision', 'float32')}; "
+                             f"--only-copy at {a.precision} would mix the two. Use --precision {ev.get('precision', 'float32')}")
         ev["copy"] = copy_probe(ms, src, tgt, list(read_corpus(a.heldout)), copy, progress=not a.quiet, memo=memo)
     else:
         settings = EvalSettings(prompts=a.prompts, refresh=a.refresh, sinks=a.sinks, recall_prompts=a.recall_prompts,
@@ -167,16 +198,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
             print(format_completion_table(ev["completion"], "completion task (exact match of a function's first line)"))
         if "next_line" in ev:
             print(format_next_line_table(ev["next_line"], "next-line task (a file's next line after 2,000+ tokens of it)"))
-    if "copy" in ev:
-        print(format_copy_table(ev["copy"], "long-range copy probe (next-token accuracy on the repeated passage)"))
-    if "copy" in ev.get("prose", {}):
-        print(format_copy_table(ev["prose"]["copy"], "long-range copy probe on prose"))
-    if a.json:
-        Path(a.json).write_text(json.dumps(ev, indent=1) + "\n")
-    if a.write:
-        write_evidence(a.map, ev)
-        print(f"evidence written to {Path(a.map) / 'manifest.json'}")
-    return 0
+    return ev
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -412,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "position) here, small enough to commit, so its forward over a window runs once (default: "
                          "--tails-cache)")
     dl.add_argument("--ref-top-k", type=int, default=None, help="tokens per position a reference keeps (default 64)")
+    dl.add_argument("--capture-precision", choices=("float32", "bfloat16"), default=None,
+                    help="the capture's forwards: float32 (default) or bfloat16 autocast (about 4x faster where the "
+                         "CPU has bf16 matrix units; the references differ by a KL of about 3e-5)")
+    dl.add_argument("--train-precision", choices=("float32", "bfloat16"), default=None,
+                    help="the training steps' forwards: float32 (default) or bfloat16 autocast (weights, optimiser "
+                         "and loss stay float32)")
     dl.add_argument("--code-mlp", type=int, default=None, metavar="H",
                     help="a shared-basis set: add a per-token MLP of H hidden units on its code (residual, output "
                          "starting at zero) and train it with the maps: the non-linear variant")
@@ -452,8 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--only-copy", action="store_true", help="run only the copy probe and add it to the existing evidence")
     e.add_argument("--prose", nargs="*", default=None, help="held-out prose (e.g. data/prose_heldout.jsonl) for next-token metrics")
     e.add_argument("--prose-prompts", type=int, default=50)
-    e.add_argument("--memo", type=Path, default=None,
-                   help="keep the target's own probe results here (a cache: later evaluations of the pair skip them)")
+    e.add_argument("--references", type=Path, default=None,
+                   help="the target's own results on the probes' prompts (e.g. data/references/qwen2.5-coder-1.5b.jsonl): "
+                        "read, and a prompt they lack is refused; an evaluation then runs only the arms under test")
+    e.add_argument("--update-references", action="store_true",
+                   help="compute what --references lacks and add it (builds the file on first use)")
+    e.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                   help="every forward's precision (bfloat16: autocast, about 4x faster on CPUs with bf16 matrix units); "
+                        "recorded in the evidence and pinned in --references")
     e.add_argument("--json", default=None, help="write the evidence JSON here")
     e.add_argument("--write", action="store_true", help="record the evidence in the artifact's manifest")
     e.add_argument("--quiet", action="store_true")

@@ -13,7 +13,8 @@ def print_evidence(ms, summary: list[str], verdict: bool = True) -> list[str]:
     from kvferry.mappings.next_line import format_next_line_table
 
     ev = ms.evidence or {}
-    print(f"== {ms.name} {ms.version}: evidence from `kvferry eval` (in its manifest)")
+    print(f"== {ms.name} {ms.version}: evidence from `kvferry eval` (in its manifest; forwards in "
+          f"{ev.get('precision', 'float32')})")
     for line in summary:
         print("   " + line)
     tables = (("arms" in ev, lambda: format_table(ev, "   next-token arms on held-out code (vs the target's full prefill)")),

@@ -61,3 +61,24 @@ def matmul_dtype(map_dtype: torch.dtype, device: torch.device | str) -> torch.dt
     if map_dtype == torch.bfloat16 and not fast_bf16(device):
         return torch.float32
     return map_dtype
+
+
+PRECISIONS = ("float32", "bfloat16")
+"""What a lab run's forwards (capture, distillation, evaluation) may run in."""
+
+
+def check_precision(name: str, value: str) -> str:
+    """``value`` when it is one of :data:`PRECISIONS`; else a named refusal."""
+    if value not in PRECISIONS:
+        from .errors import InvalidInput
+
+        raise InvalidInput(f"{name} must be one of {', '.join(PRECISIONS)}, got {value!r}")
+    return value
+
+
+def autocast(model, precision: str):
+    """The context a forward of ``model`` runs in at ``precision``: torch's autocast to bfloat16 on the model's device
+    (weights stay as stored; matmuls run in bfloat16, accumulating in float32), or nothing for float32. On a CPU
+    without native bfloat16 (see :func:`fast_bf16`) it is many times slower, not faster."""
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=check_precision("precision", precision) == "bfloat16")

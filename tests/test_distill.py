@@ -133,13 +133,15 @@ def test_kvferry_distill_writes_an_artifact_without_evidence(tmp_path, s_t):
     run = subprocess.run([sys.executable, "-m", "kvferry", "distill", str(ROOT / "maps" / "S__T" / "1.0.0"),
                           "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--out", str(tmp_path),
                           "--version", "1.0.1", "--seq-len", "256", "--max-tokens", str(256 * 6), "--from-layer", "4",
-                          "--tail", "16", "--repeat-span", "48", "--epochs", "1", "--quiet"],
+                          "--tail", "16", "--repeat-span", "48", "--epochs", "1", "--train-precision", "bfloat16", "--quiet"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "no evidence yet" in run.stdout
     out = load(tmp_path / "S__T" / "1.0.1")
     record = json.loads((tmp_path / "S__T" / "1.0.1" / "manifest.json").read_text())["fit"]["distilled"]
     assert record["from_layer"] == 4 and record["train_windows"] == 5 and record["held_windows"] == 1
+    assert record["train_precision"] == "bfloat16" and record["capture_precision"] == "float32"
+    assert all(torch.isfinite(m.weight).all() for m in out.maps.values())
     assert not out.evidence and torch.equal(out.maps[(0, "k")].weight, s_t.maps[(0, "k")].weight)
 
 
@@ -225,3 +227,39 @@ def test_capture_only_keeps_the_references_for_a_later_run(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in refs} == stamp  # read, not recomputed
     missing = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "--version is required" in missing.stderr
+
+
+def test_bfloat16_capture_and_training_stay_close_to_float32(s_t, family, tmp_path):
+    """The bf16-autocast capture records its precision in each file and gives references close to the
+    float32 ones (same top tokens); a bf16-autocast tail KL (what --train-precision bfloat16 trains on) is close to
+    the float32 one; anything else is refused by name."""
+    from safetensors import safe_open
+
+    from kvferry.mappings.precision import autocast
+
+    source, target = family["S"], family["T"]
+    windows = token_windows(target.tokenizer, read_corpus([DATA / "calib.jsonl"]), 256, 512)
+    got = {}
+    for precision in ("float32", "bfloat16"):
+        s = DistillSettings(from_layer=3, tail=16, repeat_span=0, capture_precision=precision)
+        got[precision] = capture_tails(s_t, source, target, windows, s, random.Random(0), tmp_path / "kv" / precision,
+                                       tmp_path / "refs" / precision)
+        files = list((tmp_path / "refs" / precision).rglob("*.safetensors"))
+        assert len(files) == 2
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                assert h.metadata() == {"precision": precision}
+    for a, b in zip(got["float32"], got["bfloat16"]):
+        assert torch.equal(a.ref.index[:, :1], b.ref.index[:, :1])
+        torch.testing.assert_close(b.ref.logp[:, :5], a.ref.logp[:, :5], atol=0.1, rtol=0.05)
+    maps = TrainableMaps(s_t, 3)
+    sample = got["float32"][0]
+    with torch.no_grad():
+        exact = float(tail_kl(target.model, maps, sample))
+        with autocast(target.model, "bfloat16"):
+            fast = float(tail_kl(target.model, maps, sample))
+    assert fast == pytest.approx(exact, rel=0.25, abs=2e-3)
+    with pytest.raises(InvalidInput, match="train_precision"):
+        DistillSettings(train_precision="float16")
+    with pytest.raises(InvalidInput, match="capture_precision"):
+        DistillSettings(capture_precision="fp8")

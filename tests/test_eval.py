@@ -11,7 +11,7 @@ from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
 from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
 
-from conftest import DATA, MODELS
+from conftest import DATA, MODELS, ROOT
 
 HELDOUT = [str(DATA / "heldout.jsonl")]
 
@@ -60,8 +60,10 @@ def test_cli_fit_then_eval_writes_evidence(tmp_path):
     assert fit.returncode == 0, fit.stderr
     art = tmp_path / "S__T" / "1.0.0"
     ev = run("eval", str(art), "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--prompts", "5",
-             "--copy-gaps", "200,400", "--copy-prompts", "1", "--recall-prompts", "3", "--greedy-prompts", "1", "--json", str(tmp_path / "ev.json"), "--write", "--quiet")
+             "--copy-gaps", "200,400", "--copy-prompts", "1", "--recall-prompts", "3", "--greedy-prompts", "1", "--json", str(tmp_path / "ev.json"), "--write", "--quiet",
+             "--precision", "bfloat16")
     assert ev.returncode == 0, ev.stderr
+    assert json.loads((tmp_path / "ev.json").read_text())["precision"] == "bfloat16"
     assert "mapped_refresh" in ev.stdout
     assert load(art).evidence == json.loads((tmp_path / "ev.json").read_text())
     # a map used with the wrong model is refused with a clear error, not a crash
@@ -103,3 +105,33 @@ def test_top10_overlap_is_counted_exactly_at_the_gate():
     assert row["top10"] == 0.8 and row["top1"] == 1.0
     copy = {"gaps": {"500": {"full": 0.95, "truncate": 0.4, "mapped_refresh": 0.95}}}
     assert Gates().failures({"arms": {"mapped_refresh": row}, "copy": copy}) == []
+
+
+def test_eval_builds_references_once_then_runs_only_the_arms_under_test(tmp_path):
+    """--update-references writes the target's own arms; a later evaluation with --references reads them (planted
+    values show it) and computes only the mapped arms; a changed prompt set or precision is refused by name; the
+    evidence records its precision."""
+    refs = tmp_path / "refs.jsonl"
+    art = ROOT / "maps" / "S__T" / "1.0.0"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvferry", "--threads", "2", "eval", str(art), "--source",  # noqa: E731
+                                     str(MODELS / "S"), "--target", str(MODELS / "T"), "--only-copy",
+                                     "--copy-gaps", "200", "--copy-prompts", "2", "--references", str(refs),
+                                     "--json", str(tmp_path / "ev.json"), "--quiet", *a],
+                                    capture_output=True, text=True, timeout=600)
+    first = run("--update-references")
+    assert first.returncode == 0, first.stderr
+    lines = refs.read_text().splitlines()
+    assert json.loads(lines[0])["pin"]["precision"] == "float32" and len(lines) == 1 + 4  # full and truncate, 2 prompts
+    with open(refs, "w") as f:  # plant: the frozen file is what the target's arms read
+        f.write(lines[0] + "\n" + "".join(json.dumps({"k": json.loads(x)["k"], "v": 0.25}) + "\n" for x in lines[1:]))
+    again = run()
+    assert again.returncode == 0, again.stderr
+    ev = json.loads((tmp_path / "ev.json").read_text())
+    row = ev["copy"]["gaps"]["200"]
+    assert row["full"] == row["truncate"] == 0.25 and ev["precision"] == "float32"
+    moved = run("--copy-prompts", "3")
+    assert moved.returncode != 0 and "no result for the copy-full arm" in moved.stderr
+    other = run("--precision", "bfloat16")
+    assert other.returncode != 0 and "were made for" in other.stderr and "precision" in other.stderr
+    mixed = run("--precision", "bfloat16", "--references", str(tmp_path / "bf16.jsonl"), "--update-references")
+    assert mixed.returncode != 0 and "would mix the two" in mixed.stderr  # the artifact's evidence is float32

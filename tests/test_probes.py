@@ -10,10 +10,10 @@ from kvferry.mappings.copy_probe import CopySettings, copy_probe, examples_for, 
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
-from kvferry.mappings.memo import Memo
+from kvferry.mappings.memo import Memo, Pin
 from kvferry.mappings.scramble import scramble
 
-from conftest import DATA
+from conftest import DATA, ROOT
 
 CODE = list(read_corpus([DATA / "heldout.jsonl"]))
 PROSE = list(read_corpus([DATA / "prose_heldout.jsonl"]))
@@ -70,7 +70,7 @@ def test_completion_with_an_exact_map_scores_like_full_prefill(family, tmp_path)
     ms = identity_mapset(s.identity)
     ms.target = s.identity
     cs = CompletionSettings(tasks=3, min_context=300, max_context=500, refresh=8, max_new_tokens=12)
-    memo = Memo(tmp_path / "memo.jsonl")
+    memo = Memo(tmp_path / "memo.jsonl", Pin.of(s, "float32"))
     ev = completion_task(ms, s, s, CODE, cs, memo=memo)
     assert ev["arms"]["mapped_refresh"] == ev["arms"]["full"]
     assert "full prefill" in format_completion_table(ev)
@@ -83,13 +83,14 @@ def test_the_memo_answers_the_targets_own_arms(family, tmp_path):
     ms.target = s.identity
     cs = CopySettings(gaps=(100,), prompts=2, refresh=8)
     path = tmp_path / "memo.jsonl"
-    first = copy_probe(ms, s, s, CODE, cs, memo=Memo(path))
-    assert len(Memo(path).values) == 4  # full and truncate, two prompts
+    pin = Pin.of(s, "float32")
+    first = copy_probe(ms, s, s, CODE, cs, memo=Memo(path, pin))
+    assert len(Memo(path, pin).values) == 4  # full and truncate, two prompts
     # A memo is trusted for the target's own arms: a planted value shows it is read, and the mapped arms are not
-    planted = Memo(path)
+    planted = Memo(path, pin)
     for k in list(planted.values):
         planted.put(k, 0.123)
-    again = copy_probe(ms, s, s, CODE, cs, memo=Memo(path))
+    again = copy_probe(ms, s, s, CODE, cs, memo=Memo(path, pin, frozen=True))
     row, before = again["gaps"]["100"], first["gaps"]["100"]
     assert row["full"] == row["truncate"] == pytest.approx(0.123)
     assert row["mapped_refresh"] == before["mapped_refresh"]
@@ -98,7 +99,40 @@ def test_the_memo_answers_the_targets_own_arms(family, tmp_path):
     assert Memo.key("copy-full", other.identity.weights) != Memo.key("copy-full", s.identity.weights)
     with open(path, "a") as f:
         f.write('{"k": "torn')  # a stopped run's last line
-    assert len(Memo(path).values) == 4
+    assert len(Memo(path, pin).values) == 4
+
+
+def test_references_refuse_another_target_precision_or_prompt_set(family, tmp_path):
+    """Committed references are pinned to the target's weights, geometry and precision, and a frozen file answers
+    only the prompts it was built on: anything else is refused with what to do, never mixed with fresh results."""
+    s, t = family["S"], family["T"]
+    ms = identity_mapset(s.identity)
+    ms.target = s.identity
+    path = tmp_path / "refs.jsonl"
+    cs = CopySettings(gaps=(100,), prompts=2, refresh=8)
+    copy_probe(ms, s, s, CODE, cs, memo=Memo(path, Pin.of(s, "float32")))
+    with pytest.raises(InvalidInput, match="were made for .* --update-references"):
+        Memo(path, Pin.of(t, "float32"))  # another target's weights
+    with pytest.raises(InvalidInput, match="were made for"):
+        Memo(path, Pin.of(s, "bfloat16"))
+    frozen = Memo(path, Pin.of(s, "float32"), frozen=True)
+    with pytest.raises(InvalidInput, match="no result for the copy-full arm"):
+        copy_probe(ms, s, s, CODE, CopySettings(gaps=(100,), prompts=2, refresh=8, seed=5), memo=frozen)
+    with pytest.raises(InvalidInput, match="frozen"):
+        frozen.put("k", 1.0)
+    with pytest.raises(InvalidInput, match="no references at"):
+        Memo(tmp_path / "none.jsonl", Pin.of(s, "float32"), frozen=True)
+
+
+def test_the_references_file_format_is_stable(tmp_path):
+    """Golden bytes: committed references outlive the code that wrote them (pin line, then key/value lines, the
+    key a digest of the result's parts)."""
+    pin = Pin("ab" * 32, "fp-1", "bfloat16")
+    memo = Memo(tmp_path / "r.jsonl", pin)
+    memo.put(Memo.key("copy-full", "ab" * 32, "fp-1", [1, 2, 3], [4]), 0.5)
+    golden = (ROOT / "tests" / "golden" / "references.jsonl").read_bytes()
+    assert (tmp_path / "r.jsonl").read_bytes() == golden
+    assert Memo(tmp_path / "r.jsonl", pin, frozen=True).values == {json.loads(golden.splitlines()[1])["k"]: 0.5}
 
 
 def _domain_evidence(code_top10=0.9, prose_top10=0.9, prose_copy=0.9, completion=None) -> dict:

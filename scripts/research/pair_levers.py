@@ -24,7 +24,7 @@ from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import capture_kv, load_model, read_corpus, to_dynamic_cache, token_windows
 from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, examples_for
-from kvferry.mappings.memo import Memo, remembered
+from kvferry.mappings.memo import Memo, Pin, remembered
 
 DOMAINS = {"code": "heldout.jsonl", "prose": "prose_heldout.jsonl"}
 
@@ -66,7 +66,7 @@ def main() -> None:
     target, source = load_model(root / first.target.name), load_model(root / first.source.name)
     oracle = load(a.oracle) if a.oracle else None
     hybrid = [int(x) for x in a.hybrid.split(",") if x]
-    memo = Memo(a.memo) if a.memo else None
+    memo = Memo(a.memo, Pin.of(target, "float32")) if a.memo else None
     r, t0 = a.refresh, time.perf_counter()
     sums: dict[tuple[str, str], float] = {}
     counts: dict[str, int] = {}
