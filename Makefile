@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[server,test,fast,pretrained]'
+	$(BIN)/pip install --quiet -e '.[server,test,fast,pretrained,lab]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -109,6 +109,56 @@ def cmd_distill(a: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers ("" is empty), or a usage error naming the item."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if not item.isdigit() or int(item) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a positive whole number")
+        out.append(int(item))
+    return tuple(out)
+
+
+def cmd_frontier(a: argparse.Namespace) -> int:
+    import time
+
+    from kvferry.mappings.artifact import load
+    from kvferry.mappings.capture import load_model, read_corpus
+    from kvferry.mappings.copy_probe import CopySettings
+    from kvferry.mappings.frontier import FrontierSettings, copy_points, format_frontier, plot, summarize, top10_points
+    from kvferry.mappings.memo import Memo, Pin
+    from kvferry.mappings.precision import autocast
+
+    quiet_transformers()
+    sets = [load(p) for p in a.maps]
+    first = sets[0]
+    if any((m.source.name, m.target.name) != (first.source.name, first.target.name) for m in sets):
+        raise SystemExit("kvferry frontier: every map must be of one pair")
+    maps = {m.version: m for m in sets}
+    if a.update_references and not a.references:
+        raise SystemExit("kvferry frontier: --update-references needs --references FILE")
+    s = FrontierSettings(refreshes=a.refreshes, hybrid_layers=a.hybrid, next_token_prompts=a.next_token_prompts,
+                         copy=CopySettings(gaps=a.copy_gaps, prompts=a.copy_prompts))
+    src, tgt = load_model(a.source, first.source.name), load_model(a.target, first.target.name)
+    memo = Memo(a.references, Pin.of(tgt, a.precision), frozen=not a.update_references) if a.references else None
+    domains = {"code": a.heldout} | ({"prose": a.prose} if a.prose else {})
+    started, raw = time.monotonic(), {}
+    with autocast(tgt.model, a.precision):
+        for domain, files in domains.items():
+            texts = list(read_corpus(files))
+            raw[domain] = {"copy": copy_points(maps, src, tgt, texts, s, memo, progress=not a.quiet)}
+            if s.next_token_prompts:
+                raw[domain]["top10"] = top10_points(maps, src, tgt, texts, s)
+    front = summarize(raw, s, list(maps), tgt.identity.geometry.layers) | {
+        "pair": first.name, "precision": a.precision, "seconds": round(time.monotonic() - started, 1)}
+    print(format_frontier(front))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.with_suffix(".json").write_text(json.dumps(front, indent=1) + "\n")
+    plot(front, a.out.with_suffix(".png"), f"{first.name}: quality against the target's prefill spent")
+    print(f"wrote {a.out.with_suffix('.json')} and {a.out.with_suffix('.png')} ({front['seconds']:.0f} s)")
+    return 0
+
+
 def cmd_match_values(a: argparse.Namespace) -> int:
     from kvferry.mappings.artifact import load, save
     from kvferry.mappings.attention_match import MatchSettings, match_values
@@ -385,6 +435,25 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--overwrite", action="store_true")
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=cmd_fit)
+
+    fr = sub.add_parser("frontier", help="each gated measure against the share of the target's prefill spent, for "
+                                         "truncation, each map's refresh and hybrid points: JSON, a table and a plot")
+    fr.add_argument("maps", type=Path, nargs="+", help="artifacts of one pair, <root>/<source>__<target>/<version>")
+    fr.add_argument("--source", type=model_path, default=paths.model_dir("S"))
+    fr.add_argument("--target", type=model_path, default=paths.model_dir("T"))
+    fr.add_argument("--heldout", nargs="+", default=[str(paths.data_file("heldout.jsonl"))], help="held-out code")
+    fr.add_argument("--prose", nargs="*", default=None, help="held-out prose, a second domain")
+    fr.add_argument("--refreshes", type=_int_list, default=(16, 64, 256, 1024), help="r values, comma-separated")
+    fr.add_argument("--hybrid", type=_int_list, default=(4, 8), help="target layers the target computes itself ('' for none)")
+    fr.add_argument("--copy-gaps", type=_int_list, default=(500, 1000, 3000))
+    fr.add_argument("--copy-prompts", type=int, default=12)
+    fr.add_argument("--next-token-prompts", type=int, default=20, help="per domain (0: no top-10 measure)")
+    fr.add_argument("--references", type=Path, default=None, help="as kvferry eval's")
+    fr.add_argument("--update-references", action="store_true", help="as kvferry eval's")
+    fr.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="as kvferry eval's")
+    fr.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.png")
+    fr.add_argument("--quiet", action="store_true")
+    fr.set_defaults(func=cmd_frontier)
 
     mv = sub.add_parser("match-values", help="refit a map's values so the target's attention outputs under its own "
                                              "queries match its full prefill's, given the mapped keys (closed form)")

@@ -132,3 +132,33 @@ def capture_kv(model, input_ids: torch.Tensor) -> list[LayerKV]:
         input_ids = input_ids[None]
     out = model.base_model(input_ids=input_ids.to(model.device), use_cache=True)
     return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward after the layers it needs."""
+
+
+@torch.no_grad()
+def capture_first_layers(model, input_ids: torch.Tensor, layers: int) -> list[LayerKV]:
+    """The (K, V) of the model's first ``layers`` decoder layers over ``input_ids``, at ``layers / total`` of a
+    prefill's work: the forward stops once that layer has run (its cache entry is written when its attention runs)."""
+    from transformers import DynamicCache
+
+    blocks = model.base_model.layers
+    if not 1 <= layers <= len(blocks):
+        raise InvalidInput(f"layers must be in [1, {len(blocks)}], got {layers}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    cache = DynamicCache(config=model.config)
+
+    def stop(*_):
+        raise _Stop
+
+    handle = blocks[layers - 1].register_forward_hook(stop)
+    try:
+        model.base_model(input_ids=input_ids.to(model.device), past_key_values=cache, use_cache=True)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return [(layer.keys, layer.values) for layer in cache.layers[:layers]]
