@@ -10,7 +10,6 @@ Arms, on fresh held-out copy-probe prompts (target recomputes the last 16 tokens
   l10                            the shipped map
   oracle_K                       the shipped map with the target's own keys for the replaced layers (the ceiling)
   window_W                       the shipped map with the replaced layers' keys from the window map
-  window_W+mlp                   the same, plus a small MLP trained on the window map's residual (--mlp-hidden)
   window_W+attnP                 the window map fitted with each token's error weighted by the attention it receives
                                  in the target's replaced layers, to the power P (--attn-powers)
 
@@ -24,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-import residual_mlp  # scripts/research/residual_mlp.py (beside this script)
 from tables import write_results  # scripts/research/tables.py (beside this script)
 
 from kvferry import paths
@@ -190,8 +188,6 @@ def main() -> None:
     ap.add_argument("--gaps", default="500,1000")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--mlp-hidden", type=int, default=0, help="0: no MLP arm")
-    ap.add_argument("--mlp-epochs", type=int, default=8)
     ap.add_argument("--save-window", type=int, default=0,
                     help="write the shipped map with this window's key maps as a windowed map artifact (0: none)")
     ap.add_argument("--save-version", default="0.3.0")
@@ -230,7 +226,7 @@ def main() -> None:
                 weights[p].append(attention_received(tkv, qs, t_layers, a.attn_cap, p))
     print(f"captured {len(seqs)} x {a.seq} tokens in {time.perf_counter() - t_start:.0f} s", flush=True)
     held = max(1, len(seqs) // 10)
-    maps, r2s, mlps = {}, {}, {}
+    maps, r2s = {}, {}
     for w in windows:
         t0 = time.perf_counter()
         wt, b, r2 = fit(feats[w], ys, held, width)
@@ -243,14 +239,6 @@ def main() -> None:
             maps[f"{w}+attn{p:g}"], r2s[f"{w}+attn{p:g}"] = (wt, b), r2
             print(f"window {w}, attention-weighted (power {p:g}): held-out R2 per layer "
                   + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2)) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
-        if a.mlp_hidden:
-            t0 = time.perf_counter()
-            rows = sum(len(f) for f in feats[w][-held:])
-            net, r2 = residual_mlp.train(torch.cat(feats[w]), torch.cat(ys), rows, wt, b, width,
-                                         hidden=a.mlp_hidden, epochs=a.mlp_epochs)
-            mlps[w], r2s[f"{w}+mlp"] = net, r2
-            print(f"window {w}+mlp: held-out R2 per layer " + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2))
-                  + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     del feats, ys
     if a.save_window:
         dest = save(windowed_mapset(ms, maps[a.save_window], r2s[a.save_window], s_layers, t_layers, a.save_window,
@@ -268,8 +256,6 @@ def main() -> None:
             for p in powers:
                 wt, b = maps[f"{w}+attn{p:g}"]
                 arms[f"window_{w}+attn{p:g}"] = x @ wt + b
-            if w in mlps:
-                arms[f"window_{w}+mlp"] = arms[f"window_{w}"] + mlps[w](x)
         return arms
 
     sums = score_key_arms(ms, source, target, exs, t_layers, key_arms)
