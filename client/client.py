@@ -12,7 +12,6 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import grpc
@@ -31,6 +30,7 @@ from kvferry.common.listing import MappingInfo, mapping_from_pb
 from kvferry.common.status import error_for
 from .importers import contiguous_layers
 from .regions import Lease, RegionPool
+from .tls import tls_credentials
 from kvferry.common.messages import ALL_PAGES, CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -123,8 +123,7 @@ class ClientOptions:
     def credentials(self):
         if not self.tls_root_certs:
             return None
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-        return grpc.ssl_channel_credentials(read(self.tls_root_certs), read(self.tls_client_key), read(self.tls_client_cert))
+        return tls_credentials(self.tls_root_certs, self.tls_client_key, self.tls_client_cert)
 
 
 @dataclass

@@ -6,11 +6,11 @@ Kept apart from :mod:`kvferry.client.vllm_connector` so it can be checked withou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvferry.common.stores import STORE_SCHEMES
-from kvferry.common.settings import read_settings
+from kvferry.common.files import read_secret_text
+from kvferry.common.settings import check_range, read_settings
 from kvferry.common.errors import InvalidInput
 
 
@@ -80,6 +80,11 @@ class ConnectorConfig:
             raise InvalidInput("kvferry connector: give auth_token or auth_token_file, not both")
         if self.prefix_block_size < 1 or self.min_tokens <= self.refresh or self.refresh < 1:
             raise InvalidInput("kvferry connector: prefix_block_size >= 1 and min_tokens > refresh >= 1")
+        try:
+            check_range("timeout", self.timeout, 0, 3600, low_open=True)
+            check_range("status_seconds", self.status_seconds, 0, 3600)
+        except InvalidInput as e:
+            raise InvalidInput(f"kvferry connector: {e}") from None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":
@@ -91,7 +96,8 @@ class ConnectorConfig:
 
     def token(self) -> str:
         """The sidecar's bearer token ("" without one)."""
-        return Path(self.auth_token_file).read_text().strip() if self.auth_token_file else self.auth_token
+        return read_secret_text(self.auth_token_file, "auth_token_file") if self.auth_token_file else self.auth_token
 
     def secret(self) -> bytes:
-        return (Path(self.prefix_secret_file).read_text().strip() if self.prefix_secret_file else self.prefix_secret).encode()
+        return (read_secret_text(self.prefix_secret_file, "prefix_secret_file") if self.prefix_secret_file
+                else self.prefix_secret).encode()

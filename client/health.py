@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .tls import tls_credentials
 
 
 def check(address: str, service: str = "", timeout: float = 5.0, tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> str:
     """The serving status name of ``service`` at ``address`` (raises grpc.RpcError when unreachable)."""
     if tls_ca:
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert)))
+        channel = grpc.secure_channel(address, tls_credentials(tls_ca, tls_key, tls_cert))
     else:
         channel = grpc.insecure_channel(address)
     with channel:

@@ -27,10 +27,21 @@ def read_setting(name: str, kind: str, raw: Any) -> bool | int | float | str:
         if isinstance(raw, bool):  # int(True) is 1: a boolean where a number belongs is a mistake
             raise InvalidInput(f"{name}: expected a number, got {raw!r}")
         try:
-            return int(raw) if kind == "int" else float(raw)
-        except (TypeError, ValueError):
+            value = int(raw) if kind == "int" else float(raw)
+        except (TypeError, ValueError, OverflowError):
             raise InvalidInput(f"{name}: cannot read {raw!r} as {kind}") from None
+        if value != value:
+            raise InvalidInput(f"{name}: expected a number, got {raw!r}")
+        return value
     return str(raw)
+
+
+def check_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    """Refuse ``value`` outside [low, high] ((low, high] with ``low_open``), NaN and infinities included, naming the
+    accepted range."""
+    ok = value == value and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise InvalidInput(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
 
 
 def read_settings(cls: type, values: dict[str, Any], what: str) -> dict[str, Any]:

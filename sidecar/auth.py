@@ -11,8 +11,8 @@ import contextvars
 import hashlib
 import hmac
 from dataclasses import dataclass
-from pathlib import Path
 
+from kvferry.common.files import PEM_LIMIT, read_secret_text
 from kvferry.common.prefix import check_tenant
 from kvferry.common.errors import InvalidInput, PermissionDenied, Unauthenticated
 
@@ -46,10 +46,7 @@ class Authenticator:
     @classmethod
     def from_file(cls, path: str, mtls_identity: bool = False) -> "Authenticator":
         tokens: dict[str, str] = {}
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as e:
-            raise InvalidInput(f"cannot read auth_tokens_file {path}: {e}") from None
+        lines = read_secret_text(path, "auth_tokens_file", PEM_LIMIT).splitlines()
         for no, line in enumerate(lines, 1):
             line = line.strip()
             if not line or line.startswith("#"):

@@ -10,7 +10,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvferry.common.settings import read_settings
+from kvferry.common.files import read_secret_text
+from kvferry.common.settings import check_range, read_settings
 from kvferry.common.stores import STORE_SCHEMES
 from kvferry.common.errors import InvalidInput
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
     from .limits import Limits
 
+HOUR, DAY, YEAR = 3600.0, 86400.0, 365 * 86400.0
+"""Upper bounds of the durations below: a value past them is a typo, not a setting."""
 
 
 @dataclass(frozen=True)
@@ -126,23 +129,24 @@ class SidecarConfig:
             raise InvalidInput("threads and map_threads must be >= 0 (0: torch's CPU thread count)")
         if self.max_streams < 1:
             raise InvalidInput("max_streams must be >= 1")
-        if self.reload_seconds < 0 or self.drain_seconds < 0 or self.drain_notice_seconds < 0:
-            raise InvalidInput("reload_seconds, drain_seconds and drain_notice_seconds must be >= 0")
+        check_range("reload_seconds", self.reload_seconds, 0, DAY)
+        check_range("drain_seconds", self.drain_seconds, 0, HOUR)
+        check_range("drain_notice_seconds", self.drain_notice_seconds, 0, HOUR)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidInput("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidInput("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.auth_mtls_tenant and not self.tls_client_ca:
             raise InvalidInput("auth_mtls_tenant takes the tenant from client certificates: set tls_client_ca (mutual TLS)")
-        if self.max_stream_seconds <= 0:
-            raise InvalidInput("max_stream_seconds must be positive")
+        check_range("max_stream_seconds", self.max_stream_seconds, 0, DAY, low_open=True)
         if self.redis_url and not self.redis_url.startswith(STORE_SCHEMES):
             raise InvalidInput(f"redis_url must start with one of {', '.join(STORE_SCHEMES)}")
         if self.redis_url and self.prefix_cache and not (self.prefix_secret or self.prefix_secret_file):
             raise InvalidInput("a shared prefix store needs prefix_secret (env KVFERRY_PREFIX_SECRET): every pod must "
                                "derive the same keys, and nobody else should")
-        if self.prefix_block_size < 1 or self.prefix_ttl_seconds <= 0 or self.prefix_memory_bytes < 1:
-            raise InvalidInput("prefix_block_size, prefix_ttl_seconds and prefix_memory_bytes must be positive")
+        if self.prefix_block_size < 1 or self.prefix_memory_bytes < 1:
+            raise InvalidInput("prefix_block_size and prefix_memory_bytes must be positive")
+        check_range("prefix_ttl_seconds", self.prefix_ttl_seconds, 0, YEAR, low_open=True)
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise InvalidInput(f"shm_dir {self.shm_dir} must be an absolute path (the folder both containers mount)")
         self.gates  # validates the gate fields
@@ -162,10 +166,7 @@ class SidecarConfig:
         """A secret's value: from ``<name>_file`` when set (surrounding whitespace stripped), else ``<name>``."""
         path = getattr(self, f"{name}_file")
         if path:
-            try:
-                return Path(path).read_text().strip()
-            except OSError as e:
-                raise InvalidInput(f"cannot read {name}_file {path}: {e}") from None
+            return read_secret_text(path, f"{name}_file")
         return getattr(self, name)
 
     def authenticator(self):

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvferry.common import wire
+from kvferry.common.files import PEM_LIMIT, read_small_file
 from kvferry.v1 import translate_pb2 as pb
 
 from .compute import on_compute
@@ -118,8 +118,8 @@ class Sidecar:
         address = f"{c.host}:{c.port}"
         if c.tls_cert:
             creds = grpc.ssl_server_credentials(
-                [(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())],
-                root_certificates=Path(c.tls_client_ca).read_bytes() if c.tls_client_ca else None,
+                [(read_small_file(c.tls_key, "tls_key", PEM_LIMIT), read_small_file(c.tls_cert, "tls_cert", PEM_LIMIT))],
+                root_certificates=read_small_file(c.tls_client_ca, "tls_client_ca", PEM_LIMIT) if c.tls_client_ca else None,
                 require_client_auth=bool(c.tls_client_ca))
             self.port = self.server.add_secure_port(address, creds)
         else:
