@@ -643,6 +643,10 @@ def main(argv: list[str] | None = None) -> None:
 
     a = build_parser().parse_args(argv)
     _threads(a.threads)
+    if a.func in (cmd_fit, cmd_distill, cmd_eval, cmd_frontier, cmd_match_values):
+        from kvferry.sidecar.memory import tune_allocator
+
+        tune_allocator()  # a lab run frees 100-600 MB logits every window: untuned, glibc keeps growing its heap
     try:
         sys.exit(a.func(a))
     except KvferryError as e:
