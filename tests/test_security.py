@@ -16,7 +16,7 @@ from kvferry.common.errors import PermissionDenied, Unauthenticated
 from kvferry.sidecar.auth import Authenticator
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-from conftest import ROOT, make_certs, make_kv, sample, spec_kw
+from conftest import ROOT, make_certs, make_kv, sample, spec_kw, wait_until
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef00"
 
@@ -238,7 +238,8 @@ def test_a_caller_that_stops_reading_loses_its_slot_at_the_deadline(sidecar_fact
     opts = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)]  # no window growth
     with grpc.insecure_channel(sc.address, opts) as ch:
         stalled = pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=60)  # never read from
-        time.sleep(5)
+        wait_until(lambda: sample(sc, "kvferry_active_streams") == 1, what="the stalled stream holding the slot")
+        wait_until(lambda: sample(sc, "kvferry_active_streams") == 0, timeout=15, what="the slot freed at the deadline")
         with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:  # the one slot is free again
             assert c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family)).stats.tokens == 8
         with pytest.raises(grpc.RpcError) as e:
