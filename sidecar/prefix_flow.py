@@ -120,8 +120,10 @@ class PrefixService:
         # a windowed map also reads the source tokens just before the first it maps: fetch their blocks too
         context = min(ms.context, tgt.end_block * bs)
         context_blocks = -(-context // bs)
+        # the source blocks as their publisher stored them: a caller's source_dtype (what its own KV would be) never
+        # changes what is mapped, and so what is stored for every later caller
         src = self.cache.lookup(src_ns, tokens, sg.layers, sg.kv_heads, sg.head_dim, start_block=tgt.end_block - context_blocks,
-                                dtype=spec.source_dtype, hashes=src_hashes[:blocks])
+                                hashes=src_hashes[:blocks])
         covered = tgt.end_block + max(0, len(src.blocks) - context_blocks)
         if covered == 0:
             raise NotFound("no stored blocks for this prefix_key (expired, evicted, or never published)")

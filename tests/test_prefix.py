@@ -764,7 +764,8 @@ def test_redact_url():
 
 def test_stored_blocks_do_not_depend_on_who_asked_first(sidecar_factory, family, redis_url, tmp_path):
     """A bfloat16 caller asks first for a published prefix; a float32 caller then gets exactly what the map computes
-    in float32 (the stored blocks hold the map's own precision), and the bfloat16 caller what it would compute."""
+    in float32 (the stored blocks hold the map's own precision), and the bfloat16 caller what it would compute. A
+    first caller's source_dtype changes nothing either: the stored source blocks are mapped as published."""
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
 
@@ -778,8 +779,9 @@ def test_stored_blocks_do_not_depend_on_who_asked_first(sidecar_factory, family,
     want = apply(ms, kv, 0)
     kw = dict(token_ids=ids, tenant="acme", prefix_key=key, source_geometry=g.fingerprint, tokenizer=ms.source.tokenizer)
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        for dt in (torch.bfloat16, torch.float16, torch.float32, torch.bfloat16):
-            res = c.translate(None, "S__T", "1.0.0", target_dtype=dt, **kw)
+        for dt, src_dt in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, None),
+                           (torch.bfloat16, None)):  # the first callers also claim a lower source precision
+            res = c.translate(None, "S__T", "1.0.0", target_dtype=dt, source_dtype=src_dt, **kw)
             for (k, v), (wk, wv) in zip(res.layers(), want):
                 assert k.dtype == dt and torch.equal(k, wk.to(dt)) and torch.equal(v, wv.to(dt)), dt
         assert res.stats.cached_blocks == 4
