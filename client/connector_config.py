@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.common.stores import STORE_SCHEMES
+from kvferry.common.urls import check_store_url
 from kvferry.common.files import read_secret_text
 from kvferry.common.settings import check_range, read_settings
 from kvferry.common.errors import InvalidInput
@@ -74,6 +75,10 @@ class ConnectorConfig:
         if not self.redis_url.startswith(STORE_SCHEMES):
             raise InvalidInput(f"kvferry connector: redis_url ({', '.join(STORE_SCHEMES)}) is required: the engines share "
                                "the prefix store")
+        try:
+            check_store_url(self.redis_url)
+        except ValueError as e:
+            raise InvalidInput(f"kvferry connector: redis_url: {e}") from None
         if not (self.prefix_secret or self.prefix_secret_file):
             raise InvalidInput("kvferry connector: prefix_secret (or prefix_secret_file) is required")
         if self.auth_token and self.auth_token_file:

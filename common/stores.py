@@ -12,11 +12,17 @@ import time
 from collections import OrderedDict
 
 from kvferry.common.errors import Unavailable
-from kvferry.common.urls import redact_url
+from kvferry.common.urls import check_store_url, redact_url
 
 
 class StoreUnavailable(Unavailable):
-    """The prefix store cannot be reached (down, timing out, refusing)."""
+    """The prefix store cannot be reached (down, timing out, refusing). Its message, which callers see, names "the
+    prefix store" and never its address; ``detail`` (for the operator's log) adds the store's redacted URL and the
+    client library's own words."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail or message
 
 
 class MemoryStore:
@@ -96,8 +102,9 @@ class RedisStore:
         import redis
 
         if not url.startswith(STORE_SCHEMES):
-            raise ValueError(f"redis URL must start with redis://, rediss://, unix:// or redis+cluster:// (rediss+cluster://), "
-                             f"got {redact_url(url)!r}")
+            raise ValueError("the prefix store URL must start with redis://, rediss://, unix:// or redis+cluster:// "
+                             "(rediss+cluster://)")
+        check_store_url(url)
         kw = dict(socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=max_connections)
         if password:
             kw["password"] = password
@@ -139,10 +146,11 @@ class RedisStore:
         whole failing command ("Command # 1 (SET <key> <blob> …) of pipeline caused error: OOM …")."""
         import redis
 
-        if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OSError)):
-            return StoreUnavailable(f"prefix store {self._safe_url()} unreachable: {type(e).__name__}: {str(e)[:160]}")
+        detail = f"prefix store {self._safe_url()}: {type(e).__name__}: {str(e)[:160]}"
+        if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OSError)):  # their words name the host and port
+            return StoreUnavailable(f"the prefix store is unreachable ({type(e).__name__})", detail)
         reason = str(e).split("caused error:", 1)[-1].strip().splitlines()[0][:160] if str(e) else ""
-        return StoreUnavailable(f"prefix store {self._safe_url()} refused the call ({type(e).__name__}: {reason})")
+        return StoreUnavailable(f"the prefix store refused the call ({type(e).__name__}: {reason})", detail)
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         if not keys:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvferry.common.files import read_secret_text
 from kvferry.common.settings import check_range, read_settings
 from kvferry.common.stores import STORE_SCHEMES
+from kvferry.common.urls import check_store_url
 from kvferry.common.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -141,6 +142,11 @@ class SidecarConfig:
         check_range("max_stream_seconds", self.max_stream_seconds, 0, DAY, low_open=True)
         if self.redis_url and not self.redis_url.startswith(STORE_SCHEMES):
             raise InvalidInput(f"redis_url must start with one of {', '.join(STORE_SCHEMES)}")
+        if self.redis_url:
+            try:
+                check_store_url(self.redis_url)
+            except ValueError as e:
+                raise InvalidInput(f"redis_url: {e}") from None
         if self.redis_url and self.prefix_cache and not (self.prefix_secret or self.prefix_secret_file):
             raise InvalidInput("a shared prefix store needs prefix_secret (env KVFERRY_PREFIX_SECRET): every pod must "
                                "derive the same keys, and nobody else should")

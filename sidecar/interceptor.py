@@ -75,6 +75,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             msg = f"internal error: {type(exc).__name__}: {exc}"
         else:
             msg = str(exc)
+            detail = getattr(exc, "detail", "")
+            if detail and detail != msg:  # the operator's words (a store's redacted address), not the caller's
+                log.warning("%s: %s", method, detail)
         self._done(method, code, t0)
         retry_after = getattr(exc, "retry_after", None)
         exc.__traceback__ = None  # its frames hold the request messages, and the abort below chains this exception

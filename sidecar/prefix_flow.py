@@ -56,7 +56,7 @@ class PrefixService:
 
     def _store_error(self, e: Exception) -> None:
         self.metrics.prefix_store_errors.inc()
-        log.warning("prefix store unavailable, serving without it: %s", e)
+        log.warning("prefix store unavailable, serving without it: %s", getattr(e, "detail", e))
 
     def plan(self, spec, ms: MapSet) -> Plan | None:
         """For a streamed request with token ids: the stored target blocks of its longest prefix."""

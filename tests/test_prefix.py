@@ -495,6 +495,8 @@ def test_redis_down_then_back(sidecar_factory, maps_dir, family, redis_url, redi
         with pytest.raises(grpc.RpcError) as e:
             c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "unreachable" in e.value.details()
+        host_port = redis_url.split("://", 1)[1].split("/", 1)[0].rpartition("@")[2]
+        assert host_port not in e.value.details() and "the prefix store" in e.value.details()  # no address to callers
         redis_server.restart()
         publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
         res = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))  # reconnected on its own
@@ -728,8 +730,9 @@ def test_golden_block_bytes():
                                         "redis://127.0.0.1:{port}/0?password=pa@ss-Word-1&db=0",
                                         "redis://127.0.0.1:{port}/0?username=default&password=pa@ss-Word-1"])
 def test_credentials_in_the_url_never_reach_a_caller_or_the_log(sidecar_factory, maps_dir, family, secret_url, caplog):
-    """Redis down, a key-only caller gets UNAVAILABLE: the message and the sidecar's log name the store without the
-    password, whichever form the URL gave it in (userinfo with an '@' inside, a query parameter)."""
+    """Redis down, a key-only caller gets UNAVAILABLE naming "the prefix store", without its address; the sidecar's
+    log names the store's address for the operator, without the password, whichever form the URL gave it in (userinfo
+    with an '@' inside, a query parameter)."""
     import logging
     import socket
 
@@ -745,7 +748,8 @@ def test_credentials_in_the_url_never_reach_a_caller_or_the_log(sidecar_factory,
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
         with pytest.raises(grpc.RpcError) as e:
             c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and f"127.0.0.1:{port}" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "the prefix store is unreachable" in e.value.details()
+    assert f"127.0.0.1:{port}" not in e.value.details() and f"127.0.0.1:{port}" in caplog.text
     for text in (e.value.details(), caplog.text):
         assert "Word-1" not in text and "pa@ss" not in text
 
@@ -760,6 +764,38 @@ def test_redact_url():
     assert redact_url("redis://[::1") == "<unparseable URL>"
     with pytest.raises(ValueError, match=r"Password=\*\*\*' has a parameter redis-py does not accept \('Password'\)"):
         RedisStore("redis://h:1/0?Password=secret-1")
+
+
+@pytest.mark.parametrize("url", ["redis://kvf:6379/pw-secret@h", "redis://:pa#secret@h:6379/0", "redis://:pa/secret@h:6379/0",
+                                 "redis://:pa?secret@h:6379/0", "redis://h:port-secret/0", "redis+cluster://a:1,b:secret"])
+def test_a_store_url_read_otherwise_than_it_looks_is_refused_without_echo(url):
+    """One parser decides: a '#', a path that is no database number, a port that is no number or a parameter
+    without a value is refused wherever a store URL is read, and no message or log line shows any of it."""
+    from kvferry.client.connector_config import ConnectorConfig
+    from kvferry.common.urls import check_store_url, redact_url
+    from kvferry.sidecar.config import SidecarConfig
+
+    assert redact_url(url) == "<unparseable URL>"
+    with pytest.raises(ValueError) as e:
+        check_store_url(url)
+    assert "secret" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        RedisStore(url)
+    assert "secret" not in str(e.value)
+    with pytest.raises(InvalidInput, match="redis_url: the prefix store URL") as e:
+        SidecarConfig(redis_url=url, prefix_secret="x" * 32)
+    assert "secret@" not in str(e.value) and "pw-secret" not in str(e.value)
+    with pytest.raises(InvalidInput, match="redis_url") as e:
+        ConnectorConfig.from_extra({"redis_url": url, "prefix_secret": "x" * 32})
+    assert "pw-secret" not in str(e.value)
+
+
+def test_percent_encoded_credential_names_are_read_as_redis_py_reads_them():
+    from kvferry.common.urls import redact_url
+
+    assert redact_url("redis://h:1/0?p%61ssword=hunter2") == "redis://h:1/0?password=***"
+    assert redact_url("redis://h:1/0?%70assword=hunter2&db=1") == "redis://h:1/0?password=***&db=1"
+    assert redact_url("redis+cluster://u:p@a:1,b:2/?password=x") == "redis+cluster://***@a:1,b:2/?password=***"
 
 
 def test_stored_blocks_do_not_depend_on_who_asked_first(sidecar_factory, family, redis_url, tmp_path):

@@ -81,6 +81,9 @@ Included once, from deployment.yaml.
 {{- if or (regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*:[^/?#]*@" .Values.redis.url) (regexMatch "(?i)[?&][^=&]*(pass|user|secret|token|auth)[^=&]*=" .Values.redis.url) -}}
 {{- $why = append $why "redis.url carries a credential (user:password@ or a password/username parameter), which would land in plaintext in the ConfigMap: put it in redis.password or redis.existingSecret" -}}
 {{- end -}}
+{{- if or (contains "#" .Values.redis.url) (regexMatch "[?].*%" .Values.redis.url) (regexMatch "^[a-z+]+://[^/?]*/[^?]*[^0-9/?]" .Values.redis.url) -}}
+{{- $why = append $why "redis.url is not of the shape redis://host:port/db[?parameter=value]: a '#', a percent-encoded query parameter or a path that is not a database number is refused (the store's client would read a credential or another host there); put a password in redis.password or redis.existingSecret" -}}
+{{- end -}}
 {{- if and .Values.redis.writeBack (not $hasAuth) -}}
 {{- $why = append $why "redis.writeBack without auth lets any caller publish prefixes every caller reads (SECURITY.md): set auth.existingSecret or auth.mtlsTenant" -}}
 {{- end -}}
