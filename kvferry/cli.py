@@ -231,6 +231,7 @@ def _evaluate(a: argparse.Namespace, ms, src, tgt, copy, memo) -> dict:
         ev["copy"] = copy_probe(ms, src, tgt, list(read_corpus(a.heldout)), copy, progress=not a.quiet, memo=memo)
     else:
         settings = EvalSettings(prompts=a.prompts, refresh=a.refresh, sinks=a.sinks, recall_prompts=a.recall_prompts,
+                                positions=a.positions,
                                 greedy_prompts=a.greedy_prompts, min_len=a.min_len, max_len=a.max_len, copy=copy,
                                 prose_prompts=a.prose_prompts if a.prose else 0,
                                 completion=CompletionSettings(tasks=a.completion_tasks, refresh=a.refresh)
@@ -533,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-len", type=int, default=512)
     e.add_argument("--refresh", type=int, default=16)
     e.add_argument("--sinks", type=int, default=4)
+    e.add_argument("--positions", type=int, default=1,
+                   help="next-token positions scored per prompt: its next token and the text's next positions - 1, "
+                        "teacher-forced past the refresh window (EvalSettings.positions)")
     e.add_argument("--greedy-prompts", type=int, default=16)
     e.add_argument("--recall-prompts", type=int, default=50)
     e.add_argument("--copy-gaps", default="500,1000,3000",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -45,6 +46,10 @@ class EvalSettings:
     """r: tokens the target recomputes in the truncate and mapped_refresh arms."""
     sinks: int = 4
     """s: leading tokens kept exact in the mapped_sinks arm."""
+    positions: int = 1
+    """Positions scored per prompt: the prompt's next token, then (teacher-forced) the text's next ``positions - 1``,
+    each arm computing them on top of its own cache, so every scored position lies past the refresh window. The
+    scores average over a prompt's positions; intervals still resample prompts."""
     greedy_prompts: int = 16
     """Prompts on which 32-token greedy continuations are compared."""
     greedy_tokens: int = 32
@@ -73,6 +78,8 @@ class EvalSettings:
             raise InvalidInput("sinks must be smaller than min_len - 1")
         if self.prose_prompts < 0:
             raise InvalidInput("prose_prompts must be >= 0")
+        if not 1 <= self.positions <= 256:
+            raise InvalidInput(f"positions must be in [1, 256], got {self.positions}")
 
 
 class _AttnTap:
@@ -104,26 +111,30 @@ class NextTokenScores:
     def __init__(self):
         self.n = 0
         self.top1 = self.kl = self.cos = 0.0
-        self.top10 = 0  # shared tokens, counted exactly: a mean of tenths summed in floats drifts (48/60 read 0.79999…)
+        self.top10 = Fraction(0)  # shared tokens, counted exactly: a mean of tenths summed in floats drifts (48/60 read 0.79999…)
         self.per_prompt: dict[str, list[float]] = {"top1": [], "top10": [], "kl": []}
 
     def add(self, gold: torch.Tensor, logits: torch.Tensor, attn_gold=None, attn=None) -> None:
+        """One prompt: ``gold`` and ``logits`` are [vocab] (its next token) or [positions, vocab] (several, averaged)."""
+        gold, logits = gold.reshape(-1, gold.shape[-1]), logits.reshape(-1, logits.shape[-1])
+        p = gold.shape[0]
         lp_g, lp = gold.log_softmax(-1), logits.log_softmax(-1)
         self.n += 1
-        top1 = float(gold.argmax() == logits.argmax())
-        a, b = set(gold.topk(10).indices.tolist()), set(logits.topk(10).indices.tolist())
-        kl = float((lp_g.exp() * (lp_g - lp)).sum())
+        top1 = float((gold.argmax(-1) == logits.argmax(-1)).float().mean())
+        shared = sum(len(set(a.tolist()) & set(b.tolist()))
+                     for a, b in zip(gold.topk(10).indices, logits.topk(10).indices))
+        kl = float((lp_g.exp() * (lp_g - lp)).sum(-1).mean())
         self.top1 += top1
-        self.top10 += len(a & b)
+        self.top10 += Fraction(shared, p)
         self.kl += kl
-        for key, value in (("top1", top1), ("top10", len(a & b) / 10), ("kl", round(kl, 6))):
+        for key, value in (("top1", top1), ("top10", shared / (10 * p)), ("kl", round(kl, 6))):
             self.per_prompt[key].append(value)
         if attn is not None:
             self.cos += float(torch.nn.functional.cosine_similarity(attn_gold, attn, dim=-1).mean())
 
     def result(self, with_cos: bool) -> dict:
         n = max(self.n, 1)
-        out = {"top1": self.top1 / n, "top10": self.top10 / (10 * n), "kl": self.kl / n,
+        out = {"top1": self.top1 / n, "top10": float(self.top10 / (10 * n)), "kl": self.kl / n,
                "per_prompt": {k: list(v) for k, v in self.per_prompt.items()}}
         if with_cos:
             out["attn_cos"] = self.cos / n
@@ -196,11 +207,8 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
     check_identity(source.identity, ms.source, "source")
     check_identity(target.identity, ms.target, "target")
     texts = list(read_corpus(heldout))
-    windows = token_windows(target.tokenizer, texts, s.max_len)
-    if not windows:
-        raise InvalidInput(f"held-out text is shorter than one {s.max_len}-token prompt")
-    rng = random.Random(s.seed)
-    prompts = [windows[i % len(windows)][: rng.randint(s.min_len, s.max_len)][None] for i in range(s.prompts)]
+    cuts = _prompts(target, texts, s, s.prompts, s.seed)
+    prompts = [ids for ids, _ in cuts]
     scores = {arm: NextTokenScores() for arm in ARMS if arm != "gold"}
     layer_err = _LayerError(ms.target.geometry.layers)
     greedy = {arm: [] for arm in ("truncate", "mapped", "mapped_refresh", "mapped_sinks")}
@@ -220,13 +228,14 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
             logits, attn = {}, {}
             for arm, (kv, tail) in arms.items():
                 cache = to_dynamic_cache(kv, target.model.config) if kv is not None else None
-                logits[arm] = target.model(input_ids=tail, past_key_values=cache).logits[0, -1].float()
+                logits[arm] = _scored(target, kv, tail, cuts[pi][1], s.positions, cache)
                 attn[arm] = tap.take()
                 if arm == "mapped_refresh" and s.refresh > 1:  # the free drift signal, as the client measures it live
                     n = ids.shape[1]
+                    queries = qtap.queries(range(n - s.refresh, n + s.positions - 1))
                     drifts.append(tail_drift(kv_slice(mapped, n - s.refresh, n - 1),
                                              kv_slice(cache_layers(cache), n - s.refresh, n - 1),
-                                             [q[:, : s.refresh - 1] for q in qtap.queries(range(n - s.refresh, n))]))
+                                             [q[:, : s.refresh - 1] for q in queries]))
             for arm, sc in scores.items():
                 sc.add(logits["gold"], logits[arm], attn["gold"], attn[arm])
             if pi < s.greedy_prompts:
@@ -277,21 +286,38 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
 def next_token_arms(ms: MapSet, source: LoadedModel, target: LoadedModel, texts: list[str], s: EvalSettings,
                     prompts: int) -> dict:
     """Next-token top-1 / top-10 / KL of each arm against full prefill, on ``prompts`` prompts cut from ``texts``."""
-    windows = token_windows(target.tokenizer, texts, s.max_len)
-    if not windows:
-        raise InvalidInput(f"held-out text is shorter than one {s.max_len}-token prompt")
-    rng = random.Random(s.seed + 1)
     scores = {arm: NextTokenScores() for arm in ARMS if arm != "gold"}
-    for i in range(prompts):
-        ids = windows[i % len(windows)][: rng.randint(s.min_len, s.max_len)][None]
+    for ids, extra in _prompts(target, texts, s, prompts, s.seed + 1):
         _, _, arms = _arm_caches(ms, source, target, ids, s)
         logits = {}
         for arm, (kv, tail) in arms.items():
-            cache = to_dynamic_cache(kv, target.model.config) if kv is not None else None
-            logits[arm] = target.model(input_ids=tail, past_key_values=cache).logits[0, -1].float()
+            logits[arm] = _scored(target, kv, tail, extra, s.positions)
         for arm, sc in scores.items():
             sc.add(logits["gold"], logits[arm])
     return {arm: sc.result(False) for arm, sc in scores.items()}
+
+
+def _prompts(target: LoadedModel, texts: list[str], s: EvalSettings, count: int, seed: int):
+    """``count`` (prompt [1, L], the text's next ``positions - 1`` tokens [1, positions - 1]) pairs: L drawn in
+    [min_len, max_len] by a generator seeded with ``seed``, from windows of the held-out ``texts``."""
+    windows = token_windows(target.tokenizer, texts, s.max_len + s.positions - 1)
+    if not windows:
+        raise InvalidInput(f"held-out text is shorter than one {s.max_len + s.positions - 1}-token prompt")
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        w, n = windows[i % len(windows)], rng.randint(s.min_len, s.max_len)
+        out.append((w[:n][None], w[n : n + s.positions - 1][None]))
+    return out
+
+
+def _scored(target: LoadedModel, kv, tail: torch.Tensor, extra: torch.Tensor, positions: int, cache=None) -> torch.Tensor:
+    """An arm's logits [positions, vocab] at the prompt's last position and the ``extra`` tokens after it, the target
+    computing ``tail`` + ``extra`` on top of ``kv`` (``cache``: that cache made already)."""
+    if cache is None and kv is not None:
+        cache = to_dynamic_cache(kv, target.model.config)
+    ids = torch.cat([tail, extra], 1) if extra.numel() else tail
+    return target.model(input_ids=ids, past_key_values=cache).logits[0, -positions:].float()
 
 
 @torch.no_grad()

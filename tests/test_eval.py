@@ -88,6 +88,34 @@ def test_load_for_serving_checks_evidence(family, tmp_path):
         load_for_serving(dest, Gates(min_top10=0.6))
 
 
+def test_several_positions_per_prompt_past_the_refresh_window(family):
+    """With positions = 4 every arm scores the prompt's next token and the text's next 3, teacher-forced on its own
+    cache: an exact map still matches full prefill at all of them, truncation does not, and a prompt's scores are
+    the mean over its positions (one value per prompt, for the intervals)."""
+    import torch
+
+    from kvferry.mappings.evaluate import NextTokenScores
+
+    s = family["S"]
+    ms = identity_mapset(s.identity)
+    ms.target = s.identity
+    ev = evaluate(ms, s, s, HELDOUT, EvalSettings(prompts=4, positions=4, greedy_prompts=0, recall_prompts=0, min_len=64,
+                                                     max_len=128, copy=None), progress=False)
+    for arm in ("mapped", "mapped_refresh", "mapped_sinks"):
+        row = ev["arms"][arm]
+        assert row["top1"] == 1.0 and row["top10"] == 1.0 and abs(row["kl"]) < 1e-4
+        assert len(row["per_prompt"]["top10"]) == 4
+    assert ev["arms"]["truncate"]["kl"] > 1e-3
+    gold = torch.arange(100, 0, -1).float()
+    half = gold.clone()
+    half[[8, 9]] = -1.0  # 8 of the top 10 shared
+    scores = NextTokenScores()
+    scores.add(torch.stack([gold, gold]), torch.stack([gold, half]))
+    assert scores.result(False)["per_prompt"]["top10"] == [0.9] and scores.result(False)["top1"] == 1.0
+    with pytest.raises(InvalidInput, match="positions"):
+        EvalSettings(positions=0)
+
+
 def test_top10_overlap_is_counted_exactly_at_the_gate():
     """60 prompts that each share 8 of their top 10 tokens average 0.8 exactly, and pass a top-10 gate of 0.8 (summed
     as floats, 60 tenths read 0.79999…93 and failed it with a message saying "0.800 fails (>= 0.8)")."""
