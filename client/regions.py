@@ -140,11 +140,21 @@ class RegionPool:
         return Lease(self, f)
 
     def _returned(self, f: _File) -> None:
+        """``f`` is free again: idle in the pool under a fresh key nobody was sent (the last call's key then opens
+        nothing, and a sidecar call still holding the file writes no more), or removed."""
         with self._lock:
             self._out.discard(f)
-            if not self._closed and not f.spoiled and len(self._idle) < self.keep:
-                self._idle.append(f)
-                return
+            keep = not self._closed and not f.spoiled and len(self._idle) < self.keep
+        if keep:
+            try:
+                f.rekey()
+            except OSError:
+                keep = False
+        if keep:
+            with self._lock:
+                if not self._closed:
+                    self._idle.append(f)
+                    return
         f.remove()
 
     def close(self) -> None:

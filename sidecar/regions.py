@@ -25,10 +25,11 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 class ResponseRegion:
     """One call's region: ``put`` writes a tensor's pieces at the next aligned offset that leaves them within
     ``capacity``, or answers None (the tensor then goes in its message). A write that fails (the folder's memory is
-    full) answers None too, and no later tensor is tried."""
+    full) answers None too, and no later tensor is tried. Before each write the file's header must still hold the
+    call's ``key``: once its owner has rekeyed it (for its next call, or back in its pool), this call writes no more."""
 
-    def __init__(self, fd: int, capacity: int):
-        self.fd, self.capacity = fd, capacity
+    def __init__(self, fd: int, capacity: int, key: bytes):
+        self.fd, self.capacity, self.header = fd, capacity, region_header(key)
         self.used = REGION_ALIGN  # the caller's header
         self.full = False
         self._lock = threading.Lock()  # encoding runs on the event loop (stored blocks) and the compute thread
@@ -41,6 +42,11 @@ class ResponseRegion:
             try:
                 if offset + size > os.fstat(self.fd).st_size:  # the caller shrank it: never grow its file
                     self.full = True
+                    return None
+                if not hmac.compare_digest(os.pread(self.fd, REGION_ALIGN, 0), self.header):
+                    self.full = True  # rekeyed by its owner: no longer this call's file
+                    log.warning("response region rekeyed by its owner during the call: the rest of the answer goes "
+                                "in the messages")
                     return None
                 _pwrite_all(self.fd, pieces, offset)
             except OSError as e:
@@ -110,7 +116,7 @@ class RegionFolder:
             os.close(fd)
             return self._refused("its header does not hold this call's key", "refused")
         self._count("taken")
-        return ResponseRegion(fd, min(size, st.st_size))
+        return ResponseRegion(fd, min(size, st.st_size), key)
 
     def _refused(self, why: str, outcome: str = "ignored") -> None:
         log.warning("response region ignored (%s); the answer goes in the messages", why)

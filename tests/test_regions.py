@@ -15,6 +15,7 @@ from kvferry.client.regions import RegionPool, sweep
 from kvferry.common import wire
 from kvferry.common.messages import Block, BlockBytes
 from kvferry.common.prefix_cache import publish_source
+from kvferry.common.region_format import region_header
 from kvferry.common.stores import RedisStore
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
@@ -274,18 +275,43 @@ def test_stored_pieces_go_to_the_region_in_one_write(tmp_path):
     path = tmp_path / "r"
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     os.ftruncate(fd, 400)
-    region = SidecarRegion(fd, 400)
+    key = secrets.token_bytes(32)
+    os.pwrite(fd, region_header(key), 0)
+    region = SidecarRegion(fd, 400, key)
     pieces = [memoryview(bytes([i]) * 40) for i in range(3)]
     b = BlockBytes(0, 0, 5, 0, torch.float32, (2, 5, 3), pieces[:3], [memoryview(bytes([9]) * 120)])
     m = pb.TranslateResponse.FromString(wire.encode_block_response(b, region=region))
     assert (m.block.key.region_offset, m.block.value.region_offset) == (64, 192)  # the first 64 bytes: the header
     data = path.read_bytes()
-    assert data[:64] == bytes(64) and data[64:184] == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
+    assert data[:64] == region_header(key) and data[64:184] == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
     assert data[192:312] == bytes([9]) * 120
     again = pb.TranslateResponse.FromString(wire.encode_block_response(b, region=region))
     assert not again.block.key.HasField("region_offset") and again.block.key.data == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
     region.close()
     assert region.put(pieces, 40) is None  # closed: never writes through a descriptor number reused since
+
+
+def test_a_rekeyed_region_takes_no_more_writes_and_an_idle_file_holds_no_used_key(shm):
+    """A call that still holds a file once its owner rekeyed it (a leaked key held across the owner's next call)
+    writes nothing more into it; and a file back in its pool is rekeyed at once, so the last call's key opens
+    nothing while it is idle."""
+    from kvferry.sidecar.regions import RegionFolder
+
+    pool = RegionPool(str(shm), 1 << 16)
+    lease = pool.lease()
+    name, key = lease.name, lease.key
+    taken = RegionFolder(str(shm)).take(name, 1 << 16, key)
+    assert taken is not None and taken.put([memoryview(bytes(64))], 64) == 64
+    lease.release(True)  # back to the pool, rekeyed: the sidecar's call may write no more
+    assert taken.put([memoryview(bytes([7]) * 64)], 64) is None and taken.full
+    with open(shm / name, "rb") as fh:
+        assert fh.read(64) != region_header(key)
+    assert RegionFolder(str(shm)).take(name, 1 << 16, key) is None  # the old key opens nothing
+    again = pool.lease()  # the same file, renamed and rekeyed for the next call
+    assert again.key != key and RegionFolder(str(shm)).take(again.name, 1 << 16, again.key) is not None
+    again.release(True)
+    taken.close()
+    pool.close()
 
 
 def test_a_file_is_reused_once_its_answer_is_freed_and_never_under_a_live_one(sidecar_factory, shm, ms):
