@@ -59,6 +59,11 @@ def cmd_fit(a: argparse.Namespace) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    """A long run's progress line, written at once (a log file would otherwise hold it back for hours)."""
+    print(line, flush=True)
+
+
 def _copy_settings(a: argparse.Namespace):
     from kvferry.mappings.copy_probe import CopySettings
 
@@ -100,7 +105,7 @@ def cmd_distill(a: argparse.Namespace) -> int:
     if a.capture_only:
         print(f"captured (references in {a.refs or a.tails_cache}); no training with --capture-only")
         return 0
-    maps, log = distill(ms, src, tgt, train, held, settings, progress=None if a.quiet else print,
+    maps, log = distill(ms, src, tgt, train, held, settings, progress=None if a.quiet else _say,
                         checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_minutes * 60)
     record = settings.as_dict() | ({"code_mlp": a.code_mlp} if a.code_mlp is not None else {}) | {"seq_len": a.seq_len, "train_windows": len(train_w), "held_windows": len(held_w), "log": log}
     dest = save(maps.mapset(a.version, record), a.out, overwrite=a.overwrite)
@@ -169,7 +174,7 @@ def cmd_match_values(a: argparse.Namespace) -> int:
     ms = load(a.map)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
     windows = token_windows(tgt.tokenizer, read_corpus(a.corpus), a.seq_len, a.max_tokens)
-    out, record = match_values(ms, src, tgt, windows, settings, a.version, progress=None if a.quiet else print)
+    out, record = match_values(ms, src, tgt, windows, settings, a.version, progress=None if a.quiet else _say)
     for t, (b, e, lam) in enumerate(zip(record["heldout_attn_rel_err_before"], record["heldout_attn_rel_err_after"],
                                         record["chosen_lambda"])):
         print(f"  layer {t} V: held-out attention-output error {b:.4f} -> {e:.4f}"
