@@ -10,6 +10,7 @@ clients that died (a process's locks end with it)."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -18,6 +19,8 @@ import weakref
 
 from kvferry.common.region_format import REGION_ALIGN, REGION_KEY_BYTES, REGION_NAME, region_header
 from kvferry.common.errors import InvalidInput
+
+log = logging.getLogger("kvferry.regions")
 
 
 def _fresh_name() -> str:
@@ -30,17 +33,14 @@ class _File:
     def __init__(self, folder: str, size: int, mode: int):
         self.folder = folder
         self.spoiled = False  # its call failed: the sidecar may still be writing into it, so it is never reused
-        self.name = _fresh_name()
+        self.name = "kvf-new-" + secrets.token_hex(16)  # no region name until it is locked: sweeps never see it unlocked
         self.key = b""
         self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails only if a sweeper took it first: retried
-        except BaseException:
-            os.close(self.fd)  # the sweeper that holds it removes it
-            raise
-        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(self.fd, mode)  # the process umask must not narrow what the sidecar's user needs
             os.ftruncate(self.fd, size)  # sparse: memory is taken only as the sidecar writes
+            self.rename()
         except BaseException:
             self.remove()  # ours: nobody else would remove it until the next pool's sweep
             raise
@@ -112,23 +112,30 @@ class RegionPool:
         self._out: set[_File] = set()  # leased, or viewed by an answer
         self._lock = threading.RLock()  # an answer's last view may be freed (and its file returned) on any thread
         self._closed = False
+        self.failures = 0  # calls that found no region and were answered in their messages
         self.swept = sweep(folder)
 
-    def lease(self) -> "Lease":
-        """A file for one call, under a fresh name."""
+    def lease(self) -> "Lease | None":
+        """A file for one call, under a fresh name and key; None when none can be had (the folder's memory is full,
+        an idle file was removed by someone else): that call's answer then comes in its messages."""
+        try:
+            return self._lease()
+        except OSError as e:
+            self.failures += 1
+            log.warning("no response region in %s (%s): this answer comes in the messages", self.folder, e.strerror or e)
+            return None
+
+    def _lease(self) -> "Lease":
         with self._lock:
             f = self._idle.pop() if self._idle else None
         if f is None:
-            for _ in range(3):
-                try:
-                    f = _File(self.folder, self.size, self.mode)
-                    break
-                except BlockingIOError:  # a sweeper locked the new file first; it removes it
-                    continue
-            else:
-                raise OSError(f"could not create a response region in {self.folder}")
+            f = _File(self.folder, self.size, self.mode)
         else:
-            f.rename()
+            try:
+                f.rename()
+            except OSError:
+                f.remove()  # gone under us (another uid may unlink in a folder without the sticky bit): never leaked
+                raise
         with self._lock:
             self._out.add(f)
         try:

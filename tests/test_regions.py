@@ -314,6 +314,60 @@ def test_a_rekeyed_region_takes_no_more_writes_and_an_idle_file_holds_no_used_ke
     pool.close()
 
 
+def test_a_region_that_vanishes_or_cannot_be_made_costs_only_that_calls_zero_copy(sidecar_factory, shm, ms):
+    """An idle file unlinked by someone else (another uid may, in a folder without the sticky bit), or a folder where
+    no file can be made (full, or gone): that call's answer comes in its messages, nothing is raised and no
+    descriptor is left open; the next call uses a region again."""
+    import shutil
+
+    sc = _sidecar(sidecar_factory, shm)
+    kv = _kv(ms, 100, seed=5)
+    want = apply(ms, kv, 0)
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm))) as c:
+        first = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
+        assert first.info.response_region
+        del first  # its file goes back to the pool, idle
+        (idle,) = os.listdir(shm)
+        os.unlink(shm / idle)  # removed under the live client
+        inline = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
+        assert not inline.info.response_region and c.regions.failures == 1
+        _check(inline, want)
+        del inline
+        _settled(sc)
+        assert _open_under(shm) == []  # the vanished file's descriptor is closed, not leaked
+        again = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))  # a fresh file
+        assert again.info.response_region
+        _check(again, want)
+        del again
+        shutil.rmtree(shm)  # no file can be made any more
+        gone = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
+        assert not gone.info.response_region and c.regions.failures >= 2
+        _check(gone, want)
+
+
+def test_a_new_file_has_no_region_name_until_it_is_locked(shm, monkeypatch):
+    """A sweep only considers region names, and a file gets one only once its creator holds its lock: a sweeping
+    client can never remove a file another has just made."""
+    import fcntl
+
+    import kvferry.client.regions as regions
+
+    seen = []
+    real_flock = fcntl.flock
+
+    def flock(fd, op):  # at the creator's lock: which names does the folder show?
+        seen.append(sorted(os.listdir(shm)))
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(regions.fcntl, "flock", flock)
+    pool = RegionPool(str(shm), 1 << 16)
+    lease = pool.lease()
+    assert seen and all(not regions.REGION_NAME.fullmatch(n) for names in seen for n in names)
+    assert regions.REGION_NAME.fullmatch(lease.name) and sweep(str(shm)) == 0
+    lease.release(True)
+    pool.close()
+
+
 def test_a_file_is_reused_once_its_answer_is_freed_and_never_under_a_live_one(sidecar_factory, shm, ms):
     sc = _sidecar(sidecar_factory, shm)
     kvs = [_kv(ms, 100, seed=s) for s in (5, 6, 7)]
