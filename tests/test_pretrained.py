@@ -126,3 +126,62 @@ def test_the_qwen_pair_is_pinned():
         s = pretrained.spec(name)
         assert s.parts.count == count and len(s.gguf_sha256) == 64 and s.size > 4 << 20
         assert (s.facts.architecture, s.facts.block_count, s.facts.head_count, s.facts.head_count_kv) == ("qwen2", blocks, heads, 2)
+
+
+def _converted(monkeypatch, tmp_path, blob=b"gguf bytes"):
+    """A converted folder as fetch leaves it (a stamp of an older kvferry: no file digests yet)."""
+    monkeypatch.setenv("KVFERRY_HOME", str(tmp_path / "home"))
+    s = pretrained.PretrainedSpec(name="conv-test", gguf="c.gguf", gguf_sha256=hashlib.sha256(blob).hexdigest(),
+                                  size=len(blob), prompt="x", answer="y")
+    monkeypatch.setitem(pretrained.SPECS, s.name, s)
+    dest = pretrained.local_dir(s.name)
+    dest.mkdir(parents=True)
+    (dest / "config.json").write_text("{}")
+    (dest / "model.safetensors").write_bytes(b"w" * 1000)
+    (dest / pretrained.STAMP).write_text(f'{{"name": "{s.name}", "gguf_sha256": "{s.gguf_sha256}"}}')
+    return s, dest
+
+
+def test_a_converted_folder_is_checked_against_its_files_on_every_use(monkeypatch, tmp_path):
+    """The stamp records every converted file's sha256 (an older stamp gets them on first use); a truncated or
+    same-size tampered weights file is refused with the command that converts it again, never loaded."""
+    s, dest = _converted(monkeypatch, tmp_path)
+    assert pretrained.fetch(s.name) == dest
+    import json
+
+    assert set(json.loads((dest / pretrained.STAMP).read_text())["files"]) == {"config.json", "model.safetensors"}
+    assert pretrained.fetch(s.name) == dest  # verified again (this process: only if a file changed)
+    (dest / "model.safetensors").write_bytes(b"x" * 1000)  # same size, other bytes
+    with pytest.raises(InvalidInput, match=r"model.safetensors changed.*kvferry models fetch conv-test --force"):
+        pretrained.fetch(s.name)
+    (dest / "model.safetensors").write_bytes(b"w" * 10)  # truncated
+    with pytest.raises(InvalidInput, match="is not what kvferry converted"):
+        pretrained.fetch(s.name)
+
+
+def test_joining_stops_at_the_pinned_size(index, tmp_path):
+    """A part that inflates past the pinned size (a zip bomb) is refused as soon as the running size passes it."""
+    blob = b"z" * 4096
+    big = b"z" * (4096 * 64)
+    _publish(index, big, 1, pieces_per_part=1)
+    s = _spec(blob, 1)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(InvalidInput, match="hold more than its pinned 4,096 bytes"):
+        pretrained.join_parts(s, pretrained.download_parts(s, work), work / s.gguf)
+    assert (work / s.gguf).stat().st_size <= 4096
+
+
+def test_work_folders_are_fresh_and_a_planted_link_is_never_followed(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVFERRY_HOME", str(tmp_path / "home"))
+    dest = pretrained.local_dir("m")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dest.parent.mkdir(parents=True)
+    dest.with_name("m.partial").symlink_to(outside)  # where the work folder used to be
+    a, b = pretrained._fresh_folder(dest, "partial"), pretrained._fresh_folder(dest, "partial")
+    assert a != b and a.is_dir() and not a.is_symlink() and not any(a.iterdir())
+    (a / "weights").write_text("new")
+    dest.symlink_to(outside)  # a link planted at the destination itself
+    pretrained._replace(dest, a)
+    assert (dest / "weights").read_text() == "new" and not dest.is_symlink() and not any(outside.iterdir())
