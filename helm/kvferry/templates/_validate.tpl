@@ -44,11 +44,11 @@ Included once, from deployment.yaml.
 {{- end -}}
 {{- if .Values.sharedMemory.enabled -}}
 {{- $mp := toString .Values.sharedMemory.mountPath -}}
-{{- if or (not (regexMatch "^/[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$" $mp)) (regexMatch "(^|/)\\.\\.?(/|$)" $mp) (regexMatch "^/(etc|bin|sbin|usr|lib|lib64|proc|sys|dev|var|run|boot|root|home|tmp|opt|srv)(/|$)" $mp) -}}
-{{- $why = append $why (printf "sharedMemory.mountPath %q must be a plain absolute path of its own (no '..', not a system folder such as /etc): e.g. /kvferry-shm" $mp) -}}
+{{- if or (not (regexMatch "^/[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$" $mp)) (regexMatch "(^|/)\\.\\.?(/|$)" $mp) (regexMatch "^/(etc|bin|sbin|usr|lib|lib64|proc|sys|dev|var|run|boot|root|home|tmp|opt|srv|maps)(/|$)" $mp) -}}
+{{- $why = append $why (printf "sharedMemory.mountPath %q must be a plain absolute path of its own (no '..', not a system folder such as /etc, not the sidecar's /maps or inside it): e.g. /kvferry-shm" $mp) -}}
 {{- end -}}
 {{- $size := toString .Values.sharedMemory.sizeLimit -}}
-{{- $m := regexFind "^[0-9]+(Mi|Gi)$" $size -}}
+{{- $m := regexFind "^[0-9]{1,6}(Mi|Gi)$" $size -}}
 {{- if not $m -}}
 {{- $why = append $why (printf "sharedMemory.sizeLimit %q must be a size in Mi or Gi (e.g. 2Gi)" $size) -}}
 {{- else -}}
@@ -57,6 +57,43 @@ Included once, from deployment.yaml.
 {{- if gt $mi 65536 -}}
 {{- $why = append $why (printf "sharedMemory.sizeLimit %s is more than 64Gi: it counts against the pod's memory; size it to the answers in use plus the idle files (values.yaml)" $size) -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+{{- /* The security contexts are an allowlist: only fields the restricted Pod Security Standard permits, with values
+it permits; anything else is refused by name (a denylist misses new fields). */ -}}
+{{- $containerFields := list "allowPrivilegeEscalation" "capabilities" "privileged" "readOnlyRootFilesystem" "runAsNonRoot" "runAsUser" "runAsGroup" "seccompProfile" "appArmorProfile" "seLinuxOptions" "procMount" -}}
+{{- $podFields := list "runAsNonRoot" "runAsUser" "runAsGroup" "fsGroup" "fsGroupChangePolicy" "seccompProfile" "appArmorProfile" "seLinuxOptions" "supplementalGroups" "sysctls" -}}
+{{- $safeSysctls := list "kernel.shm_rmid_forced" "net.ipv4.ip_local_port_range" "net.ipv4.ip_unprivileged_port_start" "net.ipv4.tcp_syncookies" "net.ipv4.ping_group_range" "net.ipv4.ip_local_reserved_ports" "net.ipv4.tcp_keepalive_time" "net.ipv4.tcp_fin_timeout" "net.ipv4.tcp_keepalive_intvl" "net.ipv4.tcp_keepalive_probes" -}}
+{{- $seLinuxTypes := list "" "container_t" "container_init_t" "container_kvm_t" "container_engine_t" -}}
+{{- range $name, $pair := dict "securityContext" (list .Values.securityContext $containerFields) "podSecurityContext" (list .Values.podSecurityContext $podFields) -}}
+{{- $sc := index $pair 0 -}}
+{{- range $k, $v := $sc -}}
+{{- if not (has $k (index $pair 1)) -}}
+{{- $why = append $why (printf "%s.%s is not allowed: the chart renders only the fields the restricted Pod Security Standard permits (%s)" $name $k (join ", " (index $pair 1))) -}}
+{{- end -}}
+{{- end -}}
+{{- with $sc.appArmorProfile -}}
+{{- if not (has (toString .type) (list "RuntimeDefault" "Localhost")) -}}
+{{- $why = append $why (printf "%s.appArmorProfile.type %q turns AppArmor off or is unknown: use RuntimeDefault (or Localhost)" $name (toString .type)) -}}
+{{- end -}}
+{{- end -}}
+{{- with $sc.seLinuxOptions -}}
+{{- if or .user .role (not (has (toString (default "" .type)) $seLinuxTypes)) -}}
+{{- $why = append $why (printf "%s.seLinuxOptions may set only level and a container type (container_t, container_init_t, container_kvm_t, container_engine_t), never user or role: %v" $name .) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (hasKey $sc "procMount") (ne (toString $sc.procMount) "Default") -}}
+{{- $why = append $why (printf "%s.procMount %q unmasks /proc: only Default is allowed" $name (toString $sc.procMount)) -}}
+{{- end -}}
+{{- end -}}
+{{- range $g := default list .Values.podSecurityContext.supplementalGroups -}}
+{{- if eq (int $g) 0 -}}
+{{- $why = append $why "podSecurityContext.supplementalGroups holds 0, root's group: use non-zero gids" -}}
+{{- end -}}
+{{- end -}}
+{{- range $s := default list .Values.podSecurityContext.sysctls -}}
+{{- if not (has (toString $s.name) $safeSysctls) -}}
+{{- $why = append $why (printf "podSecurityContext.sysctls %q is outside the safe set the restricted profile allows (%s)" (toString $s.name) (join ", " $safeSysctls)) -}}
 {{- end -}}
 {{- end -}}
 {{- if .Values.securityContext.privileged -}}
