@@ -25,6 +25,15 @@ class StoreUnavailable(Unavailable):
         self.detail = detail or message
 
 
+class StoreUnreachable(StoreUnavailable):
+    """The prefix store did not answer: down, or slower than its timeout (what opens a GuardedStore's circuit; a store
+    that answers with a refusal, full or denying, stays called)."""
+
+
+class StoreSkipped(StoreUnavailable):
+    """The prefix store was not called: its circuit is open after a failure (GuardedStore)."""
+
+
 class MemoryStore:
     """An LRU of blobs bounded by total bytes, with per-entry expiry; thread-safe."""
 
@@ -148,7 +157,7 @@ class RedisStore:
 
         detail = f"prefix store {self._safe_url()}: {type(e).__name__}: {str(e)[:160]}"
         if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OSError)):  # their words name the host and port
-            return StoreUnavailable(f"the prefix store is unreachable ({type(e).__name__})", detail)
+            return StoreUnreachable(f"the prefix store is unreachable ({type(e).__name__})", detail)
         reason = str(e).split("caused error:", 1)[-1].strip().splitlines()[0][:160] if str(e) else ""
         return StoreUnavailable(f"the prefix store refused the call ({type(e).__name__}: {reason})", detail)
 
@@ -237,6 +246,66 @@ def _cluster_seeds(url: str, kw: dict):
     return seeds, {k: v for k, v in out.items() if v is not None}
 
 
-def open_store(url: str = "", password: str | None = None, memory_bytes: int = 512 << 20, timeout: float = 2.0):
-    """RedisStore for a URL, else the in-process MemoryStore."""
-    return RedisStore(url, password, timeout=timeout) if url else MemoryStore(memory_bytes)
+class GuardedStore:
+    """A store behind a circuit breaker: once a call gets no answer (down, or slower than the store's timeout), the
+    store is not called for ``cooldown`` seconds: every call in that time raises StoreUnavailable at once, so a hung
+    store costs one timeout per cooldown, not one per request. The first call after the cooldown tries the store
+    again; ``on_change(open)`` hears each opening and closing (metrics, health)."""
+
+    def __init__(self, store, cooldown: float, on_change=None, clock=time.monotonic):
+        self.store, self.cooldown, self.on_change, self.clock = store, cooldown, on_change, clock
+        self._until = 0.0  # the store is skipped until this time
+        self._open = False
+        self._lock = threading.Lock()
+
+    @property
+    def open(self) -> bool:
+        """Whether calls skip the store now."""
+        return self.clock() < self._until
+
+    def _call(self, fn, *args):
+        if self.open:
+            raise StoreSkipped("the prefix store is skipped for a while after failing (its circuit is open)")
+        try:
+            out = fn(*args)
+        except StoreUnreachable:
+            self._set(True)
+            raise
+        except StoreUnavailable:  # it answered, with a refusal: reachable
+            self._set(False)
+            raise
+        self._set(False)
+        return out
+
+    def _set(self, failed: bool) -> None:
+        with self._lock:
+            if failed:
+                self._until = self.clock() + self.cooldown
+            changed, self._open = self._open != failed, failed
+        if changed and self.on_change is not None:
+            self.on_change(failed)
+
+    def get_many(self, keys):
+        return self._call(self.store.get_many, keys)
+
+    def exists_many(self, keys):
+        return self._call(self.store.exists_many, keys)
+
+    def put_many(self, items, ttl):
+        return self._call(self.store.put_many, items, ttl)
+
+    def discard(self, keys):
+        return self._call(self.store.discard, keys)
+
+    def ping(self) -> bool:
+        return not self.open and self.store.ping()
+
+
+def open_store(url: str = "", password: str | None = None, memory_bytes: int = 512 << 20, timeout: float = 2.0,
+               cooldown: float = 0.0, on_change=None):
+    """RedisStore for a URL (behind a circuit breaker of ``cooldown`` seconds when positive), else the in-process
+    MemoryStore (which cannot fail)."""
+    if not url:
+        return MemoryStore(memory_bytes)
+    store = RedisStore(url, password, timeout=timeout)
+    return GuardedStore(store, cooldown, on_change) if cooldown > 0 else store

@@ -112,6 +112,12 @@ class SidecarConfig:
     """Tokens per prefix block."""
     prefix_ttl_seconds: float = 3600.0
     """Lifetime of a stored block."""
+    prefix_store_timeout_seconds: float = 1.0
+    """How long one call to the prefix store may take: a store that does not answer in time counts as down (a miss
+    for streamed requests, UNAVAILABLE for key-only ones)."""
+    prefix_store_cooldown_seconds: float = 10.0
+    """After the prefix store fails, how long it is not called at all (its circuit is open: metrics
+    kvferry_prefix_store_open, health service kvferry.v1.PrefixStore NOT_SERVING); 0 calls it every time."""
     prefix_max_blob_bytes: int = 64 << 20
     """Largest block blob written to the store."""
     prefix_memory_bytes: int = 512 << 20
@@ -153,6 +159,8 @@ class SidecarConfig:
         if self.prefix_block_size < 1 or self.prefix_memory_bytes < 1:
             raise InvalidInput("prefix_block_size and prefix_memory_bytes must be positive")
         check_range("prefix_ttl_seconds", self.prefix_ttl_seconds, 0, YEAR, low_open=True)
+        check_range("prefix_store_timeout_seconds", self.prefix_store_timeout_seconds, 0, 60, low_open=True)
+        check_range("prefix_store_cooldown_seconds", self.prefix_store_cooldown_seconds, 0, HOUR)
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise InvalidInput(f"shm_dir {self.shm_dir} must be an absolute path (the folder both containers mount)")
         self.gates  # validates the gate fields

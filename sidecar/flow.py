@@ -46,12 +46,22 @@ class TranslateFlow:
                 raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
             session, initial, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
             return Opened(session, ms, None, cached_blocks, initial)
-        plan = await asyncio.to_thread(self.prefix.plan, spec, ms) if self.prefix is not None and spec.token_ids else None
+        plan = await self._plan(spec, ms) if self.prefix is not None and spec.token_ids else None
         cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed
         session, initial = await on_compute(self.compute, start_session, spec, ms, self.limits, cached, True, write_back,
                                             self.compute.lanes)
         return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0, initial)
+
+    async def _plan(self, spec: TranslateSpec, ms: MapSet):
+        """The stored blocks of a streamed request, or None: at once while the store is skipped, and after at most
+        the store's timeout otherwise (a slower answer is a miss; the lookup's thread ends on its own timeout)."""
+        if self.prefix.skipping:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.prefix.plan, spec, ms), self.prefix.timeout * 2)
+        except TimeoutError:
+            return None
 
     async def add(self, opened: Opened, chunk: Chunk, encode) -> list:
         """Map what ``chunk`` completes on the compute thread, and ``encode`` each block there too."""

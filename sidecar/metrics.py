@@ -26,6 +26,8 @@ class Metrics:
                                      ["outcome"], registry=r)
         self.prefix_writes = Counter("kvferry_prefix_writes_total", "Mapped blocks written to the prefix store", registry=r)
         self.prefix_store_errors = Counter("kvferry_prefix_store_errors_total", "Prefix-store calls that failed", registry=r)
+        self.prefix_store_open = Gauge("kvferry_prefix_store_open", "1 while the prefix store is not called after a "
+                                       "failure (its circuit breaker is open)", registry=r)
         self.response_regions = Counter("kvferry_response_regions_total", "Response regions callers named, by outcome "
                                         "(taken; ignored: not openable, or the sidecar has no shm_dir; refused: its header lacks the call's key)", ["outcome"], registry=r)
 

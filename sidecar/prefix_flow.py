@@ -15,7 +15,7 @@ import torch
 
 from kvferry.common.prefix import Namespace, map_id, map_namespaces, model_id
 from kvferry.common.prefix_cache import Lookup, PrefixCache
-from kvferry.common.stores import StoreUnavailable, open_store
+from kvferry.common.stores import StoreSkipped, StoreUnavailable, open_store
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
 from kvferry.common.errors import InvalidInput, NotFound
@@ -37,12 +37,16 @@ class Plan:
 
 class PrefixService:
     def __init__(self, config, metrics):
-        self.store = open_store(config.redis_url, config.secret("redis_password") or None, config.prefix_memory_bytes)
+        self.metrics = metrics
+        self.timeout = config.prefix_store_timeout_seconds
+        self.on_breaker = None  # set by the server: the health service hears the breaker too
+        self.store = open_store(config.redis_url, config.secret("redis_password") or None, config.prefix_memory_bytes,
+                                config.prefix_store_timeout_seconds, config.prefix_store_cooldown_seconds,
+                                self._breaker_changed)
         key = config.secret("prefix_secret")
         secret = key.encode() if key else os.urandom(32)  # without a configured key: private to this process
         self.cache = PrefixCache(self.store, secret, config.prefix_block_size, config.prefix_ttl_seconds,
                                  config.prefix_max_blob_bytes)
-        self.metrics = metrics
         self.write_streamed = config.prefix_write_back  # may a caller's streamed KV become stored answers?
 
     @staticmethod
@@ -54,7 +58,20 @@ class PrefixService:
         self.metrics.prefix_blocks.labels("miss").inc(max(0, wanted - len(lookup.blocks)))
         self.metrics.prefix_blocks.labels("corrupt").inc(lookup.corrupt)
 
+    @property
+    def skipping(self) -> bool:
+        """Whether the store is skipped now (its circuit is open after a failure)."""
+        return bool(getattr(self.store, "open", False))
+
+    def _breaker_changed(self, is_open: bool) -> None:
+        self.metrics.prefix_store_open.set(1 if is_open else 0)
+        log.warning("prefix store %s", "failing: not called for a while (circuit open)" if is_open else "answering again")
+        if self.on_breaker is not None:
+            self.on_breaker(is_open)
+
     def _store_error(self, e: Exception) -> None:
+        if isinstance(e, StoreSkipped):  # not called: the failure that opened the circuit was counted and logged
+            return
         self.metrics.prefix_store_errors.inc()
         log.warning("prefix store unavailable, serving without it: %s", getattr(e, "detail", e))
 

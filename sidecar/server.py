@@ -29,6 +29,8 @@ from .servicer import TranslateServicer
 
 log = logging.getLogger("kvferry.sidecar")
 SERVICE = pb.DESCRIPTOR.services_by_name["TranslateService"].full_name
+PREFIX_STORE_SERVICE = "kvferry.v1.PrefixStore"
+"""A health-only service name: SERVING while the shared prefix store is called, NOT_SERVING while its circuit is open."""
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -103,6 +105,22 @@ class Sidecar:
         self._reload_task: asyncio.Task | None = None
         self.warmed: set[tuple[str, str]] = set()  # (map, version) already run once on the compute thread
 
+    async def _watch_store(self) -> None:
+        """Health service PREFIX_STORE_SERVICE follows the prefix store's circuit breaker: NOT_SERVING while the store
+        is not called after a failure (streamed translations are served meanwhile; key-only ones get UNAVAILABLE)."""
+        loop = asyncio.get_running_loop()
+        status = health_pb2.HealthCheckResponse
+
+        def changed(is_open: bool) -> None:  # on whichever thread called the store
+            state = status.NOT_SERVING if is_open else status.SERVING
+            try:
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.health.set(PREFIX_STORE_SERVICE, state)))
+            except RuntimeError:  # the loop has closed
+                pass
+
+        self.prefix.on_breaker = changed
+        await self.health.set(PREFIX_STORE_SERVICE, status.NOT_SERVING if self.prefix.skipping else status.SERVING)
+
     async def start(self) -> int:
         c = self.config
         if c.threads:
@@ -126,6 +144,8 @@ class Sidecar:
             self.port = self.server.add_insecure_port(address)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness: the process serves RPCs
         await self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # readiness: until maps load
+        if self.prefix is not None and c.redis_url:
+            await self._watch_store()
         await self.reload()
         await self.server.start()
         if c.metrics_port >= 0:

@@ -483,7 +483,7 @@ def test_corrupt_blob_is_a_miss(sidecar_factory, maps_dir, family, redis_url, re
 
 
 def test_redis_down_then_back(sidecar_factory, maps_dir, family, redis_url, redis_server):
-    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_store_cooldown_seconds=0)  # every call tries it
     kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6)
     ids = list(range(32))
     key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
@@ -821,3 +821,91 @@ def test_stored_blocks_do_not_depend_on_who_asked_first(sidecar_factory, family,
             for (k, v), (wk, wv) in zip(res.layers(), want):
                 assert k.dtype == dt and torch.equal(k, wk.to(dt)) and torch.equal(v, wv.to(dt)), dt
         assert res.stats.cached_blocks == 4
+
+
+@pytest.fixture
+def hung_store():
+    """A TCP server that accepts every connection and never answers: a hung Redis."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(128)
+    srv.settimeout(0.05)
+    held, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"redis://127.0.0.1:{srv.getsockname()[1]}/0"
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    srv.close()
+
+
+def test_a_hung_store_is_skipped_and_streamed_translations_do_not_queue_behind_it(sidecar_factory, maps_dir, family,
+                                                                                 hung_store):
+    """16 concurrent streamed requests against a store that never answers: each is served (the store a miss), the
+    store's circuit opens after its first timeouts, so most requests never call it; metrics and the health service
+    say so; a key-only request is refused at once while the circuit is open."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvferry.client.health import check
+    from kvferry.sidecar.server import PREFIX_STORE_SERVICE
+
+    sc = _sidecar(sidecar_factory, maps_dir, redis_url=hung_store, prefix_store_timeout_seconds=0.2,
+                  prefix_store_cooldown_seconds=60)
+    assert check(sc.address, PREFIX_STORE_SERVICE) == "SERVING"
+    kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6), list(range(32))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=30)) as c:
+        with ThreadPoolExecutor(16) as ex:
+            got = list(ex.map(lambda _: c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)), range(16)))
+        for res in got:
+            torch.testing.assert_close(res.layers()[3][1], kv[3][1])
+        assert 1 <= sample(sc, "kvferry_prefix_store_errors_total") < 16  # not one timeout per request
+        assert sample(sc, "kvferry_prefix_store_open") == 1
+        wait_until(lambda: check(sc.address, PREFIX_STORE_SERVICE) == "NOT_SERVING", what="the store's health")
+        with pytest.raises(grpc.RpcError) as e:
+            c.translate(None, "S__S-self", token_ids=ids, prefix_key="00" * 32, **_kw(family))
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+        assert check(sc.address) == "SERVING"  # the sidecar itself serves on
+
+
+def test_the_circuit_opens_on_a_failure_and_closes_on_the_next_answer():
+    now = [0.0]
+    changes = []
+
+    from kvferry.common.stores import GuardedStore, StoreUnreachable
+
+    class Flaky:
+        fail = True
+
+        def get_many(self, keys):
+            if self.fail:
+                raise StoreUnreachable("down")
+            return [None] * len(keys)
+
+        def put_many(self, items, ttl):
+            raise StoreUnavailable("OOM command not allowed")  # it answers: a refusal opens nothing
+
+    inner = Flaky()
+    g = GuardedStore(inner, cooldown=10, on_change=changes.append, clock=lambda: now[0])
+    with pytest.raises(StoreUnavailable, match="down"):
+        g.get_many(["a"])
+    assert g.open and changes == [True]
+    inner.fail = False
+    with pytest.raises(StoreUnavailable, match="circuit is open"):  # skipped, not called
+        g.get_many(["a"])
+    now[0] = 10.5
+    assert g.get_many(["a"]) == [None] and not g.open and changes == [True, False]
+    with pytest.raises(StoreUnavailable, match="OOM"):
+        g.put_many([("a", b"x")], 60)
+    assert not g.open and changes == [True, False]
