@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.func in (cmd_fit, cmd_distill, cmd_eval, cmd_frontier, cmd_match_values):
         from kvferry.sidecar.memory import tune_allocator
 
-        tune_allocator()  # a lab run frees 100-600 MB logits every window: untuned, glibc keeps growing its heap
+        tune_allocator()  # a lab run frees 100-600 MB of logits a window: map such blocks, as the sidecar does
     try:
         sys.exit(a.func(a))
     except KvferryError as e:
