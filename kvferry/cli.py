@@ -124,6 +124,19 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _check_references(a: argparse.Namespace, command: str) -> None:
+    if a.update_references and not a.references:
+        raise SystemExit(f"kvferry {command}: --update-references needs --references FILE")
+
+
+def _references(a: argparse.Namespace, target):
+    """The run's references (``--references``, added to with ``--update-references``), pinned to ``target`` and
+    ``--precision``; None without ``--references``."""
+    from kvferry.mappings.memo import Memo, Pin
+
+    return Memo(a.references, Pin.of(target, a.precision), frozen=not a.update_references) if a.references else None
+
+
 def cmd_frontier(a: argparse.Namespace) -> int:
     import time
 
@@ -131,7 +144,6 @@ def cmd_frontier(a: argparse.Namespace) -> int:
     from kvferry.mappings.capture import load_model, read_corpus
     from kvferry.mappings.copy_probe import CopySettings
     from kvferry.mappings.frontier import FrontierSettings, copy_points, format_frontier, plot, summarize, top10_points
-    from kvferry.mappings.memo import Memo, Pin
     from kvferry.mappings.precision import autocast
 
     quiet_transformers()
@@ -140,12 +152,11 @@ def cmd_frontier(a: argparse.Namespace) -> int:
     if any((m.source.name, m.target.name) != (first.source.name, first.target.name) for m in sets):
         raise SystemExit("kvferry frontier: every map must be of one pair")
     maps = {m.version: m for m in sets}
-    if a.update_references and not a.references:
-        raise SystemExit("kvferry frontier: --update-references needs --references FILE")
+    _check_references(a, "frontier")
     s = FrontierSettings(refreshes=a.refreshes, hybrid_layers=a.hybrid, next_token_prompts=a.next_token_prompts,
                          copy=CopySettings(gaps=a.copy_gaps, prompts=a.copy_prompts))
     src, tgt = load_model(a.source, first.source.name), load_model(a.target, first.target.name)
-    memo = Memo(a.references, Pin.of(tgt, a.precision), frozen=not a.update_references) if a.references else None
+    memo = _references(a, tgt)
     domains = {"code": a.heldout} | ({"prose": a.prose} if a.prose else {})
     started, raw = time.monotonic(), {}
     with autocast(tgt.model, a.precision):
@@ -190,16 +201,14 @@ def cmd_eval(a: argparse.Namespace) -> int:
     from kvferry.mappings.artifact import load, write_evidence
     from kvferry.mappings.capture import load_model
     from kvferry.mappings.copy_probe import format_copy_table
-    from kvferry.mappings.memo import Memo, Pin
     from kvferry.mappings.precision import autocast
 
     quiet_transformers()
+    _check_references(a, "eval")
     ms = load(a.map)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)
     copy = _copy_settings(a)
-    if a.update_references and not a.references:
-        raise SystemExit("kvferry eval: --update-references needs --references FILE")
-    memo = Memo(a.references, Pin.of(tgt, a.precision), frozen=not a.update_references) if a.references else None
+    memo = _references(a, tgt)
     started = time.monotonic()
     with autocast(tgt.model, a.precision):
         ev = _evaluate(a, ms, src, tgt, copy, memo)
