@@ -59,7 +59,7 @@ class TranslateFlow:
         if self.prefix.skipping:
             return None
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self.prefix.plan, spec, ms), self.prefix.timeout * 2)
+            return await asyncio.wait_for(asyncio.to_thread(self.prefix.plan, spec, ms), self.prefix.timeout)
         except TimeoutError:
             return None
 
