@@ -112,7 +112,7 @@ class SidecarConfig:
     """Tokens per prefix block."""
     prefix_ttl_seconds: float = 3600.0
     """Lifetime of a stored block."""
-    prefix_store_timeout_seconds: float = 0.25
+    prefix_store_timeout_seconds: float = 1.0
     """How long one call to the prefix store may take: a store that does not answer in time counts as down (a miss
     for streamed requests, UNAVAILABLE for key-only ones)."""
     prefix_store_cooldown_seconds: float = 10.0
