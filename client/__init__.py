@@ -10,12 +10,26 @@ from __future__ import annotations
 from kvferry.lazy import lazy_exports
 
 _EXPORTS = {
-    "ClientOptions": "client", "TranslateClient": "client", "AsyncTranslateClient": "client",
-    "TranslateResult": "client", "TranslateStream": "client", "AsyncTranslateStream": "client", "make_spec": "client", "MappingInfo": "client", "serving_mapping": "client",
-    "Cascade": "cascade", "CascadeResult": "cascade",
-    "to_dynamic_cache": "importers", "PagedKVPool": "importers", "write_pages": "importers",
-    "MapRollout": "rollout", "RolloutPolicy": "rollout", "PolicyStore": "rollout", "update_policy_file": "rollout",
-    "QualityMonitor": "monitor", "Thresholds": "monitor",
+    "ClientOptions": "client",
+    "TranslateClient": "client",
+    "AsyncTranslateClient": "client",
+    "TranslateResult": "client",
+    "TranslateStream": "client",
+    "AsyncTranslateStream": "client",
+    "make_spec": "client",
+    "MappingInfo": "client",
+    "serving_mapping": "client",
+    "Cascade": "cascade",
+    "CascadeResult": "cascade",
+    "to_dynamic_cache": "importers",
+    "PagedKVPool": "importers",
+    "write_pages": "importers",
+    "MapRollout": "rollout",
+    "RolloutPolicy": "rollout",
+    "PolicyStore": "rollout",
+    "update_policy_file": "rollout",
+    "QualityMonitor": "monitor",
+    "Thresholds": "monitor",
     "DirectReader": "direct",
 }
 __all__ = sorted(_EXPORTS)

@@ -22,18 +22,35 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 IMPLEMENTATION = "kvferry_sdpa"
 
 
-def folded_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                         **kwargs) -> tuple[torch.Tensor, None]:
+def folded_gqa_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [B, Hq, q, D], key/value [B, Hkv, kv, D] (cache
     included), mask [B, 1, q, kv] or None; returns ([B, q, Hq, D], None)."""
     b, hq, q, d = query.shape
     hkv = key.shape[1]
-    folds = (hq != hkv and hq % hkv == 0 and attention_mask is not None and attention_mask.dim() == 4
-             and attention_mask.shape[1] == 1 and dropout == 0.0 and kwargs.get("cache") is None
-             and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False))
+    folds = (
+        hq != hkv
+        and hq % hkv == 0
+        and attention_mask is not None
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and dropout == 0.0
+        and kwargs.get("cache") is None
+        and kwargs.get("position_bias") is None
+        and not kwargs.get("output_attentions", False)
+    )
     if not folds:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     g = hq // hkv
     # Query head h reads KV head h // g, so heads [j*g, (j+1)*g) become query rows of KV head j, head-major; the
     # mask's rows repeat once per stacked head.

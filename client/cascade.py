@@ -12,8 +12,8 @@ prefill off the critical path. A map whose live quality crosses its gate is swit
 from __future__ import annotations
 
 import logging
-import threading
 import random
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,9 +33,13 @@ from .rollout import MapRollout, PolicyStore, effective_refresh
 
 log = logging.getLogger("kvferry.cascade")
 
-FALLBACKS = Counter("kvferry_client_fallbacks_total", "Requests that took the target's own prefill, by reason", ["reason"])
+FALLBACKS = Counter(
+    "kvferry_client_fallbacks_total", "Requests that took the target's own prefill, by reason", ["reason"]
+)
 MAPPED = Counter("kvferry_client_mapped_total", "Requests served from a translated cache")
-PATHS = Counter("kvferry_client_requests_total", "Cascade requests by map, path taken and why", ["map", "path", "reason"])
+PATHS = Counter(
+    "kvferry_client_requests_total", "Cascade requests by map, path taken and why", ["map", "path", "reason"]
+)
 
 _REASONS = {
     grpc.StatusCode.UNAVAILABLE: "sidecar_unavailable",
@@ -47,7 +51,7 @@ _REASONS = {
 
 
 class _NoVersion(LookupError):
-    """"latest" found nothing servable; the message starts with the fallback reason code."""
+    """ "latest" found nothing servable; the message starts with the fallback reason code."""
 
 
 @dataclass
@@ -85,14 +89,22 @@ class Cascade:
     imported cache once per query head in the refresh and decode steps). Off by default: side by side on SmolLM2-135M
     it was not faster."""
 
-    def __init__(self, target_model, client: TranslateClient | None, map_name: str,
-                 rollout: MapRollout | PolicyStore = MapRollout(), source_identity=None, seed: int | None = None,
-                 fold_gqa: bool = False):
+    def __init__(
+        self,
+        target_model,
+        client: TranslateClient | None,
+        map_name: str,
+        rollout: MapRollout | PolicyStore | None = None,
+        source_identity=None,
+        seed: int | None = None,
+        fold_gqa: bool = False,
+    ):
         self.target = target_model
         if fold_gqa:
             use_folded_gqa(target_model)
         self.client = client
         self.map_name = map_name
+        rollout = MapRollout() if rollout is None else rollout
         self.store = rollout if isinstance(rollout, PolicyStore) else PolicyStore.static(map_name, rollout)
         self.monitor = QualityMonitor(self.store)
         self.source_identity = source_identity
@@ -108,7 +120,9 @@ class Cascade:
         t0 = time.perf_counter()
         out = self.target(input_ids=prompt_ids, use_cache=True)
         ttft = time.perf_counter() - t0
-        tokens = _decode(self.target, out.logits[0, -1], out.past_key_values, max_new_tokens, self.target.config.eos_token_id)
+        tokens = _decode(
+            self.target, out.logits[0, -1], out.past_key_values, max_new_tokens, self.target.config.eos_token_id
+        )
         return CascadeResult(tokens, "fallback", reason, ttft, time.perf_counter() - t0)
 
     def _fallback(self, prompt_ids, max_new_tokens, reason: str) -> CascadeResult:
@@ -123,8 +137,10 @@ class Cascade:
         chosen = serving_mapping(listed, self.map_name)
         if chosen is None:
             code = "map_gated_or_incompatible" if listed else "map_not_found"
-            raise _NoVersion(f"{code}: no servable version of {self.map_name} on the sidecar"
-                             + "".join(f"; {m.version}: {m.gate_reason}" for m in listed))
+            raise _NoVersion(
+                f"{code}: no servable version of {self.map_name} on the sidecar"
+                + "".join(f"; {m.version}: {m.gate_reason}" for m in listed)
+            )
         return chosen.version
 
     def _evidence_of(self, version: str):
@@ -133,7 +149,11 @@ class Cascade:
         key = (self.map_name, version)
         if key not in self._evidence:
             try:
-                found = [m for m in self.client.list_mappings(self.map_name) if m.name == self.map_name and m.version == version]
+                found = [
+                    m
+                    for m in self.client.list_mappings(self.map_name)
+                    if m.name == self.map_name and m.version == version
+                ]
             except grpc.RpcError:
                 return None
             self._evidence[key] = found[0].evidence if found else None
@@ -161,7 +181,9 @@ class Cascade:
         if self.client is None:
             return self._fallback(prompt_ids, max_new_tokens, "no_sidecar: no client configured")
         if self._rng.random() * 100 >= rollout.canary_percent:
-            return self._fallback(prompt_ids, max_new_tokens, f"canary_holdout: outside the {rollout.canary_percent:g}% canary")
+            return self._fallback(
+                prompt_ids, max_new_tokens, f"canary_holdout: outside the {rollout.canary_percent:g}% canary"
+            )
         t0 = time.perf_counter()
         try:
             version = self.store.pinned_version(name, self._latest)
@@ -178,26 +200,46 @@ class Cascade:
             return self._fallback(prompt_ids, max_new_tokens, f"short_source_cache: {send} tokens < {n - r}")
         kw = {}
         if self.source_identity is not None:
-            kw = dict(source_geometry=self.source_identity.geometry.fingerprint, tokenizer=self.source_identity.tokenizer)
+            kw = dict(
+                source_geometry=self.source_identity.geometry.fingerprint, tokenizer=self.source_identity.tokenizer
+            )
         try:
-            res = self.client.translate([(k[:, :, :send], v[:, :, :send]) for k, v in layers], name, version,
-                                        token_ids=prompt_ids[0, :send].tolist(), **kw)
+            res = self.client.translate(
+                [(k[:, :, :send], v[:, :, :send]) for k, v in layers],
+                name,
+                version,
+                token_ids=prompt_ids[0, :send].tolist(),
+                **kw,
+            )
         except grpc.RpcError as err:
             return self._fallback(prompt_ids, max_new_tokens, _rpc_reason(err))
         except ConnectionError as err:
             return self._fallback(prompt_ids, max_new_tokens, f"sidecar_error: {err}")
         t1 = time.perf_counter()
         if res.info.geometry != self._target_geometry.fingerprint:
-            return self._fallback(prompt_ids, max_new_tokens, f"map_incompatible: {name} {res.info.map_version} was fitted for "
-                                  f"target geometry {res.info.geometry[:12]}…, this model is "
-                                  f"{self._target_geometry.fingerprint[:12]}…")
+            return self._fallback(
+                prompt_ids,
+                max_new_tokens,
+                f"map_incompatible: {name} {res.info.map_version} was fitted for "
+                f"target geometry {res.info.geometry[:12]}…, this model is "
+                f"{self._target_geometry.fingerprint[:12]}…",
+            )
         mapped = res.layers()
-        cache = to_dynamic_cache([(k[:, :, : n - r], v[:, :, : n - r]) for k, v in mapped], self.target.config,
-                                 device=self.target.device, dtype=self.target.dtype)
+        cache = to_dynamic_cache(
+            [(k[:, :, : n - r], v[:, :, : n - r]) for k, v in mapped],
+            self.target.config,
+            device=self.target.device,
+            dtype=self.target.dtype,
+        )
         t2 = time.perf_counter()
         here = threading.get_ident()
-        tap = (QueryTap(self.target, self._target_geometry.rope, lambda: threading.get_ident() == here)  # this thread's pass
-               if send > n - r else None)
+        tap = (
+            QueryTap(
+                self.target, self._target_geometry.rope, lambda: threading.get_ident() == here
+            )  # this thread's pass
+            if send > n - r
+            else None
+        )
         try:
             logits = self.target(input_ids=prompt_ids[:, n - r :], past_key_values=cache).logits[0, -1]
             ttft = time.perf_counter() - t0
@@ -205,8 +247,11 @@ class Cascade:
             if tap is not None:
                 m = send - (n - r)
                 true = [(k[:, :, n - r : send], v[:, :, n - r : send]) for k, v in cache_layers(cache)]
-                drift = tail_drift([(k[:, :, n - r : send], v[:, :, n - r : send]) for k, v in mapped], true,
-                                   [q[:, :m] for q in tap.queries(range(n - r, n))])
+                drift = tail_drift(
+                    [(k[:, :, n - r : send], v[:, :, n - r : send]) for k, v in mapped],
+                    true,
+                    [q[:, :m] for q in tap.queries(range(n - r, n))],
+                )
         finally:
             if tap is not None:
                 tap.close()
@@ -215,16 +260,28 @@ class Cascade:
             self.monitor.observe_drift(name, res.info.map_version, drift, thresholds)
         shadow = None
         if rollout.shadow_percent and self._rng.random() * 100 < rollout.shadow_percent:
-            shadow = self._shadow.submit(self._shadow_check, prompt_ids, logits.detach().clone(), res.info.map_version, thresholds)
+            shadow = self._shadow.submit(
+                self._shadow_check, prompt_ids, logits.detach().clone(), res.info.map_version, thresholds
+            )
         tokens = _decode(self.target, logits, cache, max_new_tokens, self.target.config.eos_token_id)
         MAPPED.inc()
         PATHS.labels(name, "mapped", "mapped").inc()
-        return CascadeResult(tokens, "mapped", f"mapped {res.info.map_name} {res.info.map_version}, refresh r={r}", ttft,
-                             time.perf_counter() - t0, res,
-                             {"translate": t1 - t0, "import": t2 - t1, "refresh_first_token": ttft - (t2 - t0)}, drift, shadow)
+        return CascadeResult(
+            tokens,
+            "mapped",
+            f"mapped {res.info.map_name} {res.info.map_version}, refresh r={r}",
+            ttft,
+            time.perf_counter() - t0,
+            res,
+            {"translate": t1 - t0, "import": t2 - t1, "refresh_first_token": ttft - (t2 - t0)},
+            drift,
+            shadow,
+        )
 
     @torch.no_grad()
-    def _shadow_check(self, prompt_ids, mapped_logits, version: str, thresholds: Thresholds) -> tuple[bool, float, float]:
+    def _shadow_check(
+        self, prompt_ids, mapped_logits, version: str, thresholds: Thresholds
+    ) -> tuple[bool, float, float]:
         """Off the critical path: the target's own full prefill, compared with what the mapped path produced."""
         full = self.target(input_ids=prompt_ids).logits[0, -1]
         top1, top10, kl = shadow_scores(full, mapped_logits)

@@ -11,8 +11,8 @@ import asyncio
 import dataclasses
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import grpc
 import grpc.experimental
@@ -20,18 +20,18 @@ import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from kvferry.common import wire
+from kvferry.common.listing import MappingInfo, mapping_from_pb
+from kvferry.common.messages import ALL_PAGES, CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
+from kvferry.common.status import error_for
 from kvferry.mappings.capture import cache_layers
 from kvferry.mappings.versions import serving_version
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-from kvferry.common import wire
-from kvferry.common.listing import MappingInfo, mapping_from_pb
-from kvferry.common.status import error_for
 from .importers import contiguous_layers
 from .regions import Lease, RegionPool
 from .tls import tls_credentials
-from kvferry.common.messages import ALL_PAGES, CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -89,14 +89,23 @@ class ClientOptions:
 
     def __post_init__(self) -> None:
         if self.shm_region_bytes < 1 or self.shm_idle_files < 0:
-            raise ValueError(f"shm_region_bytes must be >= 1 and shm_idle_files >= 0, got {self.shm_region_bytes} and "
-                             f"{self.shm_idle_files}")
+            raise ValueError(
+                f"shm_region_bytes must be >= 1 and shm_idle_files >= 0, got {self.shm_region_bytes} and "
+                f"{self.shm_idle_files}"
+            )
         if self.shm_file_mode not in (0o600, 0o660):
-            raise ValueError(f"shm_file_mode must be 0o600 or 0o660 (the caller's file, never others'), got {oct(self.shm_file_mode)}")
+            raise ValueError(
+                "shm_file_mode must be 0o600 or 0o660 (the caller's file, never others'), got "
+                f"{oct(self.shm_file_mode)}"
+            )
 
     def region_pool(self) -> RegionPool | None:
         """The response regions of one client (None without shm_dir)."""
-        return RegionPool(self.shm_dir, self.shm_region_bytes, self.shm_file_mode, self.shm_idle_files) if self.shm_dir else None
+        return (
+            RegionPool(self.shm_dir, self.shm_region_bytes, self.shm_file_mode, self.shm_idle_files)
+            if self.shm_dir
+            else None
+        )
 
     def tokens_per_chunk(self, bytes_per_token: int) -> int:
         """The chunk size to send a cache with ``bytes_per_token`` bytes of K (or V) per token and layer."""
@@ -108,8 +117,10 @@ class ClientOptions:
         return max(1, budget // max(1, bytes_per_token))
 
     def channel_args(self) -> list[tuple[str, object]]:
-        opts: list[tuple[str, object]] = [("grpc.max_receive_message_length", self.max_message_bytes),
-                                          ("grpc.max_send_message_length", self.max_message_bytes)]
+        opts: list[tuple[str, object]] = [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        ]
         if self.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return opts
@@ -118,7 +129,7 @@ class ClientOptions:
         return (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else None
 
     def addresses(self) -> tuple[str, ...]:
-        return (self.target,) + tuple(e for e in self.endpoints if e != self.target)
+        return (self.target, *tuple(e for e in self.endpoints if e != self.target))
 
     def credentials(self):
         if not self.tls_root_certs:
@@ -149,14 +160,19 @@ def chunk_tokens_for(options: ClientOptions, layers: list[LayerKV]) -> int:
     return options.tokens_per_chunk(t.shape[-3] * t.shape[-1] * t.element_size() if t is not None else 1)
 
 
-def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: int,
-                    order: str = "tokens", encoded: bool = False) -> Iterator[pb.TranslateRequest | bytes]:
+def encode_requests(
+    spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: int, order: str = "tokens", encoded: bool = False
+) -> Iterator[pb.TranslateRequest | bytes]:
     """Header, then chunks. ``order="tokens"``: each token range for every layer before the next range,
     so the sidecar can map and return range by range while the rest is in flight; ``"layers"``: layer by
     layer. Tensors are sliced, not copied, until encoding; ``encoded=True`` yields the chunks as serialised
     bytes written straight from the tensor views (what the client sends)."""
     yield wire.spec_to_pb(spec)
-    views = [(layer, kind, (t[0] if t.dim() == 4 else t)) for layer, (k, v) in enumerate(layers) for kind, t in (("k", k), ("v", v))]
+    views = [
+        (layer, kind, (t[0] if t.dim() == 4 else t))
+        for layer, (k, v) in enumerate(layers)
+        for kind, t in (("k", k), ("v", v))
+    ]
     n = views[0][2].shape[1] if views else 0
     ranges = [(s, min(s + chunk_tokens, n)) for s in range(0, n, chunk_tokens)]
     pairs = [(r, v) for r in ranges for v in views] if order == "tokens" else [(r, v) for v in views for r in ranges]
@@ -165,10 +181,23 @@ def encode_requests(spec: TranslateSpec, layers: list[LayerKV], chunk_tokens: in
         yield wire.encode_chunk_request(chunk) if encoded else wire.chunk_to_pb(chunk)
 
 
-def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
-              start_position: int = 0, token_ids=(), layout: str = CONTIGUOUS, block_size: int = 16,
-              target_dtype: torch.dtype | None = None, tenant: str = "", prefix_key: str = "",
-              source_dtype: torch.dtype | None = None, pages_per_block: int = ALL_PAGES) -> TranslateSpec:
+def make_spec(
+    layers: list[LayerKV],
+    map_name: str,
+    version: str = "",
+    *,
+    source_geometry: str = "",
+    tokenizer: str = "",
+    start_position: int = 0,
+    token_ids=(),
+    layout: str = CONTIGUOUS,
+    block_size: int = 16,
+    target_dtype: torch.dtype | None = None,
+    tenant: str = "",
+    prefix_key: str = "",
+    source_dtype: torch.dtype | None = None,
+    pages_per_block: int = ALL_PAGES,
+) -> TranslateSpec:
     """The request header for ``layers`` (or for a key-only request: ``token_ids``, ``source_dtype``). Paged answers
     carry up to ``pages_per_block`` pages a message (the sidecar caps it to its message size; 0 asks for one page a
     message), and reach the caller as [pages, block_size, kv_heads, head_dim] blocks either way."""
@@ -176,13 +205,39 @@ def make_spec(layers: list[LayerKV], map_name: str, version: str = "", *, source
         n, dtype = int(layers[0][0].shape[-2]), layers[0][0].dtype
     else:  # key-only: the source KV is in the prefix store
         n, dtype = len(token_ids), source_dtype or torch.float32
-    return TranslateSpec(map_name, version, source_geometry, tokenizer, n, start_position, _token_ids(token_ids),
-                         dtype, layout, block_size, target_dtype, prefix_key, tenant,
-                         pages_per_block if layout == PAGED else 0)
+    return TranslateSpec(
+        map_name,
+        version,
+        source_geometry,
+        tokenizer,
+        n,
+        start_position,
+        _token_ids(token_ids),
+        dtype,
+        layout,
+        block_size,
+        target_dtype,
+        prefix_key,
+        tenant,
+        pages_per_block if layout == PAGED else 0,
+    )
 
 
-SPEC_KEYWORDS = frozenset(("source_geometry", "tokenizer", "token_ids", "start_position", "layout", "block_size",
-                           "pages_per_block", "target_dtype", "tenant", "prefix_key", "source_dtype"))
+SPEC_KEYWORDS = frozenset(
+    (
+        "source_geometry",
+        "tokenizer",
+        "token_ids",
+        "start_position",
+        "layout",
+        "block_size",
+        "pages_per_block",
+        "target_dtype",
+        "tenant",
+        "prefix_key",
+        "source_dtype",
+    )
+)
 """make_spec's keywords, which translate() takes by name."""
 
 
@@ -281,24 +336,28 @@ def retry_hint(err: grpc.RpcError) -> float | None:
                 detail.Unpack(info)
                 seconds = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
                 return seconds if 0 <= seconds <= MAX_RETRY_WAIT else None
-    except Exception:  # noqa: BLE001 - details that do not parse (bad protobuf, a code that disagrees): no hint
+    except Exception:  # details that do not parse (bad protobuf, a code that disagrees): no hint
         return None
     return None
 
 
 def _retryable(err: grpc.RpcError) -> bool:
     code = err.code() if hasattr(err, "code") else None
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # only a server that says when to retry (the stream cap), not a size limit
+    if (
+        code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    ):  # only a server that says when to retry (the stream cap), not a size limit
         return retry_hint(err) is not None
     return code in _RETRYABLE
 
 
 def _delay(opts: ClientOptions, attempt: int, err: grpc.RpcError) -> float:
     """Exponential backoff with jitter, never shorter than the server's RetryInfo, never longer than MAX_RETRY_WAIT."""
-    return min(MAX_RETRY_WAIT, max(opts.backoff * (2 ** attempt) * (0.5 + random.random()), retry_hint(err) or 0.0))
+    return min(MAX_RETRY_WAIT, max(opts.backoff * (2**attempt) * (0.5 + random.random()), retry_hint(err) or 0.0))
 
 
-def _retry_wait(opts: ClientOptions, attempt: int, err: grpc.RpcError, deadline: "_Deadline", handed: bool) -> float | None:
+def _retry_wait(
+    opts: ClientOptions, attempt: int, err: grpc.RpcError, deadline: _Deadline, handed: bool
+) -> float | None:
     """Seconds to wait before retrying a call whose attempt ``attempt`` (0-based) failed with ``err``; None: give up
     and raise it. Never after a stream handed blocks to its caller, past ``opts.retries``, for a status that is not
     retryable, or where the wait would end past the caller's deadline."""
@@ -347,10 +406,16 @@ class _Endpoints:
         self.stubs = [pb_grpc.TranslateServiceStub(c) for c in self.channels]
 
         def methods(decode):
-            return ([c.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=decode)
-                     for c in self.channels],
-                    [c.unary_stream(BY_KEY_METHOD, request_serializer=wire.serialize, response_deserializer=decode)
-                     for c in self.channels])
+            return (
+                [
+                    c.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=decode)
+                    for c in self.channels
+                ],
+                [
+                    c.unary_stream(BY_KEY_METHOD, request_serializer=wire.serialize, response_deserializer=decode)
+                    for c in self.channels
+                ],
+            )
 
         self.translates, self.by_keys = methods(wire.decode_response)
         self.raw_translates, self.raw_by_keys = methods(None)  # a call with a response region decodes against it
@@ -370,14 +435,18 @@ class _Endpoints:
         meta = self.options.metadata()
         by_key = self.uses_by_key(spec, layers)
         if region is not None:
-            spec = dataclasses.replace(spec, response_region=region.name, response_region_bytes=region.size,
-                                       response_region_key=region.key)
+            spec = dataclasses.replace(
+                spec, response_region=region.name, response_region_bytes=region.size, response_region_key=region.key
+            )
         if by_key:
             call = (self.by_keys if region is None else self.raw_by_keys)[self.current]
             return call(wire.spec_to_pb(spec, pb.TranslateByKeyRequest), timeout=timeout, metadata=meta)
         call = (self.translates if region is None else self.raw_translates)[self.current]
-        return call(encode_requests(spec, layers, chunk_tokens_for(self.options, layers), encoded=True), timeout=timeout,
-                    metadata=meta)
+        return call(
+            encode_requests(spec, layers, chunk_tokens_for(self.options, layers), encoded=True),
+            timeout=timeout,
+            metadata=meta,
+        )
 
     def by_key_refused(self, spec: TranslateSpec, layers: list, err: grpc.RpcError) -> bool:
         """After a failed attempt: was it TranslateByKey on an endpoint without it? Then remember, and retry now."""
@@ -431,17 +500,34 @@ class TranslateClient:
     def list_mappings(self, name_prefix: str = "") -> list[MappingInfo]:
         """The maps the sidecar knows whose name starts with ``name_prefix``, oldest version first."""
         try:
-            resp = self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
-                                                    timeout=self.options.timeout, metadata=self.options.metadata())
+            resp = self.endpoints.stub.ListMappings(
+                pb.ListMappingsRequest(name_prefix=name_prefix),
+                timeout=self.options.timeout,
+                metadata=self.options.metadata(),
+            )
         except grpc.RpcError as err:
             raise error_for(err) from None
         return [mapping_from_pb(m) for m in resp.mappings]
 
-    def translate(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
-                  token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
-                  pages_per_block: int = ALL_PAGES, target_dtype: torch.dtype | None = None, tenant: str = "",
-                  prefix_key: str = "", source_dtype: torch.dtype | None = None,
-                  timeout: float | None = None) -> TranslateResult:
+    def translate(
+        self,
+        cache,
+        map_name: str,
+        version: str = "",
+        *,
+        source_geometry: str = "",
+        tokenizer: str = "",
+        token_ids=(),
+        start_position: int = 0,
+        layout: str = CONTIGUOUS,
+        block_size: int = 16,
+        pages_per_block: int = ALL_PAGES,
+        target_dtype: torch.dtype | None = None,
+        tenant: str = "",
+        prefix_key: str = "",
+        source_dtype: torch.dtype | None = None,
+        timeout: float | None = None,
+    ) -> TranslateResult:
         """Translate a source cache (an HF cache or a list of (K, V) [1, H, T, D]; None with ``prefix_key`` and
         ``token_ids`` for a key-only request) through ``map_name`` (``version``: exact, or "" for the latest servable).
         The keywords are the request header's (make_spec); ``timeout``: seconds for the whole call, retries included
@@ -456,11 +542,25 @@ class TranslateClient:
             raise AssertionError("a call without a live stream yields no block")
         return out.result
 
-    def stream(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
-               token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
-               pages_per_block: int = ALL_PAGES, target_dtype: torch.dtype | None = None, tenant: str = "",
-               prefix_key: str = "", source_dtype: torch.dtype | None = None,
-               timeout: float | None = None) -> "TranslateStream":
+    def stream(
+        self,
+        cache,
+        map_name: str,
+        version: str = "",
+        *,
+        source_geometry: str = "",
+        tokenizer: str = "",
+        token_ids=(),
+        start_position: int = 0,
+        layout: str = CONTIGUOUS,
+        block_size: int = 16,
+        pages_per_block: int = ALL_PAGES,
+        target_dtype: torch.dtype | None = None,
+        tenant: str = "",
+        prefix_key: str = "",
+        source_dtype: torch.dtype | None = None,
+        timeout: float | None = None,
+    ) -> TranslateStream:
         """As ``translate``, but the blocks are handed over as they arrive (a TranslateStream to iterate), so a
         caller can import the first target layers while later ones are still on the wire."""
         layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
@@ -468,7 +568,7 @@ class TranslateClient:
         out._blocks = self._streamed(spec, layers, timeout, out)
         return out
 
-    def _streamed(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "TranslateStream"):
+    def _streamed(self, spec: TranslateSpec, layers: list, timeout: float | None, out: TranslateStream):
         hit = self._direct_hit(spec)
         if hit is not None:
             out.finish(_direct_result(hit))
@@ -486,7 +586,7 @@ class TranslateClient:
         except grpc.RpcError:
             return None  # the sidecar's own path retries and fails over
 
-    def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "TranslateStream"):
+    def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: TranslateStream):
         """One call's attempts, retried by ``_retry_wait``; ``out`` gets the header, then the TranslateResult
         (``out.finish``). A live stream's blocks are yielded as they are decoded; otherwise nothing is yielded."""
         attempt, deadline = 0, _Deadline(timeout)
@@ -550,7 +650,7 @@ class TranslateStream(_StreamState):
         super().__init__(live)
         self._blocks: Iterator[Block] = iter(())
 
-    def __iter__(self) -> "TranslateStream":
+    def __iter__(self) -> TranslateStream:
         return self
 
     def __next__(self) -> Block:
@@ -561,7 +661,7 @@ class TranslateStream(_StreamState):
         if close is not None:
             close()
 
-    def __enter__(self) -> "TranslateStream":
+    def __enter__(self) -> TranslateStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -592,17 +692,34 @@ class AsyncTranslateClient:
     async def list_mappings(self, name_prefix: str = "") -> list[MappingInfo]:
         """As TranslateClient.list_mappings."""
         try:
-            resp = await self.endpoints.stub.ListMappings(pb.ListMappingsRequest(name_prefix=name_prefix),
-                                                          timeout=self.options.timeout, metadata=self.options.metadata())
+            resp = await self.endpoints.stub.ListMappings(
+                pb.ListMappingsRequest(name_prefix=name_prefix),
+                timeout=self.options.timeout,
+                metadata=self.options.metadata(),
+            )
         except grpc.RpcError as err:
             raise error_for(err) from None
         return [mapping_from_pb(m) for m in resp.mappings]
 
-    async def translate(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
-                        token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
-                        pages_per_block: int = ALL_PAGES, target_dtype: torch.dtype | None = None, tenant: str = "",
-                        prefix_key: str = "", source_dtype: torch.dtype | None = None,
-                        timeout: float | None = None) -> TranslateResult:
+    async def translate(
+        self,
+        cache,
+        map_name: str,
+        version: str = "",
+        *,
+        source_geometry: str = "",
+        tokenizer: str = "",
+        token_ids=(),
+        start_position: int = 0,
+        layout: str = CONTIGUOUS,
+        block_size: int = 16,
+        pages_per_block: int = ALL_PAGES,
+        target_dtype: torch.dtype | None = None,
+        tenant: str = "",
+        prefix_key: str = "",
+        source_dtype: torch.dtype | None = None,
+        timeout: float | None = None,
+    ) -> TranslateResult:
         """As TranslateClient.translate."""
         layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
         hit = await self._direct_hit(spec)
@@ -613,18 +730,32 @@ class AsyncTranslateClient:
             raise AssertionError("a call without a live stream yields no block")
         return out.result
 
-    def stream(self, cache, map_name: str, version: str = "", *, source_geometry: str = "", tokenizer: str = "",
-               token_ids=(), start_position: int = 0, layout: str = CONTIGUOUS, block_size: int = 16,
-               pages_per_block: int = ALL_PAGES, target_dtype: torch.dtype | None = None, tenant: str = "",
-               prefix_key: str = "", source_dtype: torch.dtype | None = None,
-               timeout: float | None = None) -> "AsyncTranslateStream":
+    def stream(
+        self,
+        cache,
+        map_name: str,
+        version: str = "",
+        *,
+        source_geometry: str = "",
+        tokenizer: str = "",
+        token_ids=(),
+        start_position: int = 0,
+        layout: str = CONTIGUOUS,
+        block_size: int = 16,
+        pages_per_block: int = ALL_PAGES,
+        target_dtype: torch.dtype | None = None,
+        tenant: str = "",
+        prefix_key: str = "",
+        source_dtype: torch.dtype | None = None,
+        timeout: float | None = None,
+    ) -> AsyncTranslateStream:
         """As TranslateClient.stream: ``async for block in client.stream(...)``."""
         layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
         out = AsyncTranslateStream()
         out._blocks = self._streamed(spec, layers, timeout, out)
         return out
 
-    async def _streamed(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "AsyncTranslateStream"):
+    async def _streamed(self, spec: TranslateSpec, layers: list, timeout: float | None, out: AsyncTranslateStream):
         hit = await self._direct_hit(spec)
         if hit is not None:
             out.finish(_direct_result(hit))
@@ -644,7 +775,7 @@ class AsyncTranslateClient:
         except grpc.RpcError:
             return None
 
-    async def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: "AsyncTranslateStream"):
+    async def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: AsyncTranslateStream):
         """As TranslateClient._attempts."""
         attempt, deadline = 0, _Deadline(timeout)
         while True:
@@ -685,7 +816,7 @@ class AsyncTranslateStream(_StreamState):
         super().__init__(live)
         self._blocks = None  # the call's async generator, set by AsyncTranslateClient.stream
 
-    def __aiter__(self) -> "AsyncTranslateStream":
+    def __aiter__(self) -> AsyncTranslateStream:
         return self
 
     async def __anext__(self) -> Block:
@@ -696,7 +827,7 @@ class AsyncTranslateStream(_StreamState):
         if close is not None:
             await close()
 
-    async def __aenter__(self) -> "AsyncTranslateStream":
+    async def __aenter__(self) -> AsyncTranslateStream:
         return self
 
     async def __aexit__(self, *exc) -> None:

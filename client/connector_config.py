@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.common.stores import STORE_SCHEMES
-from kvferry.common.urls import check_store_url
+from kvferry.common.errors import InvalidInput
 from kvferry.common.files import read_secret_text
 from kvferry.common.settings import check_range, read_settings
-from kvferry.common.errors import InvalidInput
+from kvferry.common.stores import STORE_SCHEMES
+from kvferry.common.urls import check_store_url
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class ConnectorConfig:
     attention layer waits for its own layer's pages only (vLLM's wait_for_layer_load), so the first layers' attention
     overlaps the arrival of later ones. Off by default: on a CPU engine the forward and the load share the cores, and
     `kvferry bench vllm` measured an 8,000-token load's first token layer by layer from par with a whole load to 22%
-    sooner across runs (docs/benchmarks.md); it is meant for engines whose forward runs elsewhere (a GPU). False: the whole translation is in
+    sooner across runs (docs/benchmarks.md); it is meant for engines whose forward runs elsewhere (a GPU). False: the
+    whole translation is in
     the pages before the forward starts."""
     direct_reads: bool = False
     """Consumer: read a translation whose mapped blocks are all stored straight from the prefix store, without the
@@ -73,8 +74,10 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(STORE_SCHEMES):
-            raise InvalidInput(f"kvferry connector: redis_url ({', '.join(STORE_SCHEMES)}) is required: the engines share "
-                               "the prefix store")
+            raise InvalidInput(
+                f"kvferry connector: redis_url ({', '.join(STORE_SCHEMES)}) is required: the engines share "
+                "the prefix store"
+            )
         try:
             check_store_url(self.redis_url)
         except ValueError as e:
@@ -92,7 +95,7 @@ class ConnectorConfig:
             raise InvalidInput(f"kvferry connector: {e}") from None
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
         try:
             typed = read_settings(cls, extra, "kv_connector_extra_config keys")
         except InvalidInput as e:
@@ -104,5 +107,8 @@ class ConnectorConfig:
         return read_secret_text(self.auth_token_file, "auth_token_file") if self.auth_token_file else self.auth_token
 
     def secret(self) -> bytes:
-        return (read_secret_text(self.prefix_secret_file, "prefix_secret_file") if self.prefix_secret_file
-                else self.prefix_secret).encode()
+        return (
+            read_secret_text(self.prefix_secret_file, "prefix_secret_file")
+            if self.prefix_secret_file
+            else self.prefix_secret
+        ).encode()

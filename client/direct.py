@@ -18,7 +18,6 @@ import torch
 
 from kvferry.common.errors import Unavailable
 from kvferry.common.listing import MappingInfo
-
 from kvferry.common.messages import CONTIGUOUS, Block, Stats, TargetInfo
 from kvferry.common.prefix import LayerKV, map_id, map_namespaces, model_key
 from kvferry.common.prefix_cache import Lookup, PrefixCache
@@ -47,8 +46,11 @@ def _hit_blocks(look: Lookup) -> list[Block]:
         return [Block(i, 0, look.tokens, 0, k[0], v[0]) for i, (k, v) in enumerate(look.layers())]
     views = [b.layers() for b in look.blocks]
     n = look.blocks[0].shape[1] if look.blocks else 0  # one lookup reads its blocks in one shape
-    return [Block(i, j * n, (j + 1) * n, j, *kv[i]) for i in range(len(views[0]) if views else 0)
-            for j, kv in enumerate(views)]
+    return [
+        Block(i, j * n, (j + 1) * n, j, *kv[i])
+        for i in range(len(views[0]) if views else 0)
+        for j, kv in enumerate(views)
+    ]
 
 
 class DirectReader:
@@ -75,22 +77,29 @@ class DirectReader:
         if not spec.prefix_key or spec.layout != CONTIGUOUS:
             return None
         info = serving_mapping(self._maps, spec.map_name, spec.map_version)
-        if (info is None or (spec.source_geometry and spec.source_geometry != info.source.fingerprint)
-                or (spec.tokenizer and spec.tokenizer != info.tokenizer_fingerprint)):
+        if (
+            info is None
+            or (spec.source_geometry and spec.source_geometry != info.source.fingerprint)
+            or (spec.tokenizer and spec.tokenizer != info.tokenizer_fingerprint)
+        ):
             return None
         try:
             return self.read(info, spec.token_ids, spec.prefix_key, spec.tenant, spec.target_dtype)
         except Unavailable:
             return None
 
-    def read(self, info: MappingInfo, token_ids, prefix_key: str, tenant: str = "",
-             dtype: torch.dtype | None = None) -> DirectHit | None:
+    def read(
+        self, info: MappingInfo, token_ids, prefix_key: str, tenant: str = "", dtype: torch.dtype | None = None
+    ) -> DirectHit | None:
         """The mapped KV up to the block ``prefix_key`` names, if every one of its blocks is stored; else None."""
         t0 = time.perf_counter()
         g = info.target
-        src_ns, tgt_ns = map_namespaces(tenant, model_key(info.source.fingerprint, info.tokenizer_fingerprint),
-                                        model_key(g.fingerprint, info.tokenizer_fingerprint),
-                                        map_id(info.name, info.version, info.content_sha256))
+        src_ns, tgt_ns = map_namespaces(
+            tenant,
+            model_key(info.source.fingerprint, info.tokenizer_fingerprint),
+            model_key(g.fingerprint, info.tokenizer_fingerprint),
+            map_id(info.name, info.version, info.content_sha256),
+        )
         src_hashes = self.cache.prefix_blocks(src_ns, token_ids, prefix_key)
         if src_hashes is None:
             return None  # the sidecar says why (NOT_FOUND)
@@ -104,9 +113,27 @@ class DirectReader:
         out = _hit_blocks(look)
         n = len(tokens)
         out_dtype = out[0].key.dtype
-        target = TargetInfo(info.name, info.version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
-                            CONTIGUOUS, 0, out_dtype, n, 0)
+        target = TargetInfo(
+            info.name,
+            info.version,
+            g.architecture,
+            g.layers,
+            g.kv_heads,
+            g.head_dim,
+            g.fingerprint,
+            CONTIGUOUS,
+            0,
+            out_dtype,
+            n,
+            0,
+        )
         nbytes = sum(2 * b.key.numel() * b.key.element_size() for b in out)
-        stats = Stats(tokens=n, bytes_out=nbytes, blocks=len(out), cached_blocks=blocks,
-                      wall_seconds=time.perf_counter() - t0, extra={"path": "direct"})
+        stats = Stats(
+            tokens=n,
+            bytes_out=nbytes,
+            blocks=len(out),
+            cached_blocks=blocks,
+            wall_seconds=time.perf_counter() - t0,
+            extra={"path": "direct"},
+        )
         return DirectHit(target, out, stats)

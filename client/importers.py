@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvferry.mappings.capture import to_dynamic_cache  # noqa: F401  (the HF importer; one implementation)
 from kvferry.common.errors import InvalidInput, TooLarge
-
 from kvferry.common.messages import Block
+
+# the HF importer, re-exported: one implementation, shared with the offline lab
+from kvferry.mappings.capture import to_dynamic_cache as to_dynamic_cache
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -45,7 +46,8 @@ def vllm_cpu_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The layer is [blocks, kv_heads, block_size, 2 * head_dim]; per block and head its memory holds the keys
     dims-major ([head_dim, block_size]: the kernel reads one dim across tokens) and then the values token-major
-    ([block_size, head_dim]), so the K view is strided. Checked against the HF model's own cache in tests/test_vllm.py."""
+    ([block_size, head_dim]), so the K view is strided. Checked against the HF model's own cache in
+    tests/test_vllm.py."""
     nb, heads, bs, width = kv_cache.shape
     d = width // 2
     halves = kv_cache.view(nb, heads, 2, bs * d)
@@ -57,12 +59,15 @@ def flash_attention_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.T
     backends use (FlashAttention's): [2, num_blocks, block_size, num_kv_heads, head_size], K then V, token-major in a
     block. The views are strided (no copy); ``write_pages`` writes through them."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise InvalidInput(f"expected a [2, num_blocks, block_size, num_kv_heads, head_size] layer, got {tuple(kv_cache.shape)}")
+        raise InvalidInput(
+            f"expected a [2, num_blocks, block_size, num_kv_heads, head_size] layer, got {tuple(kv_cache.shape)}"
+        )
     return kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
 
 
-def write_pages(block: Block, k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int] | torch.Tensor,
-                from_token: int = 0) -> None:
+def write_pages(
+    block: Block, k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int] | torch.Tensor, from_token: int = 0
+) -> None:
     """A contiguous block (key/value [kv_heads, tokens, head_dim], any token range) into paged K and V caches viewed
     as [pages, kv_heads, page_size, head_dim] (vLLM's CPU cache, as its connector views it): token t goes to page
     ``table[t // page_size]``, slot ``t % page_size``. Tokens before ``from_token`` are skipped (the engine has them
@@ -72,8 +77,10 @@ def write_pages(block: Block, k_pages: torch.Tensor, v_pages: torch.Tensor, tabl
         return
     page, table = k_pages.shape[2], torch.as_tensor(table)
     if (block.end - 1) // page >= len(table):
-        raise InvalidInput(f"tokens up to {block.end} need {(block.end - 1) // page + 1} pages of {page}; the block table "
-                           f"has {len(table)}")
+        raise InvalidInput(
+            f"tokens up to {block.end} need {(block.end - 1) // page + 1} pages of {page}; the block table "
+            f"has {len(table)}"
+        )
     tokens = torch.arange(start, block.end)
     pages = table[tokens // page]
     if int(pages.max()) >= k_pages.shape[0] or int(pages.min()) < 0:
@@ -98,8 +105,12 @@ class PagedKVPool:
     _free: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pools = [torch.zeros(self.num_blocks, 2, self.block_size, self.kv_heads, self.head_dim,
-                                  dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.pools = [
+            torch.zeros(
+                self.num_blocks, 2, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device
+            )
+            for _ in range(self.layers)
+        ]
         self._free = list(range(self.num_blocks - 1, -1, -1))
 
     def allocate(self, tokens: int) -> list[int]:
@@ -118,11 +129,15 @@ class PagedKVPool:
         page = (self.block_size, self.kv_heads, self.head_dim)
         for b in blocks:
             if b.key.dim() != 4 or tuple(b.key.shape[1:]) != page:
-                raise InvalidInput(f"block shape {tuple(b.key.shape)} is not [pages, {', '.join(map(str, page))}] of this "
-                                   f"pool; request block_size={self.block_size}")
+                raise InvalidInput(
+                    f"block shape {tuple(b.key.shape)} is not [pages, {', '.join(map(str, page))}] of this "
+                    f"pool; request block_size={self.block_size}"
+                )
             if not 0 <= b.index <= b.index + b.key.shape[0] <= len(table):
-                raise InvalidInput(f"pages {b.index}..{b.index + b.key.shape[0] - 1} fall outside the block table "
-                                   f"({len(table)} blocks)")
+                raise InvalidInput(
+                    f"pages {b.index}..{b.index + b.key.shape[0] - 1} fall outside the block table "
+                    f"({len(table)} blocks)"
+                )
             phys = torch.as_tensor(table[b.index : b.index + b.key.shape[0]], device=self.device)
             self.pools[b.layer][:, 0].index_copy_(0, phys, b.key.to(self.dtype))
             self.pools[b.layer][:, 1].index_copy_(0, phys, b.value.to(self.dtype))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -76,8 +76,13 @@ class LayerLoad:
         return self._left[layer] <= 0
 
 
-def write_stream(blocks: Iterable[Block], views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 table: torch.Tensor, start: int, load: LayerLoad) -> None:
+def write_stream(
+    blocks: Iterable[Block],
+    views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    table: torch.Tensor,
+    start: int,
+    load: LayerLoad,
+) -> None:
     """Write contiguous blocks (any token ranges, layer after layer) into paged caches as they arrive: ``views(layer)``
     gives that layer's K and V pages ([pages, kv_heads, page_size, head_dim], see ``write_pages``), ``table`` the
     request's pages in order, tokens before ``start`` are skipped. ``load`` hears of each write; any failure fails it

@@ -9,6 +9,7 @@ clients that died (a process's locks end with it)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
@@ -17,8 +18,8 @@ import secrets
 import threading
 import weakref
 
-from kvferry.common.region_format import REGION_ALIGN, REGION_KEY_BYTES, REGION_NAME, region_header
 from kvferry.common.errors import InvalidInput
+from kvferry.common.region_format import REGION_ALIGN, REGION_KEY_BYTES, REGION_NAME, region_header
 
 log = logging.getLogger("kvferry.regions")
 
@@ -33,7 +34,9 @@ class _File:
     def __init__(self, folder: str, size: int, mode: int):
         self.folder = folder
         self.spoiled = False  # its call failed: the sidecar may still be writing into it, so it is never reused
-        self.name = "kvf-new-" + secrets.token_hex(16)  # no region name until it is locked: sweeps never see it unlocked
+        self.name = "kvf-new-" + secrets.token_hex(
+            16
+        )  # no region name until it is locked: sweeps never see it unlocked
         self.key = b""
         self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
@@ -63,10 +66,8 @@ class _File:
     def unlink(self) -> None:
         """Remove the name (an answer still mapped keeps its bytes until it is freed)."""
         if self.name:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
             self.name = ""
 
     def remove(self) -> None:
@@ -115,17 +116,19 @@ class RegionPool:
         self.failures = 0  # calls that found no region and were answered in their messages
         self.swept = sweep(folder)
 
-    def lease(self) -> "Lease | None":
+    def lease(self) -> Lease | None:
         """A file for one call, under a fresh name and key; None when none can be had (the folder's memory is full,
         an idle file was removed by someone else): that call's answer then comes in its messages."""
         try:
             return self._lease()
         except OSError as e:
             self.failures += 1
-            log.warning("no response region in %s (%s): this answer comes in the messages", self.folder, e.strerror or e)
+            log.warning(
+                "no response region in %s (%s): this answer comes in the messages", self.folder, e.strerror or e
+            )
             return None
 
-    def _lease(self) -> "Lease":
+    def _lease(self) -> Lease:
         with self._lock:
             f = self._idle.pop() if self._idle else None
         if f is None:
@@ -188,14 +191,16 @@ class Lease:
     def view(self, offset: int, nbytes: int) -> memoryview:
         """The ``nbytes`` at ``offset``, without a copy."""
         if offset + nbytes > self.size:
-            raise InvalidInput(f"a response tensor's bytes [{offset}, {offset + nbytes}) run past the response region's "
-                               f"{self.size} bytes")
+            raise InvalidInput(
+                f"a response tensor's bytes [{offset}, {offset + nbytes}) run past the response region's "
+                f"{self.size} bytes"
+            )
         if self._map is None:
             if self._file is None:
                 raise InvalidInput("this response region was released")
             self._map = mmap.mmap(self._file.fd, self.size, prot=mmap.PROT_READ)
             weakref.finalize(self._map, self._pool._returned, self._file)
-        return memoryview(self._map)[offset:offset + nbytes]
+        return memoryview(self._map)[offset : offset + nbytes]
 
     def release(self, ok: bool) -> None:
         """The call is over: drop the lease's own hold (the answer's tensors keep the mapping while they live). A

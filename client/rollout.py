@@ -32,9 +32,13 @@ from kvferry.mappings.versions import is_version
 
 log = logging.getLogger("kvferry.rollout")
 
-ENABLED = Gauge("kvferry_rollout_enabled", "1 when the map may take the mapped path (kill switch on and not auto-disabled)", ["map"])
+ENABLED = Gauge(
+    "kvferry_rollout_enabled", "1 when the map may take the mapped path (kill switch on and not auto-disabled)", ["map"]
+)
 CANARY = Gauge("kvferry_rollout_canary_percent", "Share of eligible requests sent down the mapped path", ["map"])
-AUTO_OFF = Gauge("kvferry_rollout_auto_disabled", "1 while live quality monitoring holds the map off (alert on this)", ["map"])
+AUTO_OFF = Gauge(
+    "kvferry_rollout_auto_disabled", "1 while live quality monitoring holds the map off (alert on this)", ["map"]
+)
 
 
 def effective_refresh(configured: int, measured: int) -> int:
@@ -96,7 +100,7 @@ class RolloutPolicy:
         return self.maps.get(name, self.default)
 
     @classmethod
-    def from_toml(cls, text: str, where: str = "policy") -> "RolloutPolicy":
+    def from_toml(cls, text: str, where: str = "policy") -> RolloutPolicy:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -119,12 +123,16 @@ class RolloutPolicy:
 
 def to_toml(policy: RolloutPolicy) -> str:
     """The policy as TOML (only the fields that differ from their defaults), for ``kvferry rollout``."""
+
     def body(r: MapRollout, base: MapRollout) -> list[str]:
         out = []
         for f in fields(MapRollout):
             v = getattr(r, f.name)
             if v != getattr(base, f.name) and v is not None:
-                out.append(f"{f.name} = " + ("true" if v is True else "false" if v is False else f'"{v}"' if isinstance(v, str) else repr(v)))
+                out.append(
+                    f"{f.name} = "
+                    + ("true" if v is True else "false" if v is False else f'"{v}"' if isinstance(v, str) else repr(v))
+                )
         return out
 
     lines = []
@@ -151,7 +159,9 @@ class PolicyStore:
     """The live policy: re-read from ``path`` when the file changes (checked at most every ``reload_seconds``),
     plus the maps the quality monitor switched off and the versions "latest" resolved to."""
 
-    def __init__(self, policy: RolloutPolicy | None = None, path: str | Path | None = None, reload_seconds: float = 2.0):
+    def __init__(
+        self, policy: RolloutPolicy | None = None, path: str | Path | None = None, reload_seconds: float = 2.0
+    ):
         self.path = Path(path) if path else None
         self.reload_seconds = reload_seconds
         self._lock = threading.Lock()
@@ -164,7 +174,7 @@ class PolicyStore:
             self._reload(force=True)
 
     @classmethod
-    def static(cls, name: str, rollout: MapRollout) -> "PolicyStore":
+    def static(cls, name: str, rollout: MapRollout) -> PolicyStore:
         return cls(RolloutPolicy({name: rollout}))
 
     def _reload(self, force: bool = False) -> None:

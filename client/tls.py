@@ -11,6 +11,10 @@ from kvferry.common.files import PEM_LIMIT, read_small_file
 def tls_credentials(root_certs: str, client_key: str = "", client_cert: str = "") -> grpc.ChannelCredentials:
     """Channel credentials trusting ``root_certs``, presenting ``client_cert`` / ``client_key`` (mutual TLS) when
     given."""
-    read = lambda path, what: read_small_file(path, what, PEM_LIMIT) if path else None  # noqa: E731
-    return grpc.ssl_channel_credentials(read(root_certs, "tls_root_certs"), read(client_key, "tls_client_key"),
-                                        read(client_cert, "tls_client_cert"))
+
+    def read(path, what):
+        return read_small_file(path, what, PEM_LIMIT) if path else None
+
+    return grpc.ssl_channel_credentials(
+        read(root_certs, "tls_root_certs"), read(client_key, "tls_client_key"), read(client_cert, "tls_client_cert")
+    )

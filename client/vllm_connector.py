@@ -37,12 +37,12 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvferry.common.errors import InvalidInput
+from kvferry.common.prefix import Namespace, block_hashes, model_key
 
 from .connector_config import ConnectorConfig
 from .importers import vllm_cpu_views
 from .layer_load import LayerLoad, write_stream
 from .rollout import effective_refresh
-from kvferry.common.prefix import Namespace, block_hashes, model_key
 
 log = logging.getLogger("kvferry.vllm")
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -77,8 +77,10 @@ class KvferryConnector(KVConnectorBase_V1):
         self.cfg = ConnectorConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         self.block_size = vllm_config.cache_config.block_size
         if self.cfg.prefix_block_size % self.block_size:
-            raise InvalidInput(f"kvferry connector: prefix_block_size {self.cfg.prefix_block_size} must be a multiple of "
-                               f"vLLM's block size {self.block_size}")
+            raise InvalidInput(
+                f"kvferry connector: prefix_block_size {self.cfg.prefix_block_size} must be a multiple of "
+                f"vLLM's block size {self.block_size}"
+            )
         self.consumer = self._kv_transfer_config.is_kv_consumer
         self.producer = self._kv_transfer_config.is_kv_producer
         if self.consumer and getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
@@ -88,8 +90,10 @@ class KvferryConnector(KVConnectorBase_V1):
             try:
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             except (AttributeError, TypeError, ValueError):
-                raise InvalidInput("kvferry connector: set kv_transfer_config.kv_load_failure_policy = 'recompute' so that "
-                                   "a failed translation is recomputed instead of failing the request") from None
+                raise InvalidInput(
+                    "kvferry connector: set kv_transfer_config.kv_load_failure_policy = 'recompute' so that "
+                    "a failed translation is recomputed instead of failing the request"
+                ) from None
             log.info("kvferry: kv_load_failure_policy set to 'recompute' (a failed translation is recomputed by vLLM)")
         self.model_path = vllm_config.model_config.model
         self._secret = self.cfg.secret()
@@ -134,9 +138,16 @@ class KvferryConnector(KVConnectorBase_V1):
                 from .direct import DirectReader
 
                 direct = DirectReader(self.store(), self._secret, self.cfg.prefix_block_size)
-            self._client = TranslateClient(ClientOptions(target=self.cfg.sidecar, timeout=self.cfg.timeout, retries=1,
-                                                         auth_token=self.cfg.token(), shm_dir=self.cfg.shm_dir),
-                                           direct=direct)
+            self._client = TranslateClient(
+                ClientOptions(
+                    target=self.cfg.sidecar,
+                    timeout=self.cfg.timeout,
+                    retries=1,
+                    auth_token=self.cfg.token(),
+                    shm_dir=self.cfg.shm_dir,
+                ),
+                direct=direct,
+            )
         return self._client
 
     def _source(self, version: str) -> tuple[str, str] | None:
@@ -153,7 +164,7 @@ class KvferryConnector(KVConnectorBase_V1):
             if chosen is not None:  # the version the sidecar will serve, not the first servable one listed
                 source = (chosen.source.fingerprint, chosen.tokenizer_fingerprint)
                 measured = int(chosen.evidence.recommended_refresh)
-        except Exception as e:  # noqa: BLE001 - a sidecar outage means "no match", never a failed request
+        except Exception as e:  # a sidecar outage means "no match", never a failed request
             log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
         self._status = (time.monotonic(), source, version, measured)
         return source
@@ -211,7 +222,7 @@ class KvferryConnector(KVConnectorBase_V1):
         hashes = block_hashes(self._secret, ns, prefix, self.cfg.prefix_block_size)
         try:
             present = self.store().exists_many([ns.key(h) for h in hashes])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("kvferry: prefix store unavailable (%s); prefilling normally", e)
             return None
         blocks = next((i for i, p in enumerate(present) if not p), len(present))
@@ -224,8 +235,14 @@ class KvferryConnector(KVConnectorBase_V1):
             total = request.num_computed_tokens + num_external_tokens
             plan = self._rollout(request)  # the same draw as when the tokens were matched (stable per request)
             version = plan[0] if plan else self.cfg.map_version
-            load = _Load(request.request_id, version, list(request.prompt_token_ids[:total]), [], request.num_computed_tokens,
-                         self.cfg.async_loads)
+            load = _Load(
+                request.request_id,
+                version,
+                list(request.prompt_token_ids[:total]),
+                [],
+                request.num_computed_tokens,
+                self.cfg.async_loads,
+            )
             if load.asynchronous:  # the request waits, unscheduled: its blocks are known now, not from the step
                 load.block_ids = list(blocks.get_block_ids()[0])
                 self._loaded_once.add(request.request_id)
@@ -241,7 +258,9 @@ class KvferryConnector(KVConnectorBase_V1):
                 meta.loads.append(load)
             elif self.producer and new.prompt_token_ids and len(new.prompt_token_ids) >= self.cfg.prefix_block_size:
                 self._prefilling[new.req_id] = _Save(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0]))
-                self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+                self._maybe_save(
+                    meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+                )
         if self.producer and self._prefilling:  # chunked prefill: a prompt completes in a later step
             cached = scheduler_output.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
@@ -253,7 +272,9 @@ class KvferryConnector(KVConnectorBase_V1):
                     continue
                 if cached.new_block_ids[i]:
                     save.block_ids += list(cached.new_block_ids[i][0])
-                self._maybe_save(meta, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+                self._maybe_save(
+                    meta, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+                )
         self._pending.clear()
         return meta
 
@@ -307,15 +328,16 @@ class KvferryConnector(KVConnectorBase_V1):
             if load.asynchronous:
                 self._loading[load.req_id] = self._loader_pool().submit(self._load_or_report, load, layers, progress)
             elif self._layer_by_layer:  # the forward starts now; wait_for_layer_load holds each layer until it is in
-                self._step_loads.append((load, progress, self._loader_pool().submit(self._load_or_report, load, layers,
-                                                                                     progress)))
+                self._step_loads.append(
+                    (load, progress, self._loader_pool().submit(self._load_or_report, load, layers, progress))
+                )
             else:
                 self._load_or_report(load, layers, progress)
 
     def _load_or_report(self, load: _Load, layers: dict[int, torch.Tensor], progress: LayerLoad) -> None:
         try:
             self._load(load, layers, progress)
-        except Exception as e:  # noqa: BLE001 - vLLM recomputes these blocks; the request goes on
+        except Exception as e:  # vLLM recomputes these blocks; the request goes on
             progress.fail(e)
             self._report(load, e)
 
@@ -324,7 +346,9 @@ class KvferryConnector(KVConnectorBase_V1):
         first, last = load.start // self.block_size, (len(load.token_ids) - 1) // self.block_size
         with self._errors_lock:
             self._load_errors.update(load.block_ids[first : last + 1])
-        log.warning("kvferry: translation for %s failed (%s); vLLM recomputes %d blocks", load.req_id, error, last - first + 1)
+        log.warning(
+            "kvferry: translation for %s failed (%s); vLLM recomputes %d blocks", load.req_id, error, last - first + 1
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous load is over (in their pages, or its blocks reported as load errors)."""
@@ -341,8 +365,16 @@ class KvferryConnector(KVConnectorBase_V1):
         # Contiguous blocks, paged here: a paged answer is a message per page, which made a key-only hit 3x / 4x
         # slower than the same hit contiguous at 2048 / 8192 tokens in pages of 128 (vLLM's CPU default), 15x / 23x
         # in pages of 16 (its GPU default).
-        stream = self.client().stream(None, self.cfg.map_name, load.version, token_ids=load.token_ids, prefix_key=key,
-                                      tenant=self.cfg.tenant, source_geometry=source[0], tokenizer=source[1])
+        stream = self.client().stream(
+            None,
+            self.cfg.map_name,
+            load.version,
+            token_ids=load.token_ids,
+            prefix_key=key,
+            tenant=self.cfg.tenant,
+            source_geometry=source[0],
+            tokenizer=source[1],
+        )
         views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def view(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +385,9 @@ class KvferryConnector(KVConnectorBase_V1):
         def covering():  # every block of an answer that covers the whole prefix
             for b in stream:
                 if stream.info.num_tokens < len(load.token_ids):
-                    raise RuntimeError(f"the sidecar translated {stream.info.num_tokens} of {len(load.token_ids)} tokens")
+                    raise RuntimeError(
+                        f"the sidecar translated {stream.info.num_tokens} of {len(load.token_ids)} tokens"
+                    )
                 yield b
 
         with stream:  # [kv_heads, tokens, head_dim], cut anywhere: each token into its page and slot as it arrives
@@ -387,15 +421,23 @@ class KvferryConnector(KVConnectorBase_V1):
             future.result()  # _load_or_report reports, never raises
             skipped = [layer for layer in range(progress.layers) if layer not in waited]
             if progress.error is None and not skipped:
-                log.info("kvferry: %s loaded layer by layer: layer 0 in its pages after %.1f ms, all %d after %.1f ms; "
-                         "the step's forward waited %.1f ms for its loads", load.req_id, progress.ready_at[0] * 1e3,
-                         progress.layers, max(progress.ready_at) * 1e3, waiting * 1e3)
+                log.info(
+                    "kvferry: %s loaded layer by layer: layer 0 in its pages after %.1f ms, all %d after %.1f ms; "
+                    "the step's forward waited %.1f ms for its loads",
+                    load.req_id,
+                    progress.ready_at[0] * 1e3,
+                    progress.layers,
+                    max(progress.ready_at) * 1e3,
+                    waiting * 1e3,
+                )
             if progress.error is None and skipped:
                 self._report(load, RuntimeError(f"the forward did not wait for layers {skipped}"))
                 if self._layer_by_layer:
                     self._layer_by_layer = False
-                    log.warning("kvferry: this attention backend does not call wait_for_layer_load; translations are "
-                                "loaded whole before the step from now on")
+                    log.warning(
+                        "kvferry: this attention backend does not call wait_for_layer_load; translations are "
+                        "loaded whole before the step from now on"
+                    )
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -417,14 +459,21 @@ class KvferryConnector(KVConnectorBase_V1):
             del self._collected[req_id]
             try:
                 self._publish(save.token_ids, [layers[i] for i in sorted(layers)])
-            except Exception as e:  # noqa: BLE001 - a failed publish is a future miss, never a failed request
+            except Exception as e:  # a failed publish is a future miss, never a failed request
                 log.warning("kvferry: publishing %s failed: %s", req_id, e)
 
     def _publish(self, token_ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         from kvferry.common.prefix_cache import publish_source
 
-        key = publish_source([(k[None], v[None]) for k, v in layers], token_ids, self._model_identity(), store=self.store(),
-                             secret=self._secret, tenant=self.cfg.tenant, block_size=self.cfg.prefix_block_size)
+        key = publish_source(
+            [(k[None], v[None]) for k, v in layers],
+            token_ids,
+            self._model_identity(),
+            store=self.store(),
+            secret=self._secret,
+            tenant=self.cfg.tenant,
+            block_size=self.cfg.prefix_block_size,
+        )
         log.info("kvferry: published %d source tokens (prefix key %s…)", len(token_ids), key[:12])
 
     def _model_identity(self):

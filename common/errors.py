@@ -5,8 +5,21 @@ raised by kvferry.mappings, which knows no service, and re-exported here; all sh
 
 from kvferry.mappings.errors import ArtifactError, GateFailed, Incompatible, InvalidInput, KvferryError
 
-__all__ = ["ArtifactError", "CallerGone", "GateFailed", "Incompatible", "InvalidInput", "KvferryError", "NotFound",
-           "Overloaded", "PermissionDenied", "TooLarge", "Unauthenticated", "Unavailable", "Unsupported"]
+__all__ = [
+    "ArtifactError",
+    "CallerGone",
+    "GateFailed",
+    "Incompatible",
+    "InvalidInput",
+    "KvferryError",
+    "NotFound",
+    "Overloaded",
+    "PermissionDenied",
+    "TooLarge",
+    "Unauthenticated",
+    "Unavailable",
+    "Unsupported",
+]
 
 
 class NotFound(KvferryError):

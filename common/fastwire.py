@@ -12,8 +12,17 @@ import torch
 from kvferry.common.errors import InvalidInput
 from kvferry.common.messages import Block, BlockBytes, BlockParts, Chunk
 from kvferry.common.region_format import region_view
-from kvferry.common.tensors import FROM_PB, KIND_FROM_PB, KIND_TO_PB, checked_tensor, dtype_to_pb, tensor_pieces, view_bytes
+from kvferry.common.tensors import (
+    FROM_PB,
+    KIND_FROM_PB,
+    KIND_TO_PB,
+    checked_tensor,
+    dtype_to_pb,
+    tensor_pieces,
+    view_bytes,
+)
 from kvferry.v1 import translate_pb2 as pb
+
 
 def _varint(n: int) -> bytes:
     out = bytearray()
@@ -40,9 +49,12 @@ def _tag(field: int, wire_type: int) -> bytes:
 
 _VARINT, _LEN = 0, 2
 T_DTYPE, T_SHAPE, T_DATA, T_REGION_OFFSET = _numbers(pb.Tensor, "dtype", "shape", "data", "region_offset")
-C_LAYER, C_KIND, C_START, C_END, C_TENSOR = _numbers(pb.SourceChunk, "layer", "kind", "token_start", "token_end", "tensor")
-B_LAYER, B_START, B_END, B_INDEX, B_KEY, B_VALUE = _numbers(pb.TargetBlock, "layer", "token_start", "token_end",
-                                                            "block_index", "key", "value")
+C_LAYER, C_KIND, C_START, C_END, C_TENSOR = _numbers(
+    pb.SourceChunk, "layer", "kind", "token_start", "token_end", "tensor"
+)
+B_LAYER, B_START, B_END, B_INDEX, B_KEY, B_VALUE = _numbers(
+    pb.TargetBlock, "layer", "token_start", "token_end", "block_index", "key", "value"
+)
 REQUEST_HEADER, REQUEST_CHUNK = _numbers(pb.TranslateRequest, "header", "chunk")
 (RESPONSE_BLOCK,) = _numbers(pb.TranslateResponse, "block")
 REQUEST_HEADER_TAG = _tag(REQUEST_HEADER, _LEN)
@@ -64,7 +76,9 @@ def _parts_fields(parts: list[torch.Tensor], region=None) -> list[bytes]:
     part's rows in turn, as pieces for the message's one join."""
     heads, _, dim = parts[0].shape
     pieces = [piece for h in range(heads) for p in parts if p.shape[1] for piece in tensor_pieces(p[h])]
-    return _data_fields(parts[0].dtype, (heads, sum(p.shape[1] for p in parts), dim), pieces, sum(map(len, pieces)), region)
+    return _data_fields(
+        parts[0].dtype, (heads, sum(p.shape[1] for p in parts), dim), pieces, sum(map(len, pieces)), region
+    )
 
 
 def _data_fields(dtype: torch.dtype, shape, pieces: list, size: int, region=None) -> list[bytes]:
@@ -83,7 +97,11 @@ def _data_fields(dtype: torch.dtype, shape, pieces: list, size: int, region=None
 
 
 def _length_delimited(field: int, parts: list[bytes]) -> list[bytes]:
-    return [_varint(field << 3 | 2), _varint(sum(map(len, parts))), *parts]  # map, not a generator: ~3x faster over a hit's pieces
+    return [
+        _varint(field << 3 | 2),
+        _varint(sum(map(len, parts))),
+        *parts,
+    ]  # map, not a generator: ~3x faster over a hit's pieces
 
 
 def encode_block_response(b: Block | BlockBytes | BlockParts, region=None) -> bytes:
@@ -98,16 +116,27 @@ def encode_block_response(b: Block | BlockBytes | BlockParts, region=None) -> by
         k, v = _parts_fields(b.keys, region), _parts_fields(b.values, region)
     else:
         k, v = _tensor_fields(b.key, region), _tensor_fields(b.value, region)
-    body = (_scalar(B_LAYER, b.layer) + _scalar(B_START, b.start) + _scalar(B_END, b.end) + _scalar(B_INDEX, b.index)
-            + _length_delimited(B_KEY, k) + _length_delimited(B_VALUE, v))
+    body = (
+        _scalar(B_LAYER, b.layer)
+        + _scalar(B_START, b.start)
+        + _scalar(B_END, b.end)
+        + _scalar(B_INDEX, b.index)
+        + _length_delimited(B_KEY, k)
+        + _length_delimited(B_VALUE, v)
+    )
     return b"".join(_length_delimited(RESPONSE_BLOCK, body))
 
 
 def encode_chunk_request(c: Chunk) -> bytes:
     """A TranslateRequest carrying chunk ``c``: the bytes of ``chunk_to_pb(c).SerializeToString()``, built
     straight from the tensor (one copy of its data fewer, no protobuf objects)."""
-    body = (_scalar(C_LAYER, c.layer) + _scalar(C_KIND, KIND_TO_PB[c.kind]) + _scalar(C_START, c.start)
-            + _scalar(C_END, c.end) + _length_delimited(C_TENSOR, _tensor_fields(c.tensor)))
+    body = (
+        _scalar(C_LAYER, c.layer)
+        + _scalar(C_KIND, KIND_TO_PB[c.kind])
+        + _scalar(C_START, c.start)
+        + _scalar(C_END, c.end)
+        + _length_delimited(C_TENSOR, _tensor_fields(c.tensor))
+    )
     return b"".join(_length_delimited(REQUEST_CHUNK, body))
 
 
@@ -156,15 +185,26 @@ def _fields(buf, start: int, end: int):
 _U32 = 1 << 32
 
 
-def _canonical(buf, lo: int, hi: int, ints: tuple[int, ...], messages: tuple[int, ...], enums: tuple[int, ...] = (),
-               longs: tuple[int, ...] = ()) -> dict:
+def _canonical(
+    buf,
+    lo: int,
+    hi: int,
+    ints: tuple[int, ...],
+    messages: tuple[int, ...],
+    enums: tuple[int, ...] = (),
+    longs: tuple[int, ...] = (),
+) -> dict:
     """The fields of one message in the canonical form the encoders above write: each field at most once, varints
     for ``ints`` (uint32: below 2**32), ``longs`` (uint64) and ``enums`` (int32: below 2**31), so no value that
     protobuf would truncate or sign-extend is read differently; (offset, end) for ``messages``. Raises ValueError on
     anything else: the caller then parses with protobuf, whose semantics are the contract's."""
     out: dict = {}
     for f, v in _fields(buf, lo, hi):
-        if f in out or isinstance(v, tuple) != (f in messages) or not (f in messages or f in ints or f in enums or f in longs):
+        if (
+            f in out
+            or isinstance(v, tuple) != (f in messages)
+            or not (f in messages or f in ints or f in enums or f in longs)
+        ):
             raise ValueError("non-canonical message")
         if not isinstance(v, tuple) and v >= (_U32 if f in ints else _U32 * _U32 if f in longs else _U32 >> 1):
             raise ValueError("varint past its type")
@@ -176,8 +216,18 @@ def _tensor_at(buf, span: tuple[int, int] | None, region=None) -> tuple[int, tup
     """A kvferry.v1.Tensor at ``span`` of ``buf``: (dtype code, shape, a view of its data); an absent tensor is the
     empty message, as protobuf reads it. With a ``region``, a response tensor may carry region_offset instead of its
     data (its view is then one of the region)."""
-    t = (_canonical(buf, *span, ints=(), messages=(T_SHAPE, T_DATA), enums=(T_DTYPE,),
-                    longs=(T_REGION_OFFSET,) if region is not None else ()) if span else {})
+    t = (
+        _canonical(
+            buf,
+            *span,
+            ints=(),
+            messages=(T_SHAPE, T_DATA),
+            enums=(T_DTYPE,),
+            longs=(T_REGION_OFFSET,) if region is not None else (),
+        )
+        if span
+        else {}
+    )
     shape, (j, end) = [], t.get(T_SHAPE, (0, 0))
     while j < end:
         s_, j = _read_varint(buf, j)
@@ -198,7 +248,7 @@ def _tensor_at(buf, span: tuple[int, int] | None, region=None) -> tuple[int, tup
 
 
 def _only_field(buf, field: int) -> tuple[int, int]:
-    (f, span), = list(_fields(buf, 0, len(buf)))
+    ((f, span),) = list(_fields(buf, 0, len(buf)))
     if f != field or not isinstance(span, tuple):
         raise ValueError("another message")
     return span
@@ -209,7 +259,9 @@ def _fast_block(data: bytes, region=None) -> Block:
     view the received bytes (no copy), or the ``region`` their bytes lie in. Raises ValueError on anything else (the
     caller then uses protobuf)."""
     buf = memoryview(data)
-    m = _canonical(buf, *_only_field(buf, RESPONSE_BLOCK), ints=(B_LAYER, B_START, B_END, B_INDEX), messages=(B_KEY, B_VALUE))
+    m = _canonical(
+        buf, *_only_field(buf, RESPONSE_BLOCK), ints=(B_LAYER, B_START, B_END, B_INDEX), messages=(B_KEY, B_VALUE)
+    )
     layer, start, end, index = (m.get(f, 0) for f in (B_LAYER, B_START, B_END, B_INDEX))
     what = f"block layer {layer} [{start}, {end})"
     kv = []
@@ -243,15 +295,24 @@ def _fast_chunk(data: bytes) -> ChunkFrame:
     """Parse a TranslateRequest{chunk} in the canonical form encode_chunk_request writes, in place. Raises
     ValueError on anything else (the caller then uses protobuf)."""
     buf = memoryview(data)
-    m = _canonical(buf, *_only_field(buf, REQUEST_CHUNK), ints=(C_LAYER, C_START, C_END), messages=(C_TENSOR,),
-                   enums=(C_KIND,))
+    m = _canonical(
+        buf, *_only_field(buf, REQUEST_CHUNK), ints=(C_LAYER, C_START, C_END), messages=(C_TENSOR,), enums=(C_KIND,)
+    )
     return ChunkFrame(*(m.get(f, 0) for f in (C_LAYER, C_KIND, C_START, C_END)), *_tensor_at(buf, m.get(C_TENSOR)))
 
 
 def frame_from_pb(m: pb.SourceChunk) -> ChunkFrame:
     """The frame of a chunk protobuf parsed (its data read once: each read of a bytes field copies it)."""
-    return ChunkFrame(m.layer, m.kind, m.token_start, m.token_end, m.tensor.dtype, tuple(m.tensor.shape), m.tensor.data,
-                      m.tensor.HasField("region_offset"))
+    return ChunkFrame(
+        m.layer,
+        m.kind,
+        m.token_start,
+        m.token_end,
+        m.tensor.dtype,
+        tuple(m.tensor.shape),
+        m.tensor.data,
+        m.tensor.HasField("region_offset"),
+    )
 
 
 def chunk_kind(f: ChunkFrame) -> str:
@@ -267,7 +328,9 @@ def chunk_from_frame(f: ChunkFrame, expect_shape=None, expect_dtype=None) -> Chu
     what = f"chunk layer {f.layer} {kind.upper()} tokens [{f.start}, {f.end})"
     if f.region_offset:
         raise InvalidInput(f"{what}: a request tensor carries its bytes in data; region_offset is for responses")
-    return Chunk(f.layer, kind, f.start, f.end, checked_tensor(f.dtype, f.shape, f.data, expect_shape, expect_dtype, what))
+    return Chunk(
+        f.layer, kind, f.start, f.end, checked_tensor(f.dtype, f.shape, f.data, expect_shape, expect_dtype, what)
+    )
 
 
 def decode_request(data: bytes):

@@ -27,8 +27,10 @@ def read_small_file(path: str, what: str, limit: int = SECRET_LIMIT) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise InvalidInput(f"{what} {path} is not a regular file (a FIFO, device or folder cannot hold it); "
-                               "point it at the mounted secret's file")
+            raise InvalidInput(
+                f"{what} {path} is not a regular file (a FIFO, device or folder cannot hold it); "
+                "point it at the mounted secret's file"
+            )
         chunks, size = [], 0
         while size <= limit:
             chunk = os.read(fd, min(1 << 16, limit + 1 - size))

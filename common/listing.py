@@ -66,9 +66,17 @@ def geometry_from_pb(g: pb.Geometry) -> ModelGeometry:
 def mapping_from_pb(m: pb.MappingInfo) -> MappingInfo:
     e = m.evidence
     return MappingInfo(
-        name=m.name, version=m.version, source=geometry_from_pb(m.source), target=geometry_from_pb(m.target),
-        tokenizer_fingerprint=m.tokenizer_fingerprint, content_sha256=m.content_sha256, servable=m.servable,
-        gate_reason=m.gate_reason, context_tokens=m.context_tokens,
+        name=m.name,
+        version=m.version,
+        source=geometry_from_pb(m.source),
+        target=geometry_from_pb(m.target),
+        tokenizer_fingerprint=m.tokenizer_fingerprint,
+        content_sha256=m.content_sha256,
+        servable=m.servable,
+        gate_reason=m.gate_reason,
+        context_tokens=m.context_tokens,
         dtype=None if m.dtype == pb.DTYPE_UNSPECIFIED else wire.dtype_from_pb(m.dtype),
-        evidence=MapEvidence(e.arm, e.top1, e.top10, e.kl, e.attn_cos, e.recommended_refresh, e.drift_attn_cos,
-                             e.drift_rel_err))
+        evidence=MapEvidence(
+            e.arm, e.top1, e.top10, e.kl, e.attn_cos, e.recommended_refresh, e.drift_attn_cos, e.drift_rel_err
+        ),
+    )

@@ -33,7 +33,6 @@ import xxhash
 from safetensors.torch import save as st_save
 
 from kvferry.common.errors import InvalidInput, KvferryError
-
 from kvferry.common.tensors import view_bytes
 
 MAGIC = b"KVFB3\n"  # xxh3-64 of the payload (~30 GiB/s; CRC-32 ran ~4 GiB/s and was the hit path's largest cost)
@@ -49,6 +48,8 @@ def check_tenant(tenant: str, what: str = "tenant") -> str:
     if not _TENANT.fullmatch(tenant or ""):  # fullmatch: '$' alone would accept a trailing newline
         raise InvalidInput(f"{what} {tenant!r} must be 1-64 of letters, digits, '.', '_' or '-'")
     return tenant
+
+
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -106,7 +107,9 @@ def block_hashes(secret: bytes, ns: Namespace, token_ids, block_size: int) -> li
         raise InvalidInput("the prefix store needs a non-empty deployment secret")
     if block_size < 1:
         raise InvalidInput("block_size must be >= 1")
-    packed = _pack_ids(token_ids)  # uint32 little-endian, packed once in C (per block struct.pack cost ~1 ms per 8k ids)
+    packed = _pack_ids(
+        token_ids
+    )  # uint32 little-endian, packed once in C (per block struct.pack cost ~1 ms per 8k ids)
     base = ns.digest()
     prev = b"\0" * 32
     out = []
@@ -120,7 +123,9 @@ def block_hashes(secret: bytes, ns: Namespace, token_ids, block_size: int) -> li
 def _pack_ids(token_ids) -> bytes:
     """Token ids as uint32 little-endian bytes (what the chain hashes); ids outside uint32 are refused."""
     try:
-        ids = array.array("I", token_ids if isinstance(token_ids, (list, tuple, array.array)) else [int(t) for t in token_ids])
+        ids = array.array(
+            "I", token_ids if isinstance(token_ids, (list, tuple, array.array)) else [int(t) for t in token_ids]
+        )
     except (OverflowError, TypeError) as e:
         raise InvalidInput(f"token ids must be integers in [0, 2**32): {e}") from None
     if ids.itemsize != 4:  # "I" is 4 bytes on every platform kvferry runs on; refuse rather than hash differently
@@ -136,8 +141,13 @@ def encode_block(layers: list[LayerKV], block_hash: bytes, tokens: int) -> bytes
     for i, (k, v) in enumerate(layers):
         tensors[f"layer.{i}.k"] = k.detach().contiguous().cpu()
         tensors[f"layer.{i}.v"] = v.detach().contiguous().cpu()
-    meta = {"format": "kvferry.block", "version": "1", "tokens": str(tokens), "hash": block_hash.hex(),
-            "layers": str(len(layers))}
+    meta = {
+        "format": "kvferry.block",
+        "version": "1",
+        "tokens": str(tokens),
+        "hash": block_hash.hex(),
+        "layers": str(len(layers)),
+    }
     payload = st_save(tensors, metadata=meta)
     return MAGIC + xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little") + payload
 
@@ -156,8 +166,10 @@ class StoredBlock:
         """Layer i's (K, V): tensors viewing the blob (no copy)."""
         n = self.nbytes
         k, v = self.offsets[i]
-        return (view_bytes(self.data[k : k + n], self.dtype, self.shape, f"layer {i} K"),
-                view_bytes(self.data[v : v + n], self.dtype, self.shape, f"layer {i} V"))
+        return (
+            view_bytes(self.data[k : k + n], self.dtype, self.shape, f"layer {i} K"),
+            view_bytes(self.data[v : v + n], self.dtype, self.shape, f"layer {i} V"),
+        )
 
     def layers(self) -> list[LayerKV]:
         """Every layer's (K, V), viewing the blob (no copy). When the tensors tile the payload's first bytes, as
@@ -223,7 +235,9 @@ def read_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, in
         raise CorruptBlock(f"unreadable payload: {e}") from None
 
 
-def decode_block(blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int], dtype: torch.dtype | None = None) -> list[LayerKV]:
+def decode_block(
+    blob: bytes, block_hash: bytes, layers: int, shape: tuple[int, int, int], dtype: torch.dtype | None = None
+) -> list[LayerKV]:
     """Verify and unpack a blob into per-layer (K, V) tensors viewing it (a copy only to change dtype);
     raises CorruptBlock on any mismatch."""
     block = read_block(blob, block_hash, layers, shape)
@@ -264,8 +278,13 @@ def _read_safetensors(buf: memoryview, block_hash: bytes, layers: int, shape: tu
         for name in pair:
             info = header[name]
             lo, hi = info["data_offsets"]
-            if (info["shape"] != want or type(lo) is not int or type(hi) is not int or hi - lo != size
-                    or not 0 <= lo <= hi <= end):
+            if (
+                info["shape"] != want
+                or type(lo) is not int
+                or type(hi) is not int
+                or hi - lo != size
+                or not 0 <= lo <= hi <= end
+            ):
                 raise CorruptBlock(f"tensor {name}: wrong shape, or offsets [{lo}, {hi}) outside the payload")
             at.append(lo)
         offsets.append(tuple(at))
@@ -314,6 +333,13 @@ def split_blocks(layers: list[LayerKV], start: int, stop: int, block_size: int) 
     ``layers`` holds (K, V) as [1, kv_heads, tokens, head_dim] or [kv_heads, tokens, head_dim]."""
     out = []
     for s in range(start, stop - block_size + 1, block_size):
-        out.append([((k[0] if k.dim() == 4 else k)[:, s : s + block_size], (v[0] if v.dim() == 4 else v)[:, s : s + block_size])
-                    for k, v in layers])
+        out.append(
+            [
+                (
+                    (k[0] if k.dim() == 4 else k)[:, s : s + block_size],
+                    (v[0] if v.dim() == 4 else v)[:, s : s + block_size],
+                )
+                for k, v in layers
+            ]
+        )
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,8 +52,10 @@ class Lookup:
         cast = self._join_cast(want)
         if cast is not None:
             return cast
-        return [tuple(torch.cat([b.layer(i)[kind].to(want) for b in self.blocks], 1)[None] for kind in (0, 1))
-                for i in range(len(self.blocks[0].offsets))]
+        return [
+            tuple(torch.cat([b.layer(i)[kind].to(want) for b in self.blocks], 1)[None] for kind in (0, 1))
+            for i in range(len(self.blocks[0].offsets))
+        ]
 
     def _laid_out_alike(self) -> bool:
         """Whether every block's tensors tile its payload's start in the same order and shape (``StoredBlock.tiles``):
@@ -106,8 +109,11 @@ class Lookup:
         heads, bs, _ = first.shape
         row = first.row_bytes
         out = torch.empty((tensors, heads, self.tokens, row), dtype=torch.uint8)
-        np.concatenate([np.frombuffer(b.data, np.uint8, tensors * size).reshape(tensors, heads, bs, row) for b in self.blocks],
-                       axis=2, out=out.numpy())
+        np.concatenate(
+            [np.frombuffer(b.data, np.uint8, tensors * size).reshape(tensors, heads, bs, row) for b in self.blocks],
+            axis=2,
+            out=out.numpy(),
+        )
         out = out.view(first.dtype)
         return [(out[k][None], out[v][None]) for k, v in first.slots]
 
@@ -145,10 +151,18 @@ class Lookup:
 
 
 class PrefixCache:
-    def __init__(self, store, secret: bytes, block_size: int = 256, ttl: float = 3600.0, max_blob_bytes: int = 64 << 20):
+    def __init__(
+        self, store, secret: bytes, block_size: int = 256, ttl: float = 3600.0, max_blob_bytes: int = 64 << 20
+    ):
         if block_size < 1 or ttl <= 0:
             raise InvalidInput("prefix block_size must be >= 1 and ttl > 0")
-        self.store, self.secret, self.block_size, self.ttl, self.max_blob_bytes = store, secret, block_size, ttl, max_blob_bytes
+        self.store, self.secret, self.block_size, self.ttl, self.max_blob_bytes = (
+            store,
+            secret,
+            block_size,
+            ttl,
+            max_blob_bytes,
+        )
 
     def hashes(self, ns: Namespace, token_ids) -> list[bytes]:
         return block_hashes(self.secret, ns, token_ids, self.block_size)
@@ -160,9 +174,18 @@ class PrefixCache:
         tips = [h.hex() for h in hashes]
         return hashes[: tips.index(prefix_key) + 1] if prefix_key in tips else None
 
-    def lookup(self, ns: Namespace, token_ids, layers: int, kv_heads: int, head_dim: int, start_block: int = 0,
-               dtype: torch.dtype | None = None, hashes: list[bytes] | None = None,
-               stored_dtype: torch.dtype | None = None) -> Lookup:
+    def lookup(
+        self,
+        ns: Namespace,
+        token_ids,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        start_block: int = 0,
+        dtype: torch.dtype | None = None,
+        hashes: list[bytes] | None = None,
+        stored_dtype: torch.dtype | None = None,
+    ) -> Lookup:
         """Stored blocks from ``start_block`` on, stopping at the first miss; a corrupt blob is a miss, and is
         deleted (best effort) so the next writer stores a good copy: writes never overwrite. ``stored_dtype``: blocks
         are stored in this dtype alone (a map's own precision, whoever asked first); one in another is a miss, and
@@ -181,20 +204,27 @@ class PrefixCache:
                 found.append(block)
             except CorruptBlock:
                 corrupt += 1
-                try:
+                with contextlib.suppress(Unavailable):
                     self.store.discard([ns.key(h)])
-                except Unavailable:
-                    pass
                 break
         return Lookup(hashes, start_block, found, corrupt, dtype)
 
-    def encode_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
-                      token_offset: int = 0) -> list[tuple[str, bytes]]:
+    def encode_blocks(
+        self,
+        ns: Namespace,
+        hashes: list[bytes],
+        layers: list[LayerKV],
+        start_block: int,
+        end_block: int,
+        token_offset: int = 0,
+    ) -> list[tuple[str, bytes]]:
         """The (key, blob) items of blocks [start_block, end_block) cut from ``layers`` (which start at token
         ``token_offset``): the tensor work of a write, without its I/O (see ``put``)."""
         bs = self.block_size
         items = []
-        for i, block in enumerate(split_blocks(layers, start_block * bs - token_offset, end_block * bs - token_offset, bs)):
+        for i, block in enumerate(
+            split_blocks(layers, start_block * bs - token_offset, end_block * bs - token_offset, bs)
+        ):
             h = hashes[start_block + i]
             blob = encode_block(block, h, bs)
             if len(blob) <= self.max_blob_bytes:
@@ -205,8 +235,15 @@ class PrefixCache:
         """Store encoded blocks (never overwriting); returns how many were new."""
         return self.store.put_many(items, self.ttl)
 
-    def store_blocks(self, ns: Namespace, hashes: list[bytes], layers: list[LayerKV], start_block: int, end_block: int,
-                     token_offset: int = 0) -> int:
+    def store_blocks(
+        self,
+        ns: Namespace,
+        hashes: list[bytes],
+        layers: list[LayerKV],
+        start_block: int,
+        end_block: int,
+        token_offset: int = 0,
+    ) -> int:
         """Write blocks [start_block, end_block) cut from ``layers`` (which start at token ``token_offset``)."""
         return self.put(self.encode_blocks(ns, hashes, layers, start_block, end_block, token_offset))
 
@@ -219,8 +256,17 @@ class PrefixCache:
         return hashes[-1].hex()
 
 
-def publish_source(cache, token_ids, source_identity, *, store, secret: bytes, tenant: str = "default",
-                   block_size: int = 256, ttl: float = 3600.0) -> str:
+def publish_source(
+    cache,
+    token_ids,
+    source_identity,
+    *,
+    store,
+    secret: bytes,
+    tenant: str = "default",
+    block_size: int = 256,
+    ttl: float = 3600.0,
+) -> str:
     """Publish a source server's cache (HF cache or list of (K, V)) so sidecars can translate it by key.
 
     ``store`` is a RedisStore/MemoryStore (see kvferry.common.stores.open_store); ``secret`` and

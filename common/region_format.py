@@ -11,7 +11,8 @@ from kvferry.common.errors import InvalidInput
 from kvferry.common.tensors import nbytes
 
 REGION_NAME = re.compile(r"kvf-[0-9a-f]{32}")
-"""A SharedRegion's name: "kvf-" and 32 lowercase hex digits (128 random bits), a plain file name in the shared folder."""
+"""A SharedRegion's name: "kvf-" and 32 lowercase hex digits (128 random bits), a plain file name in the shared
+folder."""
 
 
 REGION_ALIGN = 64
@@ -35,8 +36,10 @@ def region_view(region, offset: int, dtype: torch.dtype, shape) -> memoryview:
     """The bytes of a response tensor at ``offset`` of ``region`` (an object whose ``view(offset, nbytes)`` returns
     them, or raises InvalidInput when they lie outside it)."""
     if region is None:
-        raise InvalidInput("a response tensor lies in a response region, but this call has none (it named none, or the "
-                           "response header said the sidecar did not take it)")
+        raise InvalidInput(
+            "a response tensor lies in a response region, but this call has none (it named none, or the "
+            "response header said the sidecar did not take it)"
+        )
     if offset % REGION_ALIGN:
         raise InvalidInput(f"a response tensor's region_offset {offset} is not a multiple of {REGION_ALIGN}")
     return region.view(offset, nbytes(dtype, shape))

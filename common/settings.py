@@ -20,8 +20,9 @@ def read_setting(name: str, kind: str, raw: Any) -> bool | int | float | str:
             return raw
         text = str(raw).strip().lower()
         if text not in TRUE + FALSE:
-            raise InvalidInput(f"{name}: expected true or false (or {'/'.join(TRUE[1:])}, {'/'.join(FALSE[1:])}), "
-                               f"got {raw!r}")
+            raise InvalidInput(
+                f"{name}: expected true or false (or {'/'.join(TRUE[1:])}, {'/'.join(FALSE[1:])}), got {raw!r}"
+            )
         return text in TRUE
     if kind in ("int", "float"):
         if isinstance(raw, bool):  # int(True) is 1: a boolean where a number belongs is a mistake

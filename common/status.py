@@ -75,8 +75,10 @@ _CLIENT_CLASSES = {
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
-_RAISED = {code: type(cls.__name__, (cls, ServiceError), {"__module__": __name__, "__doc__": cls.__doc__})
-           for code, cls in _CLIENT_CLASSES.items()}
+_RAISED = {
+    code: type(cls.__name__, (cls, ServiceError), {"__module__": __name__, "__doc__": cls.__doc__})
+    for code, cls in _CLIENT_CLASSES.items()
+}
 
 
 def error_for(err: grpc.RpcError) -> ServiceError:

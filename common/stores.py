@@ -106,13 +106,21 @@ class RedisStore:
     a tenant's blocks are spread too), and a lookup of many blocks is one pipelined MGET per slot, sent to each master
     at once, not one cross-slot MGET (which a cluster refuses) nor a round trip per block."""
 
-    def __init__(self, url: str, password: str | None = None, username: str | None = None, timeout: float = 2.0,
-                 max_connections: int = 32):
+    def __init__(
+        self,
+        url: str,
+        password: str | None = None,
+        username: str | None = None,
+        timeout: float = 2.0,
+        max_connections: int = 32,
+    ):
         import redis
 
         if not url.startswith(STORE_SCHEMES):
-            raise ValueError("the prefix store URL must start with redis://, rediss://, unix:// or redis+cluster:// "
-                             "(rediss+cluster://)")
+            raise ValueError(
+                "the prefix store URL must start with redis://, rediss://, unix:// or redis+cluster:// "
+                "(rediss+cluster://)"
+            )
         check_store_url(url)
         kw = dict(socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=max_connections)
         if password:
@@ -131,8 +139,10 @@ class RedisStore:
         try:  # redis-py reads unknown URL parameters as connection arguments, refused only at the first call
             self._redis.connection_pool.connection_class(**self._redis.connection_pool.connection_kwargs)
         except TypeError as e:
-            raise ValueError(f"redis URL {redact_url(url)!r} has a parameter redis-py does not accept "
-                             f"({str(e).rpartition(' ')[2]}); see redis-py's from_url for the ones it reads") from None
+            raise ValueError(
+                f"redis URL {redact_url(url)!r} has a parameter redis-py does not accept "
+                f"({str(e).rpartition(' ')[2]}); see redis-py's from_url for the ones it reads"
+            ) from None
 
     @property
     def _r(self):
@@ -241,8 +251,10 @@ def _cluster_seeds(url: str, kw: dict):
         if k in ("password", "username"):
             out[k] = v
         else:
-            raise ValueError(f"redis cluster URL {redact_url(url)!r}: parameter {k!r} is not read for a cluster "
-                             "(only username and password; set timeouts in the sidecar's settings)")
+            raise ValueError(
+                f"redis cluster URL {redact_url(url)!r}: parameter {k!r} is not read for a cluster "
+                "(only username and password; set timeouts in the sidecar's settings)"
+            )
     return seeds, {k: v for k, v in out.items() if v is not None}
 
 
@@ -301,8 +313,14 @@ class GuardedStore:
         return not self.open and self.store.ping()
 
 
-def open_store(url: str = "", password: str | None = None, memory_bytes: int = 512 << 20, timeout: float = 2.0,
-               cooldown: float = 0.0, on_change=None):
+def open_store(
+    url: str = "",
+    password: str | None = None,
+    memory_bytes: int = 512 << 20,
+    timeout: float = 2.0,
+    cooldown: float = 0.0,
+    on_change=None,
+):
     """RedisStore for a URL (behind a circuit breaker of ``cooldown`` seconds when positive), else the in-process
     MemoryStore (which cannot fail)."""
     if not url:

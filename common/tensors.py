@@ -87,15 +87,25 @@ def encode_tensor(t: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=dtype_to_pb(t.dtype), shape=list(t.shape), data=tensor_bytes(t))
 
 
-def decode_tensor(msg: pb.Tensor, expect_shape: tuple[int, ...] | None = None, expect_dtype: torch.dtype | None = None,
-                  what: str = "tensor") -> torch.Tensor:
+def decode_tensor(
+    msg: pb.Tensor,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_dtype: torch.dtype | None = None,
+    what: str = "tensor",
+) -> torch.Tensor:
     """Bytes -> tensor, checking dtype, shape and byte count before touching the data."""
     # each read of a bytes field copies it: read it once, here
     return checked_tensor(msg.dtype, tuple(msg.shape), msg.data, expect_shape, expect_dtype, what)
 
 
-def checked_tensor(code: int, shape: tuple[int, ...], data, expect_shape: tuple[int, ...] | None = None,
-                   expect_dtype: torch.dtype | None = None, what: str = "tensor") -> torch.Tensor:
+def checked_tensor(
+    code: int,
+    shape: tuple[int, ...],
+    data,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_dtype: torch.dtype | None = None,
+    what: str = "tensor",
+) -> torch.Tensor:
     """A tensor viewing ``data`` (no copy), after checking the dtype code, the shape and the byte count."""
     dtype = dtype_from_pb(code)
     shape = tuple(int(s) for s in shape)

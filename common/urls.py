@@ -13,9 +13,12 @@ def check_store_url(url: str) -> None:
     password holding one is cut there), a path that is not a database number (``redis://h:6379/pw@x``: the ``@``
     after the host is no userinfo), a port that is not a number, a query parameter without a value. The message
     describes what is wrong and echoes none of the URL (it may hold a password)."""
+
     def refuse(why: str) -> None:
-        raise ValueError(f"the prefix store URL {why}; percent-encode such characters in a password (or give it in "
-                         "redis_password_file) and check the URL's shape: redis://[user@]host:port/db")
+        raise ValueError(
+            f"the prefix store URL {why}; percent-encode such characters in a password (or give it in "
+            "redis_password_file) and check the URL's shape: redis://[user@]host:port/db"
+        )
 
     if "#" in url:
         refuse("holds a '#', which ends a URL")
@@ -23,9 +26,9 @@ def check_store_url(url: str) -> None:
         parts = urlsplit(url)
         if parts.scheme.endswith("+cluster"):  # seeds: host:port, comma-separated
             for seed in parts.netloc.rpartition("@")[2].split(","):
-                urlsplit(f"redis://{seed.strip()}").port  # noqa: B018 - a port that is not a number raises here
+                _ = urlsplit(f"redis://{seed.strip()}").port  # a port that is not a number raises here
         else:
-            parts.port  # noqa: B018
+            _ = parts.port
     except ValueError:
         refuse("cannot be parsed")
     if parts.scheme != "unix":
@@ -49,12 +52,14 @@ def redact_url(url: str) -> str:
             check_store_url(url)
         parts = urlsplit(url)
         host = parts.netloc.rpartition("@")[2]
-        query = [(k, "***" if any(s in k.lower() for s in SECRET_PARAMETERS) else v)
-                 for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        query = [
+            (k, "***" if any(s in k.lower() for s in SECRET_PARAMETERS) else v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        ]
         userinfo = "***@" if "@" in parts.netloc else ""
         out = urlunsplit((parts.scheme, userinfo + host, parts.path, urlencode(query, safe="*"), ""))
         if not parts.netloc and url.startswith(f"{parts.scheme}://"):  # unix:///path keeps its empty authority
-            out = f"{parts.scheme}://{out[len(parts.scheme) + 1:]}"
+            out = f"{parts.scheme}://{out[len(parts.scheme) + 1 :]}"
         return out
     except ValueError:
         return "<unparseable URL>"

@@ -34,15 +34,32 @@ def _fit_and_eval(source, target, out, prompts: int, quiet: bool):
     t0 = time.perf_counter()
     ms = fit_pair(source, target, [str(paths.data_file("calib.jsonl"))], FitSettings(), progress=not quiet)
     dest = save(ms, out)
-    print(f"   fitted {len(ms.maps)} maps from {ms.calibration['tokens']} tokens in {time.perf_counter() - t0:.1f}s -> {dest}")
-    ev = evaluate(ms, source, target, [str(paths.data_file("heldout.jsonl"))],
-                  EvalSettings(prompts=prompts, recall_prompts=min(prompts, 50), greedy_prompts=min(prompts, 16)),
-                  progress=not quiet)
+    print(
+        f"   fitted {len(ms.maps)} maps from {ms.calibration['tokens']} tokens in {time.perf_counter() - t0:.1f}s -> "
+        f"{dest}"
+    )
+    ev = evaluate(
+        ms,
+        source,
+        target,
+        [str(paths.data_file("heldout.jsonl"))],
+        EvalSettings(prompts=prompts, recall_prompts=min(prompts, 50), greedy_prompts=min(prompts, 16)),
+        progress=not quiet,
+    )
     write_evidence(dest, ev)
-    print(format_table(ev, f"{ms.name} {ms.version}: evidence on held-out text ({prompts} prompts, r={ev['recommended_refresh']})"))
+    print(
+        format_table(
+            ev, f"{ms.name} {ms.version}: evidence on held-out text ({prompts} prompts, r={ev['recommended_refresh']})"
+        )
+    )
     from kvferry.mappings.copy_probe import format_copy_table
 
-    print(format_copy_table(ev["copy"], "   long-range copy probe (the tiny family does not copy at these distances: the gate calls it n/a)"))
+    print(
+        format_copy_table(
+            ev["copy"],
+            "   long-range copy probe (the tiny family does not copy at these distances: the gate calls it n/a)",
+        )
+    )
     problems = Gates().failures(ev)
     print("   gates:", "PASS" if not problems else "FAIL: " + "; ".join(problems), "\n", flush=True)
     return ms
@@ -78,8 +95,10 @@ def run(a: argparse.Namespace) -> int:
     if a.family in ("all", "real"):
         from kvferry import demo_real
 
-        print("== fast fixtures: SmolLM2-135M and its depth cuts (a cut's source is the target's own first layers)\n",
-              flush=True)
+        print(
+            "== fast fixtures: SmolLM2-135M and its depth cuts (a cut's source is the target's own first layers)\n",
+            flush=True,
+        )
         try:
             return demo_real.run(a)
         except demo_real.RealModelUnavailable as e:
@@ -90,11 +109,11 @@ def run(a: argparse.Namespace) -> int:
 
 
 def run_tiny(a: argparse.Namespace) -> int:
-    from kvferry.quiet import quiet_transformers
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
     from kvferry.mappings.capture import capture_kv, load_model
+    from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig
 
@@ -108,7 +127,11 @@ def run_tiny(a: argparse.Namespace) -> int:
 
     print("== sidecar + cascade", flush=True)
     with BackgroundSidecar(SidecarConfig(maps_dir=str(out), port=0, reload_seconds=0)) as sc:
-        print(f"   sidecar on {sc.address}: {', '.join(f'{e.maps.name} {e.maps.version}' + ('' if e.servable else ' (gated off)') for e in sc.sidecar.registry.entries())}")
+        listed = [
+            f"{e.maps.name} {e.maps.version}" + ("" if e.servable else " (gated off)")
+            for e in sc.sidecar.registry.entries()
+        ]
+        print(f"   sidecar on {sc.address}: {', '.join(listed)}")
         force = not any(e.servable and e.maps.name == ms.name for e in sc.sidecar.registry.entries())
         if force:
             print("   S__T is gated off by its evidence; the cascade below will fall back to T's own prefill.")
@@ -116,7 +139,9 @@ def run_tiny(a: argparse.Namespace) -> int:
         ids = target.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         n = ids.shape[1]
         with TranslateClient(ClientOptions(target=sc.address)) as client:
-            cascade = Cascade(target.model, client, ms.name, MapRollout(version=ms.version, refresh=16), source.identity)
+            cascade = Cascade(
+                target.model, client, ms.name, MapRollout(version=ms.version, refresh=16), source.identity
+            )
             t0 = time.perf_counter()
             with torch.no_grad():
                 src_kv = capture_kv(source.model, ids)
@@ -125,7 +150,10 @@ def run_tiny(a: argparse.Namespace) -> int:
             cascade.full_prefill(ids, 4)
             mapped = cascade.generate(ids, src_kv, 32)
             gold = cascade.full_prefill(ids, 32)
-    dec = lambda t: target.tokenizer.decode(t)  # noqa: E731
+
+    def dec(t):
+        return target.tokenizer.decode(t)
+
     agree = sum(x == y for x, y in zip(mapped.tokens, gold.tokens)) / len(gold.tokens)
     print(f"   prompt: {n} tokens (a {10}-entry key->value table, held-out code, then a query; answer {answer!r})")
     print(f"   S prefill (the source reads the prompt anyway): {source_prefill * 1e3:.1f} ms")
@@ -134,13 +162,21 @@ def run_tiny(a: argparse.Namespace) -> int:
     print(f"   T via kvferry  : TTFT {mapped.ttft_seconds * 1e3:7.1f} ms  -> {json.dumps(dec(mapped.tokens))}")
     if mapped.translate is not None:
         t = mapped.timings
-        print(f"                    (translate {t['translate'] * 1e3:.1f} ms over gRPC, import {t['import'] * 1e3:.1f} ms, "
-              f"refresh + first token {t['refresh_first_token'] * 1e3:.1f} ms; {mapped.translate.stats.bytes_in / 2**20:.2f} MiB in)")
+        print(
+            f"                    (translate {t['translate'] * 1e3:.1f} ms over gRPC, import {t['import'] * 1e3:.1f} "
+            "ms, "
+            f"refresh + first token {t['refresh_first_token'] * 1e3:.1f} ms; "
+            f"{mapped.translate.stats.bytes_in / 2**20:.2f} MiB in)"
+        )
     if mapped.drift is not None:
-        print(f"   drift signal (free, on the {mapped.drift.tokens} refreshed tokens): attention-output cosine "
-              f"{mapped.drift.mean_attn_cos:.3f}, K/V relative error {mapped.drift.mean_rel_err:.3f}")
+        print(
+            f"   drift signal (free, on the {mapped.drift.tokens} refreshed tokens): attention-output cosine "
+            f"{mapped.drift.mean_attn_cos:.3f}, K/V relative error {mapped.drift.mean_rel_err:.3f}"
+        )
     print(f"   greedy agreement over 32 tokens: {agree:.2f}")
-    print(f"   recall answer: full prefill {'correct' if dec(gold.tokens).startswith(answer) else 'wrong'}, "
-          f"kvferry {'correct' if dec(mapped.tokens).startswith(answer) else 'wrong'}")
+    print(
+        f"   recall answer: full prefill {'correct' if dec(gold.tokens).startswith(answer) else 'wrong'}, "
+        f"kvferry {'correct' if dec(mapped.tokens).startswith(answer) else 'wrong'}"
+    )
     print("   (at these tiny sizes prefill is cheap; `kvferry bench translate` measures TTFT at n=512..8192)")
     return 0

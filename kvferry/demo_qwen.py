@@ -31,7 +31,11 @@ def _latest(name: str):
     from kvferry.mappings.versions import version_key
 
     root = paths.maps_dir() / name
-    versions = sorted((p.name for p in root.iterdir() if (p / "manifest.json").is_file()), key=version_key) if root.is_dir() else []
+    versions = (
+        sorted((p.name for p in root.iterdir() if (p / "manifest.json").is_file()), key=version_key)
+        if root.is_dir()
+        else []
+    )
     return root / versions[-1] if versions else None
 
 
@@ -40,8 +44,10 @@ def _r2_summary(ms) -> list[str]:
     for kind in "kv":
         r2 = [r["r2"] for r in (ms.evidence or {}).get("layers", []) if r["kind"] == kind]
         if r2:
-            out.append(f"held-out R² of {kind.upper()} over the {ms.target.geometry.layers} target layers: "
-                       f"{min(r2):.2f}..{max(r2):.2f}")
+            out.append(
+                f"held-out R² of {kind.upper()} over the {ms.target.geometry.layers} target layers: "
+                f"{min(r2):.2f}..{max(r2):.2f}"
+            )
     return out
 
 
@@ -54,9 +60,9 @@ def _function_prompt(tokenizer, gap: int):
     texts = list(read_corpus([paths.data_file("heldout.jsonl")]))
     fn = next(t for t in texts if "\ndef " in t)
     start = fn.index("\ndef ") + 1
-    passage = tokenizer(scramble(fn[start:start + 1200], 7), add_special_tokens=False)["input_ids"][:160]
-    filler = token_stream(tokenizer, texts[len(texts) // 2:])[:gap]
-    return passage + filler + passage[:40], passage[40:40 + CONTINUE]
+    passage = tokenizer(scramble(fn[start : start + 1200], 7), add_special_tokens=False)["input_ids"][:160]
+    filler = token_stream(tokenizer, texts[len(texts) // 2 :])[:gap]
+    return passage + filler + passage[:40], passage[40 : 40 + CONTINUE]
 
 
 def run(a: argparse.Namespace) -> int:
@@ -73,8 +79,10 @@ def run(a: argparse.Namespace) -> int:
 
     quiet_transformers()
     t_start = time.perf_counter()
-    print(f"== two sizes of one family: {SOURCE} (24 layers, 2 KV heads x 64) -> {TARGET} (28 layers, 2 KV heads x 128)",
-          flush=True)
+    print(
+        f"== two sizes of one family: {SOURCE} (24 layers, 2 KV heads x 64) -> {TARGET} (28 layers, 2 KV heads x 128)",
+        flush=True,
+    )
     src_dir, tgt_dir = pretrained.fetch(SOURCE), pretrained.fetch(TARGET)
     print(f"   models ready in {time.perf_counter() - t_start:.0f}s", flush=True)
     source, target = load_model(src_dir), load_model(tgt_dir)
@@ -87,22 +95,36 @@ def run(a: argparse.Namespace) -> int:
     ids_list, want = _function_prompt(target.tokenizer, a.gap)
     ids = torch.tensor([ids_list])
     n = ids.shape[1]
-    dec = lambda t: json.dumps(target.tokenizer.decode(t))  # noqa: E731
-    match = lambda got: f"{sum(x == y for x, y in zip(got, want)):2d}/{len(want)} tokens of the function"  # noqa: E731
+
+    def dec(t):
+        return json.dumps(target.tokenizer.decode(t))
+
+    def match(got):
+        return f"{sum(x == y for x, y in zip(got, want)):2d}/{len(want)} tokens of the function"
+
     pad = target.tokenizer.eos_token_id
-    print(f"== a function read {a.gap} tokens earlier: {n} tokens (a held-out function, its names made up, {a.gap} tokens "
-          f"of other code, then its first lines again)\n   the function goes on: {dec(want)}", flush=True)
-    with BackgroundSidecar(SidecarConfig(maps_dir=str(paths.maps_dir()), port=0, reload_seconds=0)) as sc, \
-            TranslateClient(ClientOptions(target=sc.address, timeout=600)) as client:
+    print(
+        f"== a function read {a.gap} tokens earlier: {n} tokens (a held-out function, its names made up, {a.gap} "
+        "tokens "
+        f"of other code, then its first lines again)\n   the function goes on: {dec(want)}",
+        flush=True,
+    )
+    with (
+        BackgroundSidecar(SidecarConfig(maps_dir=str(paths.maps_dir()), port=0, reload_seconds=0)) as sc,
+        TranslateClient(ClientOptions(target=sc.address, timeout=600)) as client,
+    ):
         info = {(m.name, m.version): m for m in client.list_mappings("qwen")}[(ms.name, ms.version)]
-        print(f"   sidecar on {sc.address} (gates on): {ms.name} {ms.version} "
-              f"{'SERVES' if info.servable else 'gated off'}", flush=True)
+        print(
+            f"   sidecar on {sc.address} (gates on): {ms.name} {ms.version} "
+            f"{'SERVES' if info.servable else 'gated off'}",
+            flush=True,
+        )
         with torch.no_grad():
             t0 = time.perf_counter()
             target.model(input_ids=ids, logits_to_keep=1)
             t_full = time.perf_counter() - t0  # the 1.5B's own prefill, to its first token
             gold = greedy_continuation(target.model, ids, None, CONTINUE, pad)
-            trunc = greedy_continuation(target.model, ids[:, n - REFRESH:], None, CONTINUE, pad)
+            trunc = greedy_continuation(target.model, ids[:, n - REFRESH :], None, CONTINUE, pad)
             t0 = time.perf_counter()
             src_kv = capture_kv(source.model, ids)
             t_source = time.perf_counter() - t0
@@ -115,8 +137,13 @@ def run(a: argparse.Namespace) -> int:
             cascade.close()
         ttft = f"  (to first token {res.ttft_seconds:.1f} s after the 0.5B's {t_source:.1f} s prefill)"
         print(f"   kvferry from the 0.5B's cache    : {match(res.tokens)}  {dec(res.tokens)}{ttft}")
-        print_cascade_path(res, ms, target.model, ids, src_kv, REFRESH, CONTINUE, pad, lambda t: f"{match(t)}  {dec(t)}")
-    verdict = ("the map passes every gate and serves" if not problems else
-               "the gate refuses the map on the evidence above, so the cascade answered with the 1.5B's own prefill")
+        print_cascade_path(
+            res, ms, target.model, ids, src_kv, REFRESH, CONTINUE, pad, lambda t: f"{match(t)}  {dec(t)}"
+        )
+    verdict = (
+        "the map passes every gate and serves"
+        if not problems
+        else "the gate refuses the map on the evidence above, so the cascade answered with the 1.5B's own prefill"
+    )
     print(f"\n   done in {time.perf_counter() - t_start:.0f}s: {verdict}.\n", flush=True)
     return 0

@@ -34,7 +34,11 @@ def _latest_artifact(name: str):
     from kvferry.mappings.versions import version_key
 
     root = paths.maps_dir() / name
-    versions = sorted((p.name for p in root.iterdir() if (p / "manifest.json").is_file()), key=version_key) if root.is_dir() else []
+    versions = (
+        sorted((p.name for p in root.iterdir() if (p / "manifest.json").is_file()), key=version_key)
+        if root.is_dir()
+        else []
+    )
     return root / versions[-1] if versions else None
 
 
@@ -42,11 +46,20 @@ def _layer_summary(evidence: dict, source_layers: int) -> str:
     rows = evidence.get("layers", [])
     trivial = [r["r2"] for r in rows if r["layer"] < source_layers]
     rest = {k: [r["r2"] for r in rows if r["layer"] >= source_layers and r["kind"] == k] for k in "kv"}
-    out = [f"target layers 0-{source_layers - 1}: R² >= {min(trivial):.4f} (the source's own layers: exact by construction, "
-           f"they flatter the method)"] if trivial else []
+    out = (
+        [
+            f"target layers 0-{source_layers - 1}: R² >= {min(trivial):.4f} (the source's own layers: exact by "
+            "construction, "
+            f"they flatter the method)"
+        ]
+        if trivial
+        else []
+    )
     for k, v in rest.items():
         if v:
-            out.append(f"layers {source_layers}-{max(r['layer'] for r in rows)} {k.upper()}: R² {min(v):.3f}..{max(v):.3f}")
+            out.append(
+                f"layers {source_layers}-{max(r['layer'] for r in rows)} {k.upper()}: R² {min(v):.3f}..{max(v):.3f}"
+            )
     return "; ".join(out)
 
 
@@ -56,7 +69,6 @@ def _match(got: list[int], want: list[int]) -> str:
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvferry.quiet import quiet_transformers
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
@@ -65,12 +77,16 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.mappings.copy_probe import CopySettings, make_examples
     from kvferry.mappings.errors import InvalidInput
     from kvferry.mappings.evaluate import greedy_continuation
+    from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig
 
     quiet_transformers()
     t_start = time.perf_counter()
-    print(f"== real pair: {TARGET} (SmolLM2-135M-Instruct, 30 layers) and depth-cut sources (its first {SOURCES} layers)", flush=True)
+    print(
+        f"== real pair: {TARGET} (SmolLM2-135M-Instruct, 30 layers) and depth-cut sources (its first {SOURCES} layers)",
+        flush=True,
+    )
     try:
         full_dir = pretrained.fetch(TARGET)
         cut_dirs = {n: pretrained.cut(TARGET, n) for n in SOURCES}
@@ -83,7 +99,10 @@ def run(a: argparse.Namespace) -> int:
         source = load_model(folder)
         art = _latest_artifact(f"{source.identity.name}__{target.identity.name}")
         if art is None:
-            print(f"   no shipped map for {source.identity.name}; fit one with `kvferry fit --source {folder} --target {full_dir}`")
+            print(
+                f"   no shipped map for {source.identity.name}; fit one with `kvferry fit --source {folder} --target "
+                f"{full_dir}`"
+            )
             continue
         ms = load(art)
         pairs.append((n, source, ms, print_evidence(ms, [_layer_summary(ms.evidence or {}, n)])))
@@ -95,28 +114,44 @@ def run(a: argparse.Namespace) -> int:
     ids = torch.tensor([ex.prompt])
     n = ids.shape[1]
     want = ex.answer[:CONTINUE]
-    dec = lambda t: json.dumps(target.tokenizer.decode(t))  # noqa: E731
+
+    def dec(t):
+        return json.dumps(target.tokenizer.decode(t))
+
     pad = target.tokenizer.eos_token_id
-    print(f"== a copy prompt: {n} tokens (a 120-token passage of held-out code, {a.gap} tokens of other code, then the "
-          f"passage's first 40 tokens again)\n   the passage goes on: {dec(want)}", flush=True)
-    with BackgroundSidecar(SidecarConfig(maps_dir=str(paths.maps_dir()), port=0, reload_seconds=0)) as sc, \
-            TranslateClient(ClientOptions(target=sc.address)) as client:
+    print(
+        f"== a copy prompt: {n} tokens (a 120-token passage of held-out code, {a.gap} tokens of other code, then the "
+        f"passage's first 40 tokens again)\n   the passage goes on: {dec(want)}",
+        flush=True,
+    )
+    with (
+        BackgroundSidecar(SidecarConfig(maps_dir=str(paths.maps_dir()), port=0, reload_seconds=0)) as sc,
+        TranslateClient(ClientOptions(target=sc.address)) as client,
+    ):
         listed = {m.name: m for m in client.list_mappings("smollm2")}
-        print(f"   sidecar on {sc.address} (gates on): " + ", ".join(
-            f"{m.name} {m.version} {'SERVES' if m.servable else 'gated off'}" for m in listed.values()), flush=True)
+        print(
+            f"   sidecar on {sc.address} (gates on): "
+            + ", ".join(f"{m.name} {m.version} {'SERVES' if m.servable else 'gated off'}" for m in listed.values()),
+            flush=True,
+        )
         with torch.no_grad():
             target.model(input_ids=ids)  # warm-up
             t0 = time.perf_counter()
             target.model(input_ids=ids)
             t_full = time.perf_counter() - t0  # the target's own prefill, to the first token
             gold = greedy_continuation(target.model, ids, None, CONTINUE, pad)
-        trunc = greedy_continuation(target.model, ids[:, n - REFRESH:], None, CONTINUE, pad)
-        print(f"   target, full prefill                 : {_match(gold, want)}  {dec(gold)}  (prefill {t_full * 1e3:.0f} ms)")
+        trunc = greedy_continuation(target.model, ids[:, n - REFRESH :], None, CONTINUE, pad)
+        print(
+            f"   target, full prefill                 : {_match(gold, want)}  {dec(gold)}  (prefill "
+            f"{t_full * 1e3:.0f} ms)"
+        )
         print(f"   target, truncated to last {REFRESH} tokens  : {_match(trunc, want)}  {dec(trunc)}", flush=True)
-        for cut, source, ms, problems in pairs:
+        for cut, source, ms, _problems in pairs:
             with torch.no_grad():
                 src_kv = capture_kv(source.model, ids)
-            cascade = Cascade(target.model, client, ms.name, MapRollout(refresh=REFRESH, min_tokens=64), source.identity)
+            cascade = Cascade(
+                target.model, client, ms.name, MapRollout(refresh=REFRESH, min_tokens=64), source.identity
+            )
             try:
                 cascade.generate(ids, src_kv, 1)  # warm-up: channel, allocator
                 res = cascade.generate(ids, src_kv, CONTINUE)
@@ -125,8 +160,12 @@ def run(a: argparse.Namespace) -> int:
             label = f"kvferry from the {cut}-layer source"
             ttft = f"  (to first token {res.ttft_seconds * 1e3:.0f} ms)" if res.path == "mapped" else ""
             print(f"   {label:<38}: {_match(res.tokens, want)}  {dec(res.tokens)}{ttft}")
-            print_cascade_path(res, ms, target.model, ids, src_kv, REFRESH, CONTINUE, pad,
-                               lambda t: f"{_match(t, want)}  {dec(t)}")
-    print(f"\n   done in {time.perf_counter() - t_start:.0f}s. The gate reads the copy probe: a map that loses the distant "
-          "passage is never served; the cascade falls back to the target's own prefill instead of answering wrongly.")
+            print_cascade_path(
+                res, ms, target.model, ids, src_kv, REFRESH, CONTINUE, pad, lambda t: f"{_match(t, want)}  {dec(t)}"
+            )
+    print(
+        f"\n   done in {time.perf_counter() - t_start:.0f}s. The gate reads the copy probe: a map that loses the "
+        "distant "
+        "passage is never served; the cascade falls back to the target's own prefill instead of answering wrongly."
+    )
     return 0

@@ -9,6 +9,7 @@ import sys
 def lazy_exports(package: str, table: dict[str, str]):
     """``__getattr__`` and ``__dir__`` for ``package``, whose public names ``table`` maps to the submodule each
     lives in."""
+
     def __getattr__(name: str):
         if name not in table:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

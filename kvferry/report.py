@@ -13,19 +13,35 @@ def print_evidence(ms, summary: list[str], verdict: bool = True) -> list[str]:
     from kvferry.mappings.next_line import format_next_line_table
 
     ev = ms.evidence or {}
-    print(f"== {ms.name} {ms.version}: evidence from `kvferry eval` (in its manifest; forwards in "
-          f"{ev.get('precision', 'float32')})")
+    print(
+        f"== {ms.name} {ms.version}: evidence from `kvferry eval` (in its manifest; forwards in "
+        f"{ev.get('precision', 'float32')})"
+    )
     for line in summary:
         print("   " + line)
-    tables = (("arms" in ev, lambda: format_table(ev, "   next-token arms on held-out code (vs the target's full prefill)")),
-              ("prose" in ev, lambda: format_table(ev["prose"], "   next-token arms on held-out English prose")),
-              ("copy" in ev, lambda: format_copy_table(ev["copy"], "   copy probe on code (continuing a passage seen "
-                                                                    "<gap> tokens earlier)")),
-              ("copy" in ev.get("prose", {}), lambda: format_copy_table(ev["prose"]["copy"], "   copy probe on prose")),
-              ("completion" in ev, lambda: format_completion_table(ev["completion"], "   completion task (the first "
-                                                                   "line of a function's body, exact match)")),
-              ("next_line" in ev, lambda: format_next_line_table(ev["next_line"], "   next-line task (a file's next "
-                                                                 "line after 2,000+ tokens of it)")))
+    tables = (
+        ("arms" in ev, lambda: format_table(ev, "   next-token arms on held-out code (vs the target's full prefill)")),
+        ("prose" in ev, lambda: format_table(ev["prose"], "   next-token arms on held-out English prose")),
+        (
+            "copy" in ev,
+            lambda: format_copy_table(
+                ev["copy"], "   copy probe on code (continuing a passage seen <gap> tokens earlier)"
+            ),
+        ),
+        ("copy" in ev.get("prose", {}), lambda: format_copy_table(ev["prose"]["copy"], "   copy probe on prose")),
+        (
+            "completion" in ev,
+            lambda: format_completion_table(
+                ev["completion"], "   completion task (the first line of a function's body, exact match)"
+            ),
+        ),
+        (
+            "next_line" in ev,
+            lambda: format_next_line_table(
+                ev["next_line"], "   next-line task (a file's next line after 2,000+ tokens of it)"
+            ),
+        ),
+    )
     for present, table in tables:
         if present:
             print(table())

@@ -8,7 +8,8 @@ is rounded to bfloat16 before any cast to the output dtype either way.
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
@@ -17,7 +18,6 @@ from .capture import LayerKV
 from .errors import InvalidInput
 from .features import from_features, to_features
 from .precision import matmul_dtype
-
 
 
 class TokenLanes(Protocol):
@@ -37,8 +37,9 @@ def _append_merged(pieces: list[tuple[int, torch.Tensor]], start: int, t: torch.
         pieces[-2:] = [(s0, torch.cat([a, b], dim=dim))]
 
 
-def check_push(ms: MapSet, layer: int, kind: str, tensor: torch.Tensor, start: int, expect: int,
-               tokens: int | None) -> None:
+def check_push(
+    ms: MapSet, layer: int, kind: str, tensor: torch.Tensor, start: int, expect: int, tokens: int | None
+) -> None:
     """Refuse a source chunk that is not the next one of its (layer, kind): ``expect`` is the next token it must start
     at, ``tokens`` the declared total (None: open-ended)."""
     sg = ms.source.geometry
@@ -47,11 +48,15 @@ def check_push(ms: MapSet, layer: int, kind: str, tensor: torch.Tensor, start: i
     if not 0 <= layer < sg.layers:
         raise InvalidInput(f"source layer {layer} out of range 0..{sg.layers - 1}")
     if tensor.dim() != 4 or tensor.shape[1] != sg.kv_heads or tensor.shape[3] != sg.head_dim:
-        raise InvalidInput(f"source layer {layer} {kind.upper()} has shape {tuple(tensor.shape)}; expected "
-                           f"[batch, {sg.kv_heads}, tokens, {sg.head_dim}]")
+        raise InvalidInput(
+            f"source layer {layer} {kind.upper()} has shape {tuple(tensor.shape)}; expected "
+            f"[batch, {sg.kv_heads}, tokens, {sg.head_dim}]"
+        )
     if start != expect:
-        raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens must arrive in order; expected start "
-                           f"{expect}, got {start}" + (" (sent twice?)" if start < expect else ""))
+        raise InvalidInput(
+            f"source layer {layer} {kind.upper()}: tokens must arrive in order; expected start "
+            f"{expect}, got {start}" + (" (sent twice?)" if start < expect else "")
+        )
     if tokens is not None and start + tensor.shape[2] > tokens:
         raise InvalidInput(f"source layer {layer} {kind.upper()}: tokens past the declared {tokens}")
 
@@ -87,7 +92,9 @@ class CodeSums:
         _, _, start, first = self._pending[0]
         b, n = first.shape[0], first.shape[1]
         x = torch.cat([f for _, _, _, f in self._pending], dim=-1).reshape(b * n, -1).to(self.encoder.dtype)
-        rows = torch.cat([self.encoder[self.basis.rows(layer, kind, self.width)] for layer, kind, _, _ in self._pending])
+        rows = torch.cat(
+            [self.encoder[self.basis.rows(layer, kind, self.width)] for layer, kind, _, _ in self._pending]
+        )
         self._pending = []
         end = start + n - self.first
         if self.sums is None:
@@ -127,21 +134,31 @@ class StreamingApplier:
     tokens would be mapped from a context they do not have.
     """
 
-    def __init__(self, ms: MapSet, positions: int = 0, out_dtype: torch.dtype | None = None, tokens: int | None = None,
-                 context: int = 0):
+    def __init__(
+        self,
+        ms: MapSet,
+        positions: int = 0,
+        out_dtype: torch.dtype | None = None,
+        tokens: int | None = None,
+        context: int = 0,
+    ):
         if not isinstance(positions, int):
             raise InvalidInput("positions must be the absolute position (int) of the first token")
         if context != min(ms.context, positions):
-            raise InvalidInput(f"map {ms.name} {ms.version} reads the {ms.context} source tokens before each token; a "
-                               f"translation starting at position {positions} must also send the "
-                               f"{min(ms.context, positions)} before it (got {context}). Translate from position 0 or "
-                               "send that context")
+            raise InvalidInput(
+                f"map {ms.name} {ms.version} reads the {ms.context} source tokens before each token; a "
+                f"translation starting at position {positions} must also send the "
+                f"{min(ms.context, positions)} before it (got {context}). Translate from position 0 or "
+                "send that context"
+            )
         self.ms = ms
         self.start_position = positions
         self.context = context
         self.out_dtype = out_dtype
         self.tokens = tokens  # total tokens, when known: completion is then checkable
-        self._groups = ms.fused_groups(matmul_dtype(ms.dtype, ms.device))  # maps reading the same source features share one matmul
+        self._groups = ms.fused_groups(
+            matmul_dtype(ms.dtype, ms.device)
+        )  # maps reading the same source features share one matmul
         self._codes: CodeSums | None = None  # a shared-basis set's code sums, made at the first push (its device)
         self._done = [0] * len(self._groups)  # tokens mapped per group
         self._next: dict[tuple[int, str], int] = {}  # tokens received per source (layer, kind); starts at -context
@@ -152,11 +169,15 @@ class StreamingApplier:
             for key in reads:
                 self._readers.setdefault(key, []).append(gi)
         tl = ms.target.geometry.layers
-        self._out: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {(t, k): [] for t in range(tl) for k in KINDS}
+        self._out: dict[tuple[int, str], list[tuple[int, torch.Tensor]]] = {
+            (t, k): [] for t in range(tl) for k in KINDS
+        }
         self._produced = {(t, k): 0 for t in range(tl) for k in KINDS}
         self._emitted = [0] * tl
 
-    def push(self, layer: int, kind: str, tensor: torch.Tensor, start: int = 0) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    def push(
+        self, layer: int, kind: str, tensor: torch.Tensor, start: int = 0
+    ) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
         """Add source ``layer``'s K ("k") or V ("v") for tokens [start, start + T): tensor [B, H, T, D]."""
         sg = self.ms.source.geometry
         key = (layer, kind)
@@ -173,7 +194,9 @@ class StreamingApplier:
         to_features(tensor, rope, pos, self.ms.dtype, feats)
         if self.ms.basis is not None:
             if self._codes is None:
-                self._codes = CodeSums(self.ms.basis, sg.kv_width, matmul_dtype(self.ms.dtype, tensor.device), tensor.device)
+                self._codes = CodeSums(
+                    self.ms.basis, sg.kv_width, matmul_dtype(self.ms.dtype, tensor.device), tensor.device
+                )
             self._codes.add(layer, kind, start, feats)
         else:
             _append_merged(self._feats.setdefault(key, []), start, feats, dim=1)
@@ -193,7 +216,9 @@ class StreamingApplier:
         """A group's map input for tokens [a, b): its source features side by side, then (windowed) those of the
         window - 1 tokens before, nearest first."""
         sources, inputs, window = group
-        return torch.cat([self._slice((s, c), a - o, b - o) for o in range(window) for s in sources for c in inputs], dim=-1)
+        return torch.cat(
+            [self._slice((s, c), a - o, b - o) for o in range(window) for s in sources for c in inputs], dim=-1
+        )
 
     def _advance(self, groups: list[int]):
         """Map what ``groups`` (those reading the source just pushed: no other can have become ready) can now map, drop
@@ -209,8 +234,10 @@ class StreamingApplier:
             if self._codes is not None:
                 self._codes.flush()  # the range is complete: its last chunks join the sums
             f = self._codes.sums if self._codes is not None else self._feats[self._reads[gi][0]][0][1]
-            outs = [torch.empty(f.shape[0], tg.kv_heads, ready - a, tg.head_dim, dtype=self.out_dtype, device=f.device)
-                    for _ in keys]
+            outs = [
+                torch.empty(f.shape[0], tg.kv_heads, ready - a, tg.head_dim, dtype=self.out_dtype, device=f.device)
+                for _ in keys
+            ]
             self._map_rows(gi, a, ready, outs)
             for (t, kind), out in zip(keys, outs):
                 _append_merged(self._out[(t, kind)], a, out, dim=2)
@@ -258,7 +285,9 @@ class StreamingApplier:
         for key in keys:
             if key not in self._feats:
                 continue
-            low = min(self._done[g] - self._groups[g][0][2] + 1 for g in self._readers[key])  # windows keep their last tokens
+            low = min(
+                self._done[g] - self._groups[g][0][2] + 1 for g in self._readers[key]
+            )  # windows keep their last tokens
             self._feats[key] = [(s, f) for s, f in self._feats[key] if s + f.shape[1] > low]
 
     maps_off_thread = False  # push yields everything its chunk completes; nothing is finished later
@@ -291,22 +320,26 @@ class StreamingApplier:
 
 
 @torch.no_grad()
-def apply(ms: MapSet, source_kv: list[LayerKV], positions: int = 0, context: int = 0,
-          lanes: TokenLanes | None = None) -> list[LayerKV]:
+def apply(
+    ms: MapSet, source_kv: list[LayerKV], positions: int = 0, context: int = 0, lanes: TokenLanes | None = None
+) -> list[LayerKV]:
     """Map a whole source cache whose first mapped token sits at absolute position ``positions``. ``context``: for a
     windowed map starting past position 0, the cache's first tokens are the ``context`` before it (read, not mapped).
     ``lanes``: map token ranges on those threads at once (the sidecar's kvferry.sidecar.lanes)."""
     if len(source_kv) != ms.source.geometry.layers:
         raise InvalidInput(f"source cache has {len(source_kv)} layers; the map expects {ms.source.geometry.layers}")
     n = int(source_kv[0][0].shape[2]) - context
-    applier = (lanes.applier(ms, positions or 0, None, n, context) if lanes is not None else
-               StreamingApplier(ms, positions or 0, context=context))
+    applier = (
+        lanes.applier(ms, positions or 0, None, n, context)
+        if lanes is not None
+        else StreamingApplier(ms, positions or 0, context=context)
+    )
     out: dict[int, list[LayerKV]] = {}
     for layer, (k, v) in enumerate(source_kv):
         for kind, tensor in (("k", k), ("v", v)):
-            for t, a, b, tk, tv in applier.push(layer, kind, tensor, -context):
+            for t, _a, _b, tk, tv in applier.push(layer, kind, tensor, -context):
                 out.setdefault(t, []).append((tk, tv))
-    for t, a, b, tk, tv in applier.drain():
+    for t, _a, _b, tk, tv in applier.drain():
         out.setdefault(t, []).append((tk, tv))
     return [_joined(out[t]) for t in range(ms.target.geometry.layers)]
 

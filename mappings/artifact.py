@@ -40,7 +40,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise ArtifactError(f"invalid map or model name {name!r}: use letters, digits, '.', '_' or '-' (no path separators)")
+        raise ArtifactError(
+            f"invalid map or model name {name!r}: use letters, digits, '.', '_' or '-' (no path separators)"
+        )
     return name
 
 
@@ -165,8 +167,9 @@ class MapSet:
         """Where the maps' weights are (``to()`` moves them)."""
         return next(iter(self.maps.values())).weight.device if self.maps else torch.device("cpu")
 
-    def to(self, device=None, dtype: torch.dtype | None = None) -> "MapSet":
+    def to(self, device=None, dtype: torch.dtype | None = None) -> MapSet:
         """Move the maps (and, with ``dtype``, convert them: the evidence was measured in the stored dtype)."""
+
         def moved(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype or t.dtype)
 
@@ -179,7 +182,9 @@ class MapSet:
         self._fused = {}
         return self
 
-    def fused_groups(self, dtype: torch.dtype | None = None) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
+    def fused_groups(
+        self, dtype: torch.dtype | None = None
+    ) -> list[tuple[tuple, list[tuple[int, str]], torch.Tensor, torch.Tensor]]:
         """Maps grouped by the source features they read ((source_layers, inputs, window)), weights and biases
         concatenated per group (in ``dtype``, default the stored one): built once per MapSet and dtype (and again after
         ``to()``), so apply runs one matmul per group. Lives and dies with the MapSet. A shared-basis set is one group
@@ -189,8 +194,15 @@ class MapSet:
             groups: dict[tuple, list[tuple[int, str]]] = {}
             for key, m in sorted(self.maps.items()):
                 groups.setdefault((m.source_layers, m.inputs, m.window), []).append(key)
-            self._fused[dtype] = [(group, keys, torch.cat([self.maps[k].weight for k in keys], dim=1).to(dtype),
-                                   torch.cat([self.maps[k].bias for k in keys]).to(dtype)) for group, keys in groups.items()]
+            self._fused[dtype] = [
+                (
+                    group,
+                    keys,
+                    torch.cat([self.maps[k].weight for k in keys], dim=1).to(dtype),
+                    torch.cat([self.maps[k].bias for k in keys]).to(dtype),
+                )
+                for group, keys in groups.items()
+            ]
         return self._fused[dtype]
 
     def validate(self) -> None:
@@ -199,8 +211,10 @@ class MapSet:
         sg, tg = self.source.geometry, self.target.geometry
         dtype = self.dtype
         if dtype not in MAP_DTYPES:
-            raise ArtifactError(f"map weights are {dtype}; kvferry applies maps in float32 or bfloat16. "
-                                "Refit with --dtype float32 (or bfloat16)")
+            raise ArtifactError(
+                f"map weights are {dtype}; kvferry applies maps in float32 or bfloat16. "
+                "Refit with --dtype float32 (or bfloat16)"
+            )
         if self.basis is not None:
             _check_basis(self.basis, sg.layers, sg.kv_width, dtype)
         for t in range(tg.layers):
@@ -214,48 +228,80 @@ class MapSet:
                     raise ArtifactError(f"layer {t}{kind}: inputs {m.inputs} must be distinct items of {KINDS}")
                 if not isinstance(m.window, int) or not 1 <= m.window <= MAX_WINDOW:
                     raise ArtifactError(f"layer {t}{kind}: window {m.window!r} outside 1..{MAX_WINDOW}")
-                if self.basis is not None and (m.source_layers, m.inputs, m.window) != (self.basis.source_layers,
-                                                                                     self.basis.inputs, 1):
-                    raise ArtifactError(f"layer {t}{kind}: a shared-basis set's maps read the basis (sources "
-                                        f"{list(self.basis.source_layers)}, inputs {self.basis.inputs}, window 1); this one "
-                                        f"reads {list(m.source_layers)}, {m.inputs}, window {m.window}. Refit the map")
-                want = ((self.basis.rank if self.basis is not None else
-                         m.window * len(m.source_layers) * len(m.inputs) * sg.kv_width), tg.kv_width)
+                if self.basis is not None and (m.source_layers, m.inputs, m.window) != (
+                    self.basis.source_layers,
+                    self.basis.inputs,
+                    1,
+                ):
+                    raise ArtifactError(
+                        f"layer {t}{kind}: a shared-basis set's maps read the basis (sources "
+                        f"{list(self.basis.source_layers)}, inputs {self.basis.inputs}, window 1); this one "
+                        f"reads {list(m.source_layers)}, {m.inputs}, window {m.window}. Refit the map"
+                    )
+                want = (
+                    (
+                        self.basis.rank
+                        if self.basis is not None
+                        else m.window * len(m.source_layers) * len(m.inputs) * sg.kv_width
+                    ),
+                    tg.kv_width,
+                )
                 if tuple(m.weight.shape) != want or tuple(m.bias.shape) != (tg.kv_width,):
-                    raise ArtifactError(f"layer {t}{kind}: weight {tuple(m.weight.shape)} / bias {tuple(m.bias.shape)}, "
-                                        f"expected {want} / ({tg.kv_width},) for these geometries")
+                    raise ArtifactError(
+                        f"layer {t}{kind}: weight {tuple(m.weight.shape)} / bias {tuple(m.bias.shape)}, "
+                        f"expected {want} / ({tg.kv_width},) for these geometries"
+                    )
                 if m.weight.dtype != dtype or m.bias.dtype != dtype:
-                    raise ArtifactError(f"layer {t}{kind}: weight/bias dtype {m.weight.dtype}/{m.bias.dtype} differs from the "
-                                        f"other maps' {dtype}; every map of a set shares one dtype. Refit the map")
+                    raise ArtifactError(
+                        f"layer {t}{kind}: weight/bias dtype {m.weight.dtype}/{m.bias.dtype} differs from the "
+                        f"other maps' {dtype}; every map of a set shares one dtype. Refit the map"
+                    )
                 if not (torch.isfinite(m.weight).all() and torch.isfinite(m.bias).all()):
                     raise ArtifactError(f"layer {t}{kind}: weights contain NaN or Inf")
 
 
 def _check_basis(basis: Basis, source_layers: int, width: int, dtype: torch.dtype) -> None:
-    if not basis.source_layers or len(set(basis.source_layers)) != len(basis.source_layers) or any(
-            not 0 <= s < source_layers for s in basis.source_layers):
-        raise ArtifactError(f"basis: source layers {list(basis.source_layers)} must be distinct layers in 0..{source_layers - 1}")
+    if (
+        not basis.source_layers
+        or len(set(basis.source_layers)) != len(basis.source_layers)
+        or any(not 0 <= s < source_layers for s in basis.source_layers)
+    ):
+        raise ArtifactError(
+            f"basis: source layers {list(basis.source_layers)} must be distinct layers in 0..{source_layers - 1}"
+        )
     if not basis.inputs or any(c not in KINDS for c in basis.inputs) or len(set(basis.inputs)) != len(basis.inputs):
         raise ArtifactError(f"basis: inputs {basis.inputs} must be distinct items of {KINDS}")
     rows = len(basis.source_layers) * len(basis.inputs) * width
     if basis.encoder.dim() != 2 or basis.encoder.shape[0] != rows or not 1 <= basis.encoder.shape[1] <= rows:
-        raise ArtifactError(f"basis: encoder {tuple(basis.encoder.shape)}, expected [{rows}, rank] with 1 <= rank <= {rows}")
+        raise ArtifactError(
+            f"basis: encoder {tuple(basis.encoder.shape)}, expected [{rows}, rank] with 1 <= rank <= {rows}"
+        )
     if tuple(basis.bias.shape) != (basis.rank,):
         raise ArtifactError(f"basis: bias {tuple(basis.bias.shape)}, expected ({basis.rank},)")
     if basis.encoder.dtype != dtype or basis.bias.dtype != dtype:
-        raise ArtifactError(f"basis: dtype {basis.encoder.dtype}/{basis.bias.dtype} differs from the maps' {dtype}; "
-                            "every tensor of a set shares one dtype. Refit the map")
+        raise ArtifactError(
+            f"basis: dtype {basis.encoder.dtype}/{basis.bias.dtype} differs from the maps' {dtype}; "
+            "every tensor of a set shares one dtype. Refit the map"
+        )
     if not (torch.isfinite(basis.encoder).all() and torch.isfinite(basis.bias).all()):
         raise ArtifactError("basis: weights contain NaN or Inf")
     if basis.mlp is not None:
         w_in, b_in, w_out = basis.mlp.tensors()
         h = basis.mlp.hidden
-        if tuple(w_in.shape) != (basis.rank, h) or tuple(b_in.shape) != (h,) or tuple(w_out.shape) != (h, basis.rank) or h < 1:
-            raise ArtifactError(f"basis: code MLP shapes {tuple(w_in.shape)}, {tuple(b_in.shape)}, {tuple(w_out.shape)}; "
-                                f"expected [rank, hidden], [hidden], [hidden, rank] with rank {basis.rank}")
+        if (
+            tuple(w_in.shape) != (basis.rank, h)
+            or tuple(b_in.shape) != (h,)
+            or tuple(w_out.shape) != (h, basis.rank)
+            or h < 1
+        ):
+            raise ArtifactError(
+                f"basis: code MLP shapes {tuple(w_in.shape)}, {tuple(b_in.shape)}, {tuple(w_out.shape)}; "
+                f"expected [rank, hidden], [hidden], [hidden, rank] with rank {basis.rank}"
+            )
         if any(t.dtype != dtype for t in basis.mlp.tensors()):
-            raise ArtifactError(f"basis: the code MLP's dtype differs from the maps' {dtype}; every tensor of a set "
-                                "shares one dtype")
+            raise ArtifactError(
+                f"basis: the code MLP's dtype differs from the maps' {dtype}; every tensor of a set shares one dtype"
+            )
         if not all(torch.isfinite(t).all() for t in basis.mlp.tensors()):
             raise ArtifactError("basis: the code MLP's weights contain NaN or Inf")
 
@@ -287,18 +333,38 @@ def _format_version(ms: MapSet) -> int:
 
 def _manifest(ms: MapSet) -> dict:
     body = {
-        "format": FORMAT, "format_version": _format_version(ms), "name": ms.name, "version": ms.version,
-        "content_sha256": ms.content_sha256, "source": ms.source.as_dict(), "target": ms.target.as_dict(),
-        "maps": [{"target_layer": t, "kind": k, "source_layers": list(m.source_layers), "inputs": list(m.inputs), "lambda": m.lam,
-                  "heldout_r2": None if m.heldout_r2 != m.heldout_r2 else round(m.heldout_r2, 6),
-                  **({"window": m.window} if m.window != 1 else {})}
-                 for (t, k), m in sorted(ms.maps.items())],
-        "fit": ms.fit, "calibration": ms.calibration, "evidence": ms.evidence,
-        "created_at": ms.created_at, "kvferry_version": ms.kvferry_version,
+        "format": FORMAT,
+        "format_version": _format_version(ms),
+        "name": ms.name,
+        "version": ms.version,
+        "content_sha256": ms.content_sha256,
+        "source": ms.source.as_dict(),
+        "target": ms.target.as_dict(),
+        "maps": [
+            {
+                "target_layer": t,
+                "kind": k,
+                "source_layers": list(m.source_layers),
+                "inputs": list(m.inputs),
+                "lambda": m.lam,
+                "heldout_r2": None if m.heldout_r2 != m.heldout_r2 else round(m.heldout_r2, 6),
+                **({"window": m.window} if m.window != 1 else {}),
+            }
+            for (t, k), m in sorted(ms.maps.items())
+        ],
+        "fit": ms.fit,
+        "calibration": ms.calibration,
+        "evidence": ms.evidence,
+        "created_at": ms.created_at,
+        "kvferry_version": ms.kvferry_version,
     }
     if ms.basis is not None:
-        body["basis"] = {"rank": ms.basis.rank, "source_layers": list(ms.basis.source_layers), "inputs": list(ms.basis.inputs),
-                         **({"mlp_hidden": ms.basis.mlp.hidden} if ms.basis.mlp is not None else {})}
+        body["basis"] = {
+            "rank": ms.basis.rank,
+            "source_layers": list(ms.basis.source_layers),
+            "inputs": list(ms.basis.inputs),
+            **({"mlp_hidden": ms.basis.mlp.hidden} if ms.basis.mlp is not None else {}),
+        }
     body["manifest_sha256"] = digest(body)
     return body
 
@@ -319,9 +385,15 @@ def save(ms: MapSet, root: str | Path, overwrite: bool = False) -> Path:
     dest = artifact_dir(root, ms)
     if dest.exists() and not overwrite:
         raise ArtifactError(f"{dest} exists; bump the version (artifacts are immutable) or pass overwrite=True")
-    meta = {"format": FORMAT, "format_version": str(_format_version(ms)), "name": ms.name, "version": ms.version,
-            "source_geometry": ms.source.geometry.fingerprint, "target_geometry": ms.target.geometry.fingerprint,
-            "tokenizer": ms.source.tokenizer}
+    meta = {
+        "format": FORMAT,
+        "format_version": str(_format_version(ms)),
+        "name": ms.name,
+        "version": ms.version,
+        "source_geometry": ms.source.geometry.fingerprint,
+        "target_geometry": ms.target.geometry.fingerprint,
+        "tokenizer": ms.source.tokenizer,
+    }
     blob = _canonical(st_save(_tensors(ms), metadata=meta))
     ms.content_sha256 = hashlib.sha256(blob).hexdigest()
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -355,15 +427,19 @@ def read_manifest(path: str | Path) -> dict:
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise ArtifactError(f"{f} is not a kvferry map manifest (format != {FORMAT!r})")
     if man.get("format_version") not in READ_VERSIONS:
-        raise ArtifactError(f"{f}: format_version {man.get('format_version')!r} is not supported by this kvferry "
-                            f"(reads {', '.join(map(str, READ_VERSIONS))}); upgrade kvferry or re-export the map")
+        raise ArtifactError(
+            f"{f}: format_version {man.get('format_version')!r} is not supported by this kvferry "
+            f"(reads {', '.join(map(str, READ_VERSIONS))}); upgrade kvferry or re-export the map"
+        )
     claimed = man.pop("manifest_sha256", None)
     if claimed != digest(man):
         raise ArtifactError(f"{f}: manifest_sha256 does not match its contents; the manifest was edited or corrupted")
     return man
 
 
-def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_target: ModelIdentity | None = None) -> MapSet:
+def load(
+    path: str | Path, expect_source: ModelIdentity | None = None, expect_target: ModelIdentity | None = None
+) -> MapSet:
     """Load and verify an artifact directory; optionally check it fits the given models."""
     path = Path(path)
     man = read_manifest(path)
@@ -372,8 +448,10 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
     except FileNotFoundError:
         raise ArtifactError(f"{path / 'maps.safetensors'} is missing") from None
     if hashlib.sha256(blob).hexdigest() != man.get("content_sha256"):
-        raise ArtifactError(f"{path / 'maps.safetensors'}: sha256 does not match manifest content_sha256; "
-                            "the tensors were modified or truncated. Re-copy the artifact.")
+        raise ArtifactError(
+            f"{path / 'maps.safetensors'}: sha256 does not match manifest content_sha256; "
+            "the tensors were modified or truncated. Re-copy the artifact."
+        )
     try:
         tensors = st_load(blob)
         meta = _metadata(blob)
@@ -383,10 +461,17 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
         source, target = ModelIdentity.from_dict(man["source"]), ModelIdentity.from_dict(man["target"])
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{path}: manifest model identity is malformed ({e})") from None
-    for key, want in (("format", FORMAT), ("name", man["name"]), ("version", man["version"]),
-                      ("source_geometry", source.geometry.fingerprint), ("target_geometry", target.geometry.fingerprint)):
+    for key, want in (
+        ("format", FORMAT),
+        ("name", man["name"]),
+        ("version", man["version"]),
+        ("source_geometry", source.geometry.fingerprint),
+        ("target_geometry", target.geometry.fingerprint),
+    ):
         if meta.get(key) != want:
-            raise ArtifactError(f"{path}: safetensors header {key}={meta.get(key)!r} disagrees with the manifest ({want!r})")
+            raise ArtifactError(
+                f"{path}: safetensors header {key}={meta.get(key)!r} disagrees with the manifest ({want!r})"
+            )
     maps = {}
     for entry in man["maps"]:
         t, kind = int(entry["target_layer"]), entry["kind"]
@@ -398,11 +483,30 @@ def load(path: str | Path, expect_source: ModelIdentity | None = None, expect_ta
         if list(srcs) != entry["source_layers"]:
             raise ArtifactError(f"{path}: layer {t}{kind} source layers disagree between tensors and manifest")
         r2 = entry.get("heldout_r2")
-        maps[(t, kind)] = LayerMap(t, kind, srcs, w, b, float(entry.get("lambda", 0.0)), float("nan") if r2 is None else r2,
-                                   tuple(entry.get("inputs") or (kind,)), _window(path, entry, man["format_version"]))
-    ms = MapSet(source, target, maps, man["version"], man.get("fit", {}), man.get("calibration", {}), man.get("evidence"),
-                man.get("created_at", ""), man.get("kvferry_version", ""), man["content_sha256"],
-                _basis(path, man, tensors))
+        maps[(t, kind)] = LayerMap(
+            t,
+            kind,
+            srcs,
+            w,
+            b,
+            float(entry.get("lambda", 0.0)),
+            float("nan") if r2 is None else r2,
+            tuple(entry.get("inputs") or (kind,)),
+            _window(path, entry, man["format_version"]),
+        )
+    ms = MapSet(
+        source,
+        target,
+        maps,
+        man["version"],
+        man.get("fit", {}),
+        man.get("calibration", {}),
+        man.get("evidence"),
+        man.get("created_at", ""),
+        man.get("kvferry_version", ""),
+        man["content_sha256"],
+        _basis(path, man, tensors),
+    )
     if ms.name != man["name"]:
         raise ArtifactError(f"{path}: manifest name {man['name']!r} does not match its models ({ms.name!r})")
     ms.validate()
@@ -416,20 +520,34 @@ def _basis(path: Path, man: dict, tensors: dict[str, torch.Tensor]) -> Basis | N
     """The shared basis a format-3 or -4 manifest declares (tensors and manifest must agree); None for other formats."""
     entry = man.get("basis")
     with_mlp = man["format_version"] == 4
-    if (entry is not None) != (man["format_version"] in (3, 4)) or (entry is None) != ("basis.encoder" not in tensors) \
-            or with_mlp != ("basis.mlp.w_in" in tensors) or with_mlp != ("mlp_hidden" in (entry or {})):
-        raise ArtifactError(f"{path}: format_version {man['format_version']}, a basis in the manifest and one in the "
-                            "tensors must go together; the artifact was edited: re-export it")
+    if (
+        (entry is not None) != (man["format_version"] in (3, 4))
+        or (entry is None) != ("basis.encoder" not in tensors)
+        or with_mlp != ("basis.mlp.w_in" in tensors)
+        or with_mlp != ("mlp_hidden" in (entry or {}))
+    ):
+        raise ArtifactError(
+            f"{path}: format_version {man['format_version']}, a basis in the manifest and one in the "
+            "tensors must go together; the artifact was edited: re-export it"
+        )
     if entry is None:
         return None
     try:
         mlp = CodeMLP(*(tensors[f"basis.mlp.{n}"] for n in ("w_in", "b_in", "w_out"))) if with_mlp else None
-        basis = Basis(tuple(int(s) for s in tensors["basis.sources"].tolist()), tensors["basis.encoder"],
-                      tensors["basis.bias"], tuple(entry["inputs"]), mlp)
+        basis = Basis(
+            tuple(int(s) for s in tensors["basis.sources"].tolist()),
+            tensors["basis.encoder"],
+            tensors["basis.bias"],
+            tuple(entry["inputs"]),
+            mlp,
+        )
     except (KeyError, TypeError) as e:
         raise ArtifactError(f"{path}: basis entry or tensor {e} is missing") from None
-    if list(basis.source_layers) != entry.get("source_layers") or basis.rank != entry.get("rank") or (
-            mlp is not None and mlp.hidden != entry.get("mlp_hidden")):
+    if (
+        list(basis.source_layers) != entry.get("source_layers")
+        or basis.rank != entry.get("rank")
+        or (mlp is not None and mlp.hidden != entry.get("mlp_hidden"))
+    ):
         raise ArtifactError(f"{path}: the basis' source layers or rank disagree between tensors and manifest")
     return basis
 
@@ -437,8 +555,10 @@ def _basis(path: Path, man: dict, tensors: dict[str, torch.Tensor]) -> Basis | N
 def _window(path: Path, entry: dict, format_version: int) -> int:
     window = entry.get("window", 1)
     if window != 1 and format_version < 2:
-        raise ArtifactError(f"{path}: layer {entry['target_layer']}{entry['kind']} is windowed but the manifest says "
-                            "format_version 1; the artifact was edited: re-export it")
+        raise ArtifactError(
+            f"{path}: layer {entry['target_layer']}{entry['kind']} is windowed but the manifest says "
+            "format_version 1; the artifact was edited: re-export it"
+        )
     if type(window) is not int:
         raise ArtifactError(f"{path}: layer {entry['target_layer']}{entry['kind']} window {window!r} is not an integer")
     return window
@@ -446,11 +566,15 @@ def _window(path: Path, entry: dict, format_version: int) -> int:
 
 def check_identity(model: ModelIdentity, in_map: ModelIdentity, role: str) -> None:
     if model.geometry.fingerprint != in_map.geometry.fingerprint:
-        raise Incompatible(f"{role} geometry fingerprint {model.geometry.fingerprint[:12]}… does not match the map's "
-                           f"{in_map.geometry.fingerprint[:12]}… ({in_map.name}); use the map fitted for this model")
+        raise Incompatible(
+            f"{role} geometry fingerprint {model.geometry.fingerprint[:12]}… does not match the map's "
+            f"{in_map.geometry.fingerprint[:12]}… ({in_map.name}); use the map fitted for this model"
+        )
     if model.tokenizer != in_map.tokenizer:
-        raise Incompatible(f"{role} tokenizer fingerprint does not match the map's ({in_map.name}); "
-                           "the model tokenizes differently from the one the map was fitted on")
+        raise Incompatible(
+            f"{role} tokenizer fingerprint does not match the map's ({in_map.name}); "
+            "the model tokenizes differently from the one the map was fitted on"
+        )
 
 
 def _canonical(blob: bytes) -> bytes:

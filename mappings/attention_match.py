@@ -120,14 +120,23 @@ def _pulled(train: _Sums, key: tuple[int, int], w0: torch.Tensor, lam: float) ->
 
 
 @torch.no_grad()
-def match_values(ms: MapSet, source, target, windows: list[torch.Tensor], s: MatchSettings | None = None,
-                 version: str | None = None, progress=None) -> tuple[MapSet, dict]:
+def match_values(
+    ms: MapSet,
+    source,
+    target,
+    windows: list[torch.Tensor],
+    s: MatchSettings | None = None,
+    version: str | None = None,
+    progress=None,
+) -> tuple[MapSet, dict]:
     """``ms`` with every value map refitted to the target's attention outputs under its mapped keys; returns it and a
     record (settings, windows, per layer the held-out relative attention-output error before and after)."""
     s = s or MatchSettings()
     tg = ms.target.geometry
     if len(windows) < s.heldout_every:
-        raise InvalidInput(f"attention matching needs at least {s.heldout_every} windows (one held out); got {len(windows)}")
+        raise InvalidInput(
+            f"attention matching needs at least {s.heldout_every} windows (one held out); got {len(windows)}"
+        )
     rng = random.Random(s.seed)
     train, held = _Sums(), _Sums()
     say = progress or (lambda _: None)
@@ -153,14 +162,18 @@ def match_values(ms: MapSet, source, target, windows: list[torch.Tensor], s: Mat
             v = true[t][1][0].float()
             for h in range(tg.kv_heads):
                 heads = range(h * group, (h + 1) * group)
-                sums.add(t, h, torch.cat([a_mapped[j] @ x[t] for j in heads]), torch.cat([a_true[j] @ v[h] for j in heads]))
+                sums.add(
+                    t, h, torch.cat([a_mapped[j] @ x[t] for j in heads]), torch.cat([a_true[j] @ v[h] for j in heads])
+                )
         say(f"window {i + 1}/{len(windows)}")
     hd = tg.head_dim
     maps, chosen, before, after = dict(ms.maps), [], [], []
     for t in range(tg.layers):
         m = ms.maps[(t, "v")]
-        w0 = {h: torch.cat([m.weight[:, h * hd : (h + 1) * hd], m.bias[None, h * hd : (h + 1) * hd]]).double()
-              for h in range(tg.kv_heads)}
+        w0 = {
+            h: torch.cat([m.weight[:, h * hd : (h + 1) * hd], m.bias[None, h * hd : (h + 1) * hd]]).double()
+            for h in range(tg.kv_heads)
+        }
         norm = sum(held.oo[(t, h)] for h in range(tg.kv_heads))
         closed = sum(held.sse((t, h), w0[h]) for h in range(tg.kv_heads))
         best = (closed, None)
@@ -179,13 +192,36 @@ def match_values(ms: MapSet, source, target, windows: list[torch.Tensor], s: Mat
         for h in range(tg.kv_heads):
             w = _pulled(both, (t, h), w0[h], best[1])
             weight[:, h * hd : (h + 1) * hd], bias[h * hd : (h + 1) * hd] = w[:-1].float(), w[-1].float()
-        maps[(t, "v")] = LayerMap(t, "v", m.source_layers, weight.to(m.weight.dtype), bias.to(m.bias.dtype), m.lam,
-                                  float("nan"), m.inputs, m.window)
-    record = {"lambdas": list(s.lambdas), "repeat_span": s.repeat_span, "seed": s.seed,
-              "windows": sum(1 for i in range(len(windows)) if i % s.heldout_every), "seq_len": int(windows[0].shape[0]),
-              "held_windows": sum(1 for i in range(len(windows)) if i % s.heldout_every == 0),
-              "chosen_lambda": chosen, "heldout_attn_rel_err_before": [round(e, 5) for e in before],
-              "heldout_attn_rel_err_after": [round(e, 5) for e in after], "base_version": ms.version}
-    out = MapSet(ms.source, ms.target, maps, version or ms.version, dict(ms.fit) | {"attention_matched": record},
-                 dict(ms.calibration), basis=ms.basis)
+        maps[(t, "v")] = LayerMap(
+            t,
+            "v",
+            m.source_layers,
+            weight.to(m.weight.dtype),
+            bias.to(m.bias.dtype),
+            m.lam,
+            float("nan"),
+            m.inputs,
+            m.window,
+        )
+    record = {
+        "lambdas": list(s.lambdas),
+        "repeat_span": s.repeat_span,
+        "seed": s.seed,
+        "windows": sum(1 for i in range(len(windows)) if i % s.heldout_every),
+        "seq_len": int(windows[0].shape[0]),
+        "held_windows": sum(1 for i in range(len(windows)) if i % s.heldout_every == 0),
+        "chosen_lambda": chosen,
+        "heldout_attn_rel_err_before": [round(e, 5) for e in before],
+        "heldout_attn_rel_err_after": [round(e, 5) for e in after],
+        "base_version": ms.version,
+    }
+    out = MapSet(
+        ms.source,
+        ms.target,
+        maps,
+        version or ms.version,
+        dict(ms.fit) | {"attention_matched": record},
+        dict(ms.calibration),
+        basis=ms.basis,
+    )
     return out, record

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
@@ -31,16 +31,22 @@ def weights_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_model(path: str | Path, name: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+def load_model(
+    path: str | Path, name: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> LoadedModel:
     """Load a local HF model directory (the real transformers code path; no hub access)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").exists():
-        raise InvalidInput(f"{path} is not an HF model directory (no config.json); pass the folder that holds config.json")
+        raise InvalidInput(
+            f"{path} is not an HF model directory (no config.json); pass the folder that holds config.json"
+        )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    ident = ModelIdentity(name or path.name, geometry_of(model.config), tokenizer_fingerprint(tok), weights_digest(path))
+    ident = ModelIdentity(
+        name or path.name, geometry_of(model.config), tokenizer_fingerprint(tok), weights_digest(path)
+    )
     return LoadedModel(model, tok, ident)
 
 
@@ -83,7 +89,7 @@ def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int
     """Concatenate documents (EOS-separated) and cut into windows of ``seq_len`` token ids."""
     stream = token_stream(tokenizer, texts, max_tokens + seq_len if max_tokens else None)
     if max_tokens:
-        stream = stream[: max_tokens]
+        stream = stream[:max_tokens]
     n = len(stream) // seq_len
     ids = torch.tensor(stream[: n * seq_len], dtype=torch.long)
     return list(ids.view(n, seq_len)) if n else []

@@ -49,11 +49,19 @@ class CompletionSettings:
 
     def __post_init__(self) -> None:
         if self.tasks < 1 or not 1 <= self.refresh < self.min_context <= self.max_context or self.max_new_tokens < 1:
-            raise InvalidInput("completion needs tasks >= 1, 1 <= refresh < min_context <= max_context, max_new_tokens >= 1")
+            raise InvalidInput(
+                "completion needs tasks >= 1, 1 <= refresh < min_context <= max_context, max_new_tokens >= 1"
+            )
 
     def as_dict(self) -> dict:
-        return {"tasks": self.tasks, "min_context": self.min_context, "max_context": self.max_context,
-                "refresh": self.refresh, "max_new_tokens": self.max_new_tokens, "seed": self.seed}
+        return {
+            "tasks": self.tasks,
+            "min_context": self.min_context,
+            "max_context": self.max_context,
+            "refresh": self.refresh,
+            "max_new_tokens": self.max_new_tokens,
+            "seed": self.seed,
+        }
 
 
 @dataclass(frozen=True)
@@ -109,14 +117,16 @@ def make_tasks(tokenizer, texts: list[str], s: CompletionSettings) -> list[Compl
                 continue
             prompt = tokenizer(text[: start + indent], add_special_tokens=False)["input_ids"]
             if len(prompt) >= s.min_context:
-                found.append(CompletionTask(prompt[-s.max_context:], answer))
+                found.append(CompletionTask(prompt[-s.max_context :], answer))
         per_file.append(found)
     tasks: list[CompletionTask] = []
     for i in range(max((len(f) for f in per_file), default=0)):
         tasks += [f[i] for f in per_file if i < len(f)]
     if len(tasks) < s.tasks:
-        raise InvalidInput(f"the held-out files hold {len(tasks)} functions with {s.min_context}+ tokens before their "
-                           f"body; {s.tasks} were asked for. Add files or lower tasks / min_context.")
+        raise InvalidInput(
+            f"the held-out files hold {len(tasks)} functions with {s.min_context}+ tokens before their "
+            f"body; {s.tasks} were asked for. Add files or lower tasks / min_context."
+        )
     step = len(tasks) / s.tasks
     return [tasks[int(i * step)] for i in range(s.tasks)]
 
@@ -127,35 +137,64 @@ def write_line(model, tokenizer, ids: list[int], prefix=None, max_new_tokens: in
     does not compute); None when no newline comes within ``max_new_tokens``."""
     cache = to_dynamic_cache(prefix, model.config) if prefix is not None else None
     inp = torch.tensor([ids])
-    out = model.generate(inp, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         stop_strings=["\n"], tokenizer=tokenizer)  # the line is done at its newline
-    text = tokenizer.decode(out[0, inp.shape[1]:])
+    out = model.generate(
+        inp,
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        stop_strings=["\n"],
+        tokenizer=tokenizer,
+    )  # the line is done at its newline
+    text = tokenizer.decode(out[0, inp.shape[1] :])
     return text.split("\n")[0].strip() if "\n" in text else None
 
 
 @torch.no_grad()
-def completion_task(ms: MapSet | None, source: LoadedModel | None, target: LoadedModel, texts: list[str],
-                    s: CompletionSettings | None = None, progress: bool = False, memo: Memo | None = None) -> dict:
+def completion_task(
+    ms: MapSet | None,
+    source: LoadedModel | None,
+    target: LoadedModel,
+    texts: list[str],
+    s: CompletionSettings | None = None,
+    progress: bool = False,
+    memo: Memo | None = None,
+) -> dict:
     """Each arm's exact-match rate on the tasks, and each task's hit (``per_task``, for the gate's interval) (``ms``
     None: only the target's own arms, which come from ``memo`` when it has them)."""
     s = s or CompletionSettings()
     tasks = make_tasks(target.tokenizer, texts, s)
-    lines = written_lines(ms, source, target, [t.prompt for t in tasks], s.refresh, s.max_new_tokens, "completion",
-                          progress, memo)
+    lines = written_lines(
+        ms, source, target, [t.prompt for t in tasks], s.refresh, s.max_new_tokens, "completion", progress, memo
+    )
     hits = {arm: [int(line == t.answer) for line, t in zip(got, tasks)] for arm, got in lines.items()}
-    return {"settings": s.as_dict(), "arms": {arm: sum(h) / len(tasks) for arm, h in hits.items()}, "per_task": hits,
-            "prompt_tokens": sum(len(t.prompt) for t in tasks) / len(tasks)}
+    return {
+        "settings": s.as_dict(),
+        "arms": {arm: sum(h) / len(tasks) for arm, h in hits.items()},
+        "per_task": hits,
+        "prompt_tokens": sum(len(t.prompt) for t in tasks) / len(tasks),
+    }
 
 
 @torch.no_grad()
-def written_lines(ms: MapSet | None, source: LoadedModel | None, target: LoadedModel, prompts: list[list[int]],
-                  refresh: int, max_new_tokens: int, task: str, progress: bool = False,
-                  memo: Memo | None = None) -> dict[str, list[str | None]]:
+def written_lines(
+    ms: MapSet | None,
+    source: LoadedModel | None,
+    target: LoadedModel,
+    prompts: list[list[int]],
+    refresh: int,
+    max_new_tokens: int,
+    task: str,
+    progress: bool = False,
+    memo: Memo | None = None,
+) -> dict[str, list[str | None]]:
     """The line each arm writes after each prompt (None: not finished within ``max_new_tokens``): the target's own
     arms (full prefill and truncation to ``refresh``, kept in ``memo`` under ``task``'s name; "" when unfinished) and,
     with ``ms``, mapped + refresh."""
-    lines: dict[str, list[str | None]] = {arm: [] for arm in COMPLETION_ARMS if ms is not None or arm != "mapped_refresh"}
+    lines: dict[str, list[str | None]] = {
+        arm: [] for arm in COMPLETION_ARMS if ms is not None or arm != "mapped_refresh"
+    }
     it = prompts
     if progress:
         from tqdm import tqdm
@@ -165,9 +204,14 @@ def written_lines(ms: MapSet | None, source: LoadedModel | None, target: LoadedM
     who = (target.identity.weights, target.identity.geometry.fingerprint, max_new_tokens)
     for prompt in it:
         n = len(prompt)
-        for arm, ids in (("full", prompt), ("truncate", prompt[n - r:])):
-            lines[arm].append(remembered(memo, (f"{task}-{arm}", *who, ids),
-                                         lambda: write_line(target.model, tok, ids, None, max_new_tokens) or ""))
+        for arm, ids in (("full", prompt), ("truncate", prompt[n - r :])):
+            lines[arm].append(
+                remembered(
+                    memo,
+                    (f"{task}-{arm}", *who, ids),
+                    lambda: write_line(target.model, tok, ids, None, max_new_tokens) or "",
+                )
+            )
         if ms is not None:
             mapped = apply(ms, capture_kv(source.model, torch.tensor([prompt[: n - r]])), 0)
             lines["mapped_refresh"].append(write_line(target.model, tok, prompt, mapped, max_new_tokens))
@@ -180,6 +224,9 @@ def format_completion_table(ev: dict, title: str = "") -> str:
     lines = [title] if title else []
     lines.append("| " + " | ".join(names[a] for a in ev["arms"]) + " | tasks | mean prompt tokens |")
     lines.append("|" + "---|" * (len(ev["arms"]) + 2))
-    lines.append("| " + " | ".join(f"{v:.3f}" for v in ev["arms"].values()) +
-                 f" | {ev['settings']['tasks']} | {ev['prompt_tokens']:.0f} |")
+    lines.append(
+        "| "
+        + " | ".join(f"{v:.3f}" for v in ev["arms"].values())
+        + f" | {ev['settings']['tasks']} | {ev['prompt_tokens']:.0f} |"
+    )
     return "\n".join(lines)

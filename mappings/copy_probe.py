@@ -3,7 +3,8 @@
 Each prompt is a passage of held-out text, then ``gap`` tokens of other held-out text, then the passage's
 first ``cue`` tokens again. By default the passage is made unguessable first (:mod:`scramble`: its names become
 made-up words), so that only the passage itself predicts its continuation: a model that knows the kind of text
-would otherwise continue it from the last few tokens alone, and truncation would look nearly as good as the map. A model that uses its context continues the passage (in-context repetition,
+would otherwise continue it from the last few tokens alone, and truncation would look nearly as good as the map. A
+model that uses its context continues the passage (in-context repetition,
 the induction mechanism real models recall with); one that cannot see the passage guesses. The score is
 teacher-forced next-token accuracy on the passage's next ``score`` tokens.
 
@@ -63,13 +64,23 @@ class CopySettings:
             raise InvalidInput(f"copy probe refresh must be in [1, cue={self.cue}]; got {self.refresh}")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CopySettings":
+    def from_dict(cls, d: dict) -> CopySettings:
         """The settings recorded in evidence (evidence without ``unguessable`` was measured on plain passages)."""
-        return cls(**{k: (tuple(v) if k == "gaps" else v) for k, v in d.items()} | {"unguessable": d.get("unguessable", False)})
+        return cls(
+            **{k: (tuple(v) if k == "gaps" else v) for k, v in d.items()} | {"unguessable": d.get("unguessable", False)}
+        )
 
     def as_dict(self) -> dict:
-        return {"gaps": list(self.gaps), "prompts": self.prompts, "passage": self.passage, "cue": self.cue,
-                "score": self.score, "refresh": self.refresh, "seed": self.seed, "unguessable": self.unguessable}
+        return {
+            "gaps": list(self.gaps),
+            "prompts": self.prompts,
+            "passage": self.passage,
+            "cue": self.cue,
+            "score": self.score,
+            "refresh": self.refresh,
+            "seed": self.seed,
+            "unguessable": self.unguessable,
+        }
 
 
 @dataclass(frozen=True)
@@ -87,8 +98,10 @@ def make_examples(stream: list[int], s: CopySettings, passages: list[int] | None
     need = s.passage + max(s.gaps)
     pool = stream if passages is None else passages
     if len(stream) < need + s.passage or len(pool) < 2 * s.passage:
-        raise InvalidInput(f"the copy probe needs at least {need + s.passage} tokens of held-out text "
-                           f"(gap {max(s.gaps)} + passages of {s.passage}); got {len(stream)}. Add text or lower the gaps.")
+        raise InvalidInput(
+            f"the copy probe needs at least {need + s.passage} tokens of held-out text "
+            f"(gap {max(s.gaps)} + passages of {s.passage}); got {len(stream)}. Add text or lower the gaps."
+        )
     rng = random.Random(s.seed)
     out = []
     for gap in s.gaps:
@@ -99,8 +112,9 @@ def make_examples(stream: list[int], s: CopySettings, passages: list[int] | None
                 if passages is not None or g0 + gap <= p0 or g0 >= p0 + s.passage:
                     break
             passage = pool[p0 : p0 + s.passage]
-            out.append(CopyExample(passage + stream[g0 : g0 + gap] + passage[: s.cue],
-                                   passage[s.cue : s.cue + s.score], gap))
+            out.append(
+                CopyExample(passage + stream[g0 : g0 + gap] + passage[: s.cue], passage[s.cue : s.cue + s.score], gap)
+            )
     return out
 
 
@@ -117,30 +131,48 @@ def continuation_accuracy(model, prefix: list[LayerKV] | None, tail: list[int], 
     """Teacher-forced accuracy on ``answer`` when the model computes ``tail`` + answer[:-1] after ``prefix``."""
     ids = torch.tensor([tail + answer[:-1]])
     cache = to_dynamic_cache(prefix, model.config) if prefix is not None else None
-    logits = model(input_ids=ids, past_key_values=cache).logits[0, -len(answer):]
+    logits = model(input_ids=ids, past_key_values=cache).logits[0, -len(answer) :]
     return float((logits.argmax(-1) == torch.tensor(answer)).float().mean())
 
 
 @torch.no_grad()
-def score_example(ex: CopyExample, target: LoadedModel, r: int, mapped: list[LayerKV] | None = None,
-                  memo: Memo | None = None) -> dict:
+def score_example(
+    ex: CopyExample, target: LoadedModel, r: int, mapped: list[LayerKV] | None = None, memo: Memo | None = None
+) -> dict:
     """Each arm's accuracy on one example; ``mapped`` is the mapped cache of ``prompt[:-1]`` (None: no mapped arms).
     The target's own arms come from ``memo`` when it has them."""
     n = len(ex.prompt)
     who = (target.identity.weights, target.identity.geometry.fingerprint)
-    out = {"full": remembered(memo, ("copy-full", *who, ex.prompt, ex.answer),
-                              lambda: continuation_accuracy(target.model, None, ex.prompt, ex.answer)),
-           "truncate": remembered(memo, ("copy-truncate", *who, r, ex.prompt, ex.answer),
-                                  lambda: continuation_accuracy(target.model, None, ex.prompt[n - r:], ex.answer))}
+    out = {
+        "full": remembered(
+            memo,
+            ("copy-full", *who, ex.prompt, ex.answer),
+            lambda: continuation_accuracy(target.model, None, ex.prompt, ex.answer),
+        ),
+        "truncate": remembered(
+            memo,
+            ("copy-truncate", *who, r, ex.prompt, ex.answer),
+            lambda: continuation_accuracy(target.model, None, ex.prompt[n - r :], ex.answer),
+        ),
+    }
     if mapped is not None:
-        out["mapped"] = continuation_accuracy(target.model, mapped, ex.prompt[n - 1:], ex.answer)
-        out["mapped_refresh"] = continuation_accuracy(target.model, kv_slice(mapped, 0, n - r), ex.prompt[n - r:], ex.answer)
+        out["mapped"] = continuation_accuracy(target.model, mapped, ex.prompt[n - 1 :], ex.answer)
+        out["mapped_refresh"] = continuation_accuracy(
+            target.model, kv_slice(mapped, 0, n - r), ex.prompt[n - r :], ex.answer
+        )
     return out
 
 
 @torch.no_grad()
-def copy_probe(ms: MapSet, source: LoadedModel, target: LoadedModel, texts, settings: CopySettings | None = None,
-               progress: bool = False, memo: Memo | None = None) -> dict:
+def copy_probe(
+    ms: MapSet,
+    source: LoadedModel,
+    target: LoadedModel,
+    texts,
+    settings: CopySettings | None = None,
+    progress: bool = False,
+    memo: Memo | None = None,
+) -> dict:
     """The probe's evidence: per gap, each arm's mean accuracy and the mapped arms' retention of ``full``."""
     s = settings or CopySettings()
     examples = examples_for(target.tokenizer, texts, s)
@@ -173,6 +205,8 @@ def format_copy_table(copy: dict, title: str = "") -> str:
     lines.append("|---|---|---|---|---|---|---|")
     for g, row in sorted(copy["gaps"].items(), key=lambda kv: int(kv[0])):
         ret = "n/a" if row.get("retention") is None else f"{row['retention']:.3f}"
-        lines.append(f"| {g} | {row['full']:.3f} | {row['truncate']:.3f} | {row['mapped']:.3f} | "
-                     f"{row['mapped_refresh']:.3f} | {ret} | {row['prompts']} |")
+        lines.append(
+            f"| {g} | {row['full']:.3f} | {row['truncate']:.3f} | {row['mapped']:.3f} | "
+            f"{row['mapped_refresh']:.3f} | {ret} | {row['prompts']} |"
+        )
     return "\n".join(lines)

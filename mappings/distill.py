@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -28,7 +28,6 @@ from .capture import LayerKV, capture_kv, to_dynamic_cache
 from .errors import InvalidInput
 from .features import from_features, to_features, window_inputs
 from .precision import autocast, check_precision
-
 
 REF_TOP_K = 64
 """Tokens per tail position whose full-prefill log-probability a reference keeps (the rest's mass is kept as one)."""
@@ -79,20 +78,32 @@ class DistillSettings:
         check_precision("capture_precision", self.capture_precision)
         check_precision("train_precision", self.train_precision)
         if self.repeat_span < 0 or self.epochs < 0 or not self.lr > 0:
-            raise InvalidInput("repeat_span and epochs must be >= 0 and lr > 0; "
-                               f"got {self.repeat_span}, {self.epochs}, {self.lr}")
+            raise InvalidInput(
+                f"repeat_span and epochs must be >= 0 and lr > 0; got {self.repeat_span}, {self.epochs}, {self.lr}"
+            )
 
     def check_window(self, seq_len: int) -> None:
         """A window must hold ``tails`` tails each after some mapped prefix, and room for the repeat."""
         if seq_len // self.tails <= self.tail or (self.repeat_span and seq_len <= 2 * self.repeat_span + 64):
-            raise InvalidInput(f"training windows of {seq_len} tokens are too short for {self.tails} tail(s) of {self.tail} "
-                               f"and a repeat of {self.repeat_span}; use longer windows or a shorter tail or repeat")
+            raise InvalidInput(
+                f"training windows of {seq_len} tokens are too short for {self.tails} tail(s) of {self.tail} "
+                f"and a repeat of {self.repeat_span}; use longer windows or a shorter tail or repeat"
+            )
 
     def as_dict(self) -> dict:
-        return {"from_layer": self.from_layer, "tail": self.tail, "tails": self.tails, "repeat_span": self.repeat_span,
-                "epochs": self.epochs, "lr": self.lr, "seed": self.seed, "temperature": self.temperature,
-                "ref_top_k": self.ref_top_k, "capture_precision": self.capture_precision,
-                "train_precision": self.train_precision}
+        return {
+            "from_layer": self.from_layer,
+            "tail": self.tail,
+            "tails": self.tails,
+            "repeat_span": self.repeat_span,
+            "epochs": self.epochs,
+            "lr": self.lr,
+            "seed": self.seed,
+            "temperature": self.temperature,
+            "ref_top_k": self.ref_top_k,
+            "capture_precision": self.capture_precision,
+            "train_precision": self.train_precision,
+        }
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,7 @@ class TailRef:
     rest: torch.Tensor  # [tail] float32: log of the probability of every token outside ``index``
 
     @classmethod
-    def of(cls, logits: torch.Tensor, k: int = REF_TOP_K) -> "TailRef":
+    def of(cls, logits: torch.Tensor, k: int = REF_TOP_K) -> TailRef:
         """The reference of ``logits`` [tail, vocab] (the target's own, over the tail's positions)."""
         lp = logits.float().log_softmax(-1)
         top = lp.topk(min(k, lp.shape[-1]), dim=-1)
@@ -124,7 +135,7 @@ class TailRef:
         if temperature != 1.0:
             want = (want / temperature).log_softmax(-1)
         p = want.exp()
-        return torch.where(p > 0, p * (want - mine), torch.zeros_like(p)).sum(-1).mean() * temperature ** 2
+        return torch.where(p > 0, p * (want - mine), torch.zeros_like(p)).sum(-1).mean() * temperature**2
 
 
 def _rest(lp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -154,11 +165,21 @@ def with_code_mlp(ms: MapSet, hidden: int, seed: int = 0) -> MapSet:
         raise InvalidInput(f"the code MLP needs a positive number of hidden units, got {hidden!r}")
     g = torch.Generator().manual_seed(seed)
     r = ms.basis.rank
-    mlp = CodeMLP((torch.randn(r, hidden, generator=g) / r ** 0.5).to(ms.dtype), torch.zeros(hidden, dtype=ms.dtype),
-                  torch.zeros(hidden, r, dtype=ms.dtype))
+    mlp = CodeMLP(
+        (torch.randn(r, hidden, generator=g) / r**0.5).to(ms.dtype),
+        torch.zeros(hidden, dtype=ms.dtype),
+        torch.zeros(hidden, r, dtype=ms.dtype),
+    )
     b = ms.basis
-    return MapSet(ms.source, ms.target, dict(ms.maps), ms.version, dict(ms.fit), dict(ms.calibration),
-                  basis=Basis(b.source_layers, b.encoder, b.bias, b.inputs, mlp))
+    return MapSet(
+        ms.source,
+        ms.target,
+        dict(ms.maps),
+        ms.version,
+        dict(ms.fit),
+        dict(ms.calibration),
+        basis=Basis(b.source_layers, b.encoder, b.bias, b.inputs, mlp),
+    )
 
 
 def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tensor:
@@ -166,7 +187,7 @@ def with_repeat(ids: torch.Tensor, span: int, rng: random.Random) -> torch.Tenso
     n = len(ids)
     start = rng.randrange(0, n - 2 * span - 64)
     out = ids.clone()
-    out[n - span:] = ids[start : start + span]
+    out[n - span :] = ids[start : start + span]
     return out
 
 
@@ -196,13 +217,16 @@ class TrainableMaps:
         return [self.weight[k] for k in self.keys] + [self.bias[k] for k in self.keys] + list(self.shared.values())
 
     def state(self) -> dict:
-        return ({k: (self.weight[k].detach().clone(), self.bias[k].detach().clone()) for k in self.keys}
-                | {name: (t.detach().clone(),) for name, t in self.shared.items()})
+        return {k: (self.weight[k].detach().clone(), self.bias[k].detach().clone()) for k in self.keys} | {
+            name: (t.detach().clone(),) for name, t in self.shared.items()
+        }
 
     def load_state(self, state: dict) -> None:
         with torch.no_grad():
             for k, saved in state.items():
-                for mine, value in zip((self.weight[k], self.bias[k]) if k in self.weight else (self.shared[k],), saved):
+                for mine, value in zip(
+                    (self.weight[k], self.bias[k]) if k in self.weight else (self.shared[k],), saved
+                ):
                     mine.copy_(value)
 
     def output(self, key: tuple[int, str], x: torch.Tensor) -> torch.Tensor:
@@ -239,25 +263,51 @@ class TrainableMaps:
         return out
 
     def mapset(self, version: str, fit_record: dict) -> MapSet:
-        """The distilled set, its weights in the starting set's dtype; ``fit_record`` joins its fit provenance. A trained
+        """The distilled set, its weights in the starting set's dtype; ``fit_record`` joins its fit provenance. A
+        trained
         map's held-out R² is unknown (NaN): the closed form's no longer describes it (``kvferry eval`` measures it)."""
         maps, basis = dict(self.ms.maps), self.ms.basis
         if basis is not None:
-            mlp = None if self.mlp is None else CodeMLP(*(t.detach().to(self.ms.dtype).contiguous() for t in self.mlp.tensors()))
-            basis = Basis(basis.source_layers, self.encoder.detach().to(self.ms.dtype).contiguous(),
-                          self.encoder_bias.detach().to(self.ms.dtype).contiguous(), basis.inputs, mlp)
+            mlp = (
+                None
+                if self.mlp is None
+                else CodeMLP(*(t.detach().to(self.ms.dtype).contiguous() for t in self.mlp.tensors()))
+            )
+            basis = Basis(
+                basis.source_layers,
+                self.encoder.detach().to(self.ms.dtype).contiguous(),
+                self.encoder_bias.detach().to(self.ms.dtype).contiguous(),
+                basis.inputs,
+                mlp,
+            )
         for k in self.keys:
             m = self.ms.maps[k]
-            maps[k] = LayerMap(m.target_layer, m.kind, m.source_layers, self.weight[k].detach().to(self.ms.dtype).contiguous(),
-                               self.bias[k].detach().to(self.ms.dtype).contiguous(), m.lam, float("nan"), m.inputs, m.window)
+            maps[k] = LayerMap(
+                m.target_layer,
+                m.kind,
+                m.source_layers,
+                self.weight[k].detach().to(self.ms.dtype).contiguous(),
+                self.bias[k].detach().to(self.ms.dtype).contiguous(),
+                m.lam,
+                float("nan"),
+                m.inputs,
+                m.window,
+            )
         fit = dict(self.ms.fit) | {"distilled": fit_record | {"base_version": self.ms.version}}
         return MapSet(self.ms.source, self.ms.target, maps, version, fit, dict(self.ms.calibration), basis=basis)
 
 
 @torch.no_grad()
-def capture_tails(ms: MapSet, source, target, windows: list[torch.Tensor], s: DistillSettings,
-                  rng: random.Random, cache_dir: str | Path | None = None,
-                  refs_dir: str | Path | None = None) -> list[TailSample]:
+def capture_tails(
+    ms: MapSet,
+    source,
+    target,
+    windows: list[torch.Tensor],
+    s: DistillSettings,
+    rng: random.Random,
+    cache_dir: str | Path | None = None,
+    refs_dir: str | Path | None = None,
+) -> list[TailSample]:
     """Tails of ``windows`` (every other one given a repeat): one source and one target prefill per window.
 
     ``cache_dir``: each window's source cache is kept there as it is made (``<source key>/<window>.safetensors``) and
@@ -273,21 +323,35 @@ def capture_tails(ms: MapSet, source, target, windows: list[torch.Tensor], s: Di
         if s.repeat_span and i % 2 == 1:
             ids = with_repeat(ids, s.repeat_span, rng)
         ends = _ends(len(ids), s)
-        refs = _load(ref_folder, ids, lambda t: [TailRef(t[f"index{j}"].long(), t[f"logp{j}"], t[f"rest{j}"])
-                                                 for j in range(len(ends))])
+        refs = _load(
+            ref_folder,
+            ids,
+            lambda t: [TailRef(t[f"index{j}"].long(), t[f"logp{j}"], t[f"rest{j}"]) for j in range(len(ends))],
+        )
         if refs is None:
             with autocast(target.model, s.capture_precision):
                 logits = target.model(input_ids=ids[None]).logits[0]
             refs = [TailRef.of(logits[end - s.tail : end], s.ref_top_k) for end in ends]
-            _save(ref_folder, ids, {f"{name}{j}": getattr(r, name).to(torch.int32 if name == "index" else torch.float32)
-                                    for j, r in enumerate(refs) for name in ("index", "logp", "rest")},
-                  {"precision": s.capture_precision})
+            _save(
+                ref_folder,
+                ids,
+                {
+                    f"{name}{j}": getattr(r, name).to(torch.int32 if name == "index" else torch.float32)
+                    for j, r in enumerate(refs)
+                    for name in ("index", "logp", "rest")
+                },
+                {"precision": s.capture_precision},
+            )
         skv = _load(kv_folder, ids, _read_kv)
         if skv is None:
             with autocast(source.model, s.capture_precision):
                 skv = [(k.bfloat16(), v.bfloat16()) for k, v in capture_kv(source.model, ids[None])]
-            _save(kv_folder, ids, {f"{kind}{l}": x for l, kv in enumerate(skv) for kind, x in zip("kv", kv)},
-                  {"precision": s.capture_precision})
+            _save(
+                kv_folder,
+                ids,
+                {f"{kind}{l}": x for l, kv in enumerate(skv) for kind, x in zip("kv", kv)},
+                {"precision": s.capture_precision},
+            )
         load = _kept(kv_folder, ids, None if kv_folder is not None else skv)
         for end, ref in zip(ends, refs):
             out.append(TailSample(ids[end - s.tail : end].clone(), ref, _inputs(ms, s, load, end)))
@@ -305,8 +369,10 @@ def _kept(folder: Path | None, ids: torch.Tensor, skv: list[LayerKV] | None) -> 
     def load() -> list[LayerKV]:
         got = skv if skv is not None else _load(folder, ids, _read_kv)
         if got is None:
-            raise InvalidInput(f"a training window's source cache is gone from {folder}; run the capture again "
-                               "(it recaptures only what is missing)")
+            raise InvalidInput(
+                f"a training window's source cache is gone from {folder}; run the capture again "
+                "(it recaptures only what is missing)"
+            )
         return got
 
     return load
@@ -346,7 +412,9 @@ def _window_file(folder: Path, ids: torch.Tensor) -> Path:
     return folder / (hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:32] + ".safetensors")
 
 
-def _save(folder: Path | None, ids: torch.Tensor, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def _save(
+    folder: Path | None, ids: torch.Tensor, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """Keep a window's tensors (with its ids and ``metadata``) in ``folder``, written whole by one rename; nothing
     without a folder."""
     import os
@@ -357,8 +425,11 @@ def _save(folder: Path | None, ids: torch.Tensor, tensors: dict[str, torch.Tenso
         return
     folder.mkdir(parents=True, exist_ok=True)
     path = _window_file(folder, ids)
-    save_file({"ids": ids.to(torch.int64).contiguous()} | {k: v.contiguous() for k, v in tensors.items()},
-              str(path.with_suffix(".tmp")), metadata=metadata)
+    save_file(
+        {"ids": ids.to(torch.int64).contiguous()} | {k: v.contiguous() for k, v in tensors.items()},
+        str(path.with_suffix(".tmp")),
+        metadata=metadata,
+    )
     os.replace(path.with_suffix(".tmp"), path)
 
 
@@ -387,9 +458,18 @@ def tail_kl(target_model, maps: TrainableMaps, sample: TailSample, temperature: 
     return sample.ref.kl(logits, temperature)
 
 
-def distill(ms: MapSet, source, target, train: list[TailSample], held: list[TailSample], s: DistillSettings,
-            progress: Callable[[str], None] | None = None, maps: TrainableMaps | None = None,
-            checkpoint: str | Path | None = None, checkpoint_every: float = 600.0) -> tuple[TrainableMaps, list[dict]]:
+def distill(
+    ms: MapSet,
+    source,
+    target,
+    train: list[TailSample],
+    held: list[TailSample],
+    s: DistillSettings,
+    progress: Callable[[str], None] | None = None,
+    maps: TrainableMaps | None = None,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: float = 600.0,
+) -> tuple[TrainableMaps, list[dict]]:
     """Adam on the maps' weights from the set's own (or on ``maps.params()``, a TrainableMaps of ``ms`` given by the
     caller); returns the maps at the epoch with the lowest held-out KL and the per-epoch log (train and held-out KL).
 
@@ -404,7 +484,9 @@ def distill(ms: MapSet, source, target, train: list[TailSample], held: list[Tail
     if not maps.keys:
         raise InvalidInput(f"the set has no maps of target layer {s.from_layer} or above to train")
     opt = torch.optim.Adam(maps.params(), lr=s.lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=s.lr, total_steps=max(1, s.epochs * len(train)), pct_start=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=s.lr, total_steps=max(1, s.epochs * len(train)), pct_start=0.1
+    )
     say = progress or (lambda _: None)
     run_key = _run_key(ms, s, train, held)
 
@@ -428,9 +510,22 @@ def distill(ms: MapSet, source, target, train: list[TailSample], held: list[Tail
     last_save = time.monotonic()
 
     def save() -> None:
-        _save_checkpoint(checkpoint, {"key": run_key, "maps": maps.state(), "opt": opt.state_dict(),
-                                      "sched": sched.state_dict(), "gen": gen.get_state(), "log": log, "best": best,
-                                      "epoch": epoch, "done": done, "total": total, "order": order})
+        _save_checkpoint(
+            checkpoint,
+            {
+                "key": run_key,
+                "maps": maps.state(),
+                "opt": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "gen": gen.get_state(),
+                "log": log,
+                "best": best,
+                "epoch": epoch,
+                "done": done,
+                "total": total,
+                "order": order,
+            },
+        )
 
     while epoch <= s.epochs:
         if order is None:
@@ -474,7 +569,8 @@ def _run_key(ms: MapSet, s: DistillSettings, train: list[TailSample], held: list
 
 
 def _save_checkpoint(path: str | Path, state: dict) -> None:
-    """The training state as safetensors (every tensor) with the rest as JSON in its metadata: nothing that runs code."""
+    """The training state as safetensors (every tensor) with the rest as JSON in its metadata: nothing that runs
+    code."""
     import json
     import os
 
@@ -510,7 +606,7 @@ def _load_checkpoint(path: str | Path, key: str) -> dict | None:
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        tensors = {name: f.get_tensor(name) for name in f}
         meta = json.loads(f.metadata()["state"])
 
     def get(obj):

@@ -9,8 +9,8 @@ tail). A map that drifts from what the target would compute shows here before us
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -11,21 +11,30 @@ Arms, all scored against the target's own full prefill (gold) at the next-token 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import torch
 
 from .apply import apply
 from .artifact import MapSet
-from .capture import (LayerKV, LoadedModel, cache_layers, capture_kv, kv_join, kv_slice, read_corpus, to_dynamic_cache,
-                      token_windows)
-from .drift import Drift, QueryTap, tail_drift
-from .errors import InvalidInput
-from .memo import Memo
-from .features import to_features
+from .capture import (
+    LayerKV,
+    LoadedModel,
+    cache_layers,
+    capture_kv,
+    kv_join,
+    kv_slice,
+    read_corpus,
+    to_dynamic_cache,
+    token_windows,
+)
 from .completion import CompletionSettings, completion_task
 from .copy_probe import CopySettings, copy_probe
+from .drift import Drift, QueryTap, tail_drift
+from .errors import InvalidInput
+from .features import to_features
+from .memo import Memo
 from .next_line import NextLineSettings, library_files, next_line_task
 from .recall import make_probe, probe_fillers
 
@@ -56,7 +65,7 @@ class EvalSettings:
     """Length of those greedy continuations."""
     recall_prompts: int = 50
     """Long-range recall probe prompts (0 to skip)."""
-    copy: CopySettings | None = CopySettings()
+    copy: CopySettings | None = field(default_factory=CopySettings)
     """The long-range copy probe the serving gate reads (None skips it, and the gate then refuses the map)."""
     prose_prompts: int = 0
     """Held-out prose prompts for next-token metrics beside code (needs ``prose`` texts; 0 skips). With prose, the
@@ -111,18 +120,22 @@ class NextTokenScores:
     def __init__(self):
         self.n = 0
         self.top1 = self.kl = self.cos = 0.0
-        self.top10 = Fraction(0)  # shared tokens, counted exactly: a mean of tenths summed in floats drifts (48/60 read 0.79999…)
+        self.top10 = Fraction(
+            0
+        )  # shared tokens, counted exactly: a mean of tenths summed in floats drifts (48/60 read 0.79999…)
         self.per_prompt: dict[str, list[float]] = {"top1": [], "top10": [], "kl": []}
 
     def add(self, gold: torch.Tensor, logits: torch.Tensor, attn_gold=None, attn=None) -> None:
-        """One prompt: ``gold`` and ``logits`` are [vocab] (its next token) or [positions, vocab] (several, averaged)."""
+        """One prompt: ``gold`` and ``logits`` are [vocab] (its next token) or [positions, vocab] (several,
+        averaged)."""
         gold, logits = gold.reshape(-1, gold.shape[-1]), logits.reshape(-1, logits.shape[-1])
         p = gold.shape[0]
         lp_g, lp = gold.log_softmax(-1), logits.log_softmax(-1)
         self.n += 1
         top1 = float((gold.argmax(-1) == logits.argmax(-1)).float().mean())
-        shared = sum(len(set(a.tolist()) & set(b.tolist()))
-                     for a, b in zip(gold.topk(10).indices, logits.topk(10).indices))
+        shared = sum(
+            len(set(a.tolist()) & set(b.tolist())) for a, b in zip(gold.topk(10).indices, logits.topk(10).indices)
+        )
         kl = float((lp_g.exp() * (lp_g - lp)).sum(-1).mean())
         self.top1 += top1
         self.top10 += Fraction(shared, p)
@@ -134,8 +147,12 @@ class NextTokenScores:
 
     def result(self, with_cos: bool) -> dict:
         n = max(self.n, 1)
-        out = {"top1": self.top1 / n, "top10": float(self.top10 / (10 * n)), "kl": self.kl / n,
-               "per_prompt": {k: list(v) for k, v in self.per_prompt.items()}}
+        out = {
+            "top1": self.top1 / n,
+            "top10": float(self.top10 / (10 * n)),
+            "kl": self.kl / n,
+            "per_prompt": {k: list(v) for k, v in self.per_prompt.items()},
+        }
         if with_cos:
             out["attn_cos"] = self.cos / n
         return out
@@ -155,14 +172,14 @@ class _LayerError:
                 fm, ft = to_features(m, sp, pos)[0].double(), to_features(t, sp, pos)[0].double()
                 a = self.acc[(l, kind)]
                 a[0] += float(((fm - ft) ** 2).sum())
-                a[1] += float((ft ** 2).sum())
+                a[1] += float((ft**2).sum())
                 a[2] = ft.sum(0) if a[2] is None else a[2] + ft.sum(0)
                 a[3] += ft.shape[0]
 
     def result(self) -> list[dict]:
         out = []
         for (l, kind), (sse, yy, sy, n) in sorted(self.acc.items()):
-            sst = yy - float((sy ** 2).sum()) / n
+            sst = yy - float((sy**2).sum()) / n
             out.append({"layer": l, "kind": kind, "rel_err": (sse / yy) ** 0.5, "r2": 1 - sse / sst})
         return out
 
@@ -172,7 +189,7 @@ def greedy_continuation(model, ids: torch.Tensor, kv: list[LayerKV] | None, toke
     """Greedy continuation of ``ids``; with ``kv`` the target reuses it for the first positions."""
     cache = to_dynamic_cache(kv, model.config) if kv is not None else None
     out = model.generate(ids, past_key_values=cache, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def _agreement(a: list[int], b: list[int]) -> float:
@@ -186,19 +203,31 @@ def _arm_caches(ms: MapSet, source: LoadedModel, target: LoadedModel, ids: torch
     r = s.refresh
     gold = capture_kv(target.model, ids[:, : n - 1])
     mapped = apply(ms, capture_kv(source.model, ids[:, : n - 1]), 0)
-    return gold, mapped, {
-        "gold": (gold, ids[:, n - 1 :]),
-        "no_context": (None, ids[:, n - 1 :]),
-        "truncate": (None, ids[:, n - r :]),
-        "mapped": (mapped, ids[:, n - 1 :]),
-        "mapped_refresh": (kv_slice(mapped, 0, n - r), ids[:, n - r :]),
-        "mapped_sinks": (kv_join(kv_slice(gold, 0, s.sinks), kv_slice(mapped, s.sinks, n - 1)), ids[:, n - 1 :]),
-    }
+    return (
+        gold,
+        mapped,
+        {
+            "gold": (gold, ids[:, n - 1 :]),
+            "no_context": (None, ids[:, n - 1 :]),
+            "truncate": (None, ids[:, n - r :]),
+            "mapped": (mapped, ids[:, n - 1 :]),
+            "mapped_refresh": (kv_slice(mapped, 0, n - r), ids[:, n - r :]),
+            "mapped_sinks": (kv_join(kv_slice(gold, 0, s.sinks), kv_slice(mapped, s.sinks, n - 1)), ids[:, n - 1 :]),
+        },
+    )
 
 
 @torch.no_grad()
-def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list[str], settings: EvalSettings | None = None,
-             progress: bool = True, prose: list[str] | None = None, memo: Memo | None = None) -> dict:
+def evaluate(
+    ms: MapSet,
+    source: LoadedModel,
+    target: LoadedModel,
+    heldout: list[str],
+    settings: EvalSettings | None = None,
+    progress: bool = True,
+    prose: list[str] | None = None,
+    memo: Memo | None = None,
+) -> dict:
     """Run every arm on held-out text, the recall and copy probes (and prose, if given); returns the evidence dict.
     ``memo`` keeps the target's own arms of the copy probe and the completion task across evaluations of the pair."""
     s = settings or EvalSettings()
@@ -233,9 +262,13 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
                 if arm == "mapped_refresh" and s.refresh > 1:  # the free drift signal, as the client measures it live
                     n = ids.shape[1]
                     queries = qtap.queries(range(n - s.refresh, n + s.positions - 1))
-                    drifts.append(tail_drift(kv_slice(mapped, n - s.refresh, n - 1),
-                                             kv_slice(cache_layers(cache), n - s.refresh, n - 1),
-                                             [q[:, : s.refresh - 1] for q in queries]))
+                    drifts.append(
+                        tail_drift(
+                            kv_slice(mapped, n - s.refresh, n - 1),
+                            kv_slice(cache_layers(cache), n - s.refresh, n - 1),
+                            [q[:, : s.refresh - 1] for q in queries],
+                        )
+                    )
             for arm, sc in scores.items():
                 sc.add(logits["gold"], logits[arm], attn["gold"], attn[arm])
             if pi < s.greedy_prompts:
@@ -258,7 +291,7 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
         arms_out["mapped_refresh"]["drift_attn_cos"] = sum(d.mean_attn_cos for d in drifts) / len(drifts)
         arms_out["mapped_refresh"]["drift_rel_err"] = sum(d.mean_rel_err for d in drifts) / len(drifts)
     for arm in arms_out:
-        if arm in greedy and greedy[arm]:
+        if greedy.get(arm):
             arms_out[arm]["greedy_agree"] = sum(greedy[arm]) / len(greedy[arm])
     if s.recall_prompts:
         for arm, acc in recall_accuracy(ms, source, target, texts, s).items():
@@ -283,8 +316,9 @@ def evaluate(ms: MapSet, source: LoadedModel, target: LoadedModel, heldout: list
 
 
 @torch.no_grad()
-def next_token_arms(ms: MapSet, source: LoadedModel, target: LoadedModel, texts: list[str], s: EvalSettings,
-                    prompts: int) -> dict:
+def next_token_arms(
+    ms: MapSet, source: LoadedModel, target: LoadedModel, texts: list[str], s: EvalSettings, prompts: int
+) -> dict:
     """Next-token top-1 / top-10 / KL of each arm against full prefill, on ``prompts`` prompts cut from ``texts``."""
     scores = {arm: NextTokenScores() for arm in ARMS if arm != "gold"}
     for ids, extra in _prompts(target, texts, s, prompts, s.seed + 1):
@@ -311,7 +345,9 @@ def _prompts(target: LoadedModel, texts: list[str], s: EvalSettings, count: int,
     return out
 
 
-def _scored(target: LoadedModel, kv, tail: torch.Tensor, extra: torch.Tensor, positions: int, cache=None) -> torch.Tensor:
+def _scored(
+    target: LoadedModel, kv, tail: torch.Tensor, extra: torch.Tensor, positions: int, cache=None
+) -> torch.Tensor:
     """An arm's logits [positions, vocab] at the prompt's last position and the ``extra`` tokens after it, the target
     computing ``tail`` + ``extra`` on top of ``kv`` (``cache``: that cache made already)."""
     if cache is None and kv is not None:

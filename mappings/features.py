@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .rope import RopeSpec, rotate, unrotate
 
 
-def to_features(kv: torch.Tensor, spec: RopeSpec | None, positions: torch.Tensor | range,
-                dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+def to_features(
+    kv: torch.Tensor,
+    spec: RopeSpec | None,
+    positions: torch.Tensor | range,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[B, H, T, D] cache tensor -> [B, T, H*D] in ``dtype`` (written into ``out`` when given, a [B, T, H*D] tensor or
     view); keys (spec given) are un-rotated first, in float32.
 

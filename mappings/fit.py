@@ -48,7 +48,8 @@ class FitSettings:
     seed: int = 0
     """Seed for position subsampling."""
     inputs: str = "kv"
-    """Which source features feed a map: "kv" (each map reads the chosen layers' K and V) or "same" (K from K, V from V)."""
+    """Which source features feed a map: "kv" (each map reads the chosen layers' K and V) or "same" (K from K, V from
+    V)."""
     per_head: bool = False
     """Block-diagonal maps: each target kv head reads only its corresponding source head."""
     min_gain: float = 0.0
@@ -101,20 +102,26 @@ class FitSettings:
         if self.window_layers is not None:
             self.window_layers = tuple(self.window_layers)
             if len(self.window_layers) != 2 or not 0 <= self.window_layers[0] <= self.window_layers[1]:
-                raise InvalidInput(f"window_layers must be (first, last) target layers with 0 <= first <= last, "
-                                   f"got {self.window_layers!r}")
+                raise InvalidInput(
+                    f"window_layers must be (first, last) target layers with 0 <= first <= last, "
+                    f"got {self.window_layers!r}"
+                )
         if self.window_kinds not in ("k", "kv"):
             raise InvalidInput(f"window_kinds must be 'k' or 'kv', got {self.window_kinds!r}")
         if self.window_sources < 1:
             raise InvalidInput(f"window_sources must be >= 1, got {self.window_sources!r}")
         if self.window == 1 and self.window_layers is not None:
-            raise InvalidInput(f"window_layers {self.window_layers!r} names windowed maps but window is 1; "
-                               "set window (the tokens each reads) above 1")
+            raise InvalidInput(
+                f"window_layers {self.window_layers!r} names windowed maps but window is 1; "
+                "set window (the tokens each reads) above 1"
+            )
         if self.basis_rank is not None and (not isinstance(self.basis_rank, int) or self.basis_rank < 1):
             raise InvalidInput(f"basis_rank must be a positive integer, got {self.basis_rank!r}")
         if self.basis_rank is not None and (self.window > 1 or self.per_head or self.inputs != "kv"):
-            raise InvalidInput("a shared basis reads every source layer's K and V per token: drop window, per_head and "
-                               "inputs='same', or basis_rank")
+            raise InvalidInput(
+                "a shared basis reads every source layer's K and V per token: drop window, per_head and "
+                "inputs='same', or basis_rank"
+            )
         if self.window > 1 and self.per_head:
             raise InvalidInput("per_head maps cannot be windowed: drop per_head or set window to 1")
 
@@ -122,27 +129,41 @@ class FitSettings:
         return (kind,) if self.inputs == "same" else KINDS
 
     def as_dict(self) -> dict:
-        return {"k": self.k, "seq_len": self.seq_len, "max_tokens": self.max_tokens, "heldout_every": self.heldout_every,
-                "subsample": self.subsample, "lambdas": list(self.lambdas), "seed": self.seed,
-                "inputs": self.inputs, "per_head": self.per_head,
-                **({"dtype": self.dtype} if self.dtype != "float32" else {}),
-                **({"selection": self.selection} if self.selection != "greedy" else {}),
-                **({"min_gain": self.min_gain} if self.min_gain else {}),
-                **({"basis_rank": self.basis_rank} if self.basis_rank is not None else {}),
-                **(self._window_dict() if self.window > 1 else {})}
+        return {
+            "k": self.k,
+            "seq_len": self.seq_len,
+            "max_tokens": self.max_tokens,
+            "heldout_every": self.heldout_every,
+            "subsample": self.subsample,
+            "lambdas": list(self.lambdas),
+            "seed": self.seed,
+            "inputs": self.inputs,
+            "per_head": self.per_head,
+            **({"dtype": self.dtype} if self.dtype != "float32" else {}),
+            **({"selection": self.selection} if self.selection != "greedy" else {}),
+            **({"min_gain": self.min_gain} if self.min_gain else {}),
+            **({"basis_rank": self.basis_rank} if self.basis_rank is not None else {}),
+            **(self._window_dict() if self.window > 1 else {}),
+        }
 
     def _window_dict(self) -> dict:
-        return {"window": self.window, "window_layers": list(self.window_layers) if self.window_layers else None,
-                "window_kinds": self.window_kinds, "window_sources": self.window_sources}
+        return {
+            "window": self.window,
+            "window_layers": list(self.window_layers) if self.window_layers else None,
+            "window_kinds": self.window_kinds,
+            "window_sources": self.window_sources,
+        }
 
-    def window_plan(self, source: Geometry, target: Geometry) -> "WindowPlan | None":
+    def window_plan(self, source: Geometry, target: Geometry) -> WindowPlan | None:
         """The windowed maps of a fit between these geometries (None: all per-token)."""
         if self.window == 1:
             return None
         first, last = self.window_layers or (0, target.layers - 1)
         if last >= target.layers:
-            raise InvalidInput(f"window_layers ({first}, {last}) run past the target's {target.layers} layers "
-                               f"(0..{target.layers - 1}); pick layers the target has")
+            raise InvalidInput(
+                f"window_layers ({first}, {last}) run past the target's {target.layers} layers "
+                f"(0..{target.layers - 1}); pick layers the target has"
+            )
         sources = tuple(range(max(0, source.layers - self.window_sources), source.layers))
         targets = tuple((t, kind) for t in range(first, last + 1) for kind in KINDS if kind in self.window_kinds)
         return WindowPlan(self.window, sources, targets)
@@ -188,7 +209,7 @@ class GramSet:
     heldout: GramStats
     tokens: int = 0
     windows: int = 0
-    windowed: "GramSet | None" = None
+    windowed: GramSet | None = None
     """The windowed maps' sums: their inputs (:class:`WindowPlan`) against their target columns."""
 
     def all(self) -> list[GramStats]:
@@ -233,9 +254,11 @@ class FeatureCache:
         os.replace(tmp, path)
 
 
-def _window_features(source: LoadedModel, target: LoadedModel, ids: torch.Tensor,
-                     cache: FeatureCache | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per window of ``ids`` [B, T]: (x [T, dx], y [T, dy]), from the cache where it has them, else captured (and kept)."""
+def _window_features(
+    source: LoadedModel, target: LoadedModel, ids: torch.Tensor, cache: FeatureCache | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per window of ``ids`` [B, T]: (x [T, dx], y [T, dy]), from the cache where it has them, else captured (and
+    kept)."""
     sg, tg = source.identity.geometry, target.identity.geometry
     got = [cache.get(row) if cache else None for row in ids]
     todo = [i for i, g in enumerate(got) if g is None]
@@ -250,8 +273,16 @@ def _window_features(source: LoadedModel, target: LoadedModel, ids: torch.Tensor
     return got
 
 
-def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Tensor], settings: FitSettings,
-               rank: int = 0, world: int = 1, progress: bool = True, features: str | Path | None = None) -> GramSet:
+def accumulate(
+    source: LoadedModel,
+    target: LoadedModel,
+    windows: list[torch.Tensor],
+    settings: FitSettings,
+    rank: int = 0,
+    world: int = 1,
+    progress: bool = True,
+    features: str | Path | None = None,
+) -> GramSet:
     sg, tg = source.identity.geometry, target.identity.geometry
     dx, dy = 2 * sg.layers * sg.kv_width, 2 * tg.layers * tg.kv_width
     gs = GramSet(GramStats(dx, dy), GramStats(dx, dy))
@@ -290,8 +321,9 @@ def accumulate(source: LoadedModel, target: LoadedModel, windows: list[torch.Ten
     return gs
 
 
-def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settings: FitSettings,
-               solver: RidgeSolver | None = None) -> dict:
+def solve_maps(
+    gs: GramSet, source: ModelIdentity, target: ModelIdentity, settings: FitSettings, solver: RidgeSolver | None = None
+) -> dict:
     sg, tg = source.geometry, target.geometry
     maps = _solve_windowed(gs.windowed, settings.window_plan(sg, tg), tg, settings) if gs.windowed else {}
     solver = solver or RidgeSolver(gs.train, gs.heldout)
@@ -301,9 +333,18 @@ def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settin
                 continue
             inputs = settings.inputs_for(kind)
             blocks = {l: torch.cat([feature_cols(sg, l, c) for c in inputs]) for l in range(sg.layers)}
-            chosen, fit = select_and_fit(gs.train, gs.heldout, feature_cols(tg, t, kind), blocks, settings.k, settings.lambdas,
-                                         rounding_variance(settings.dtype), solver, settings.selection,
-                                         settings.min_gain)
+            chosen, fit = select_and_fit(
+                gs.train,
+                gs.heldout,
+                feature_cols(tg, t, kind),
+                blocks,
+                settings.k,
+                settings.lambdas,
+                rounding_variance(settings.dtype),
+                solver,
+                settings.selection,
+                settings.min_gain,
+            )
             weight, bias, r2 = fit.weight, fit.bias, fit.heldout_r2
             if settings.per_head:
                 weight, bias, r2 = _per_head(solver, sg, tg, t, kind, chosen, inputs, settings)
@@ -312,8 +353,14 @@ def solve_maps(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settin
     return maps
 
 
-def solve_basis(gs: GramSet, source: ModelIdentity, target: ModelIdentity, settings: FitSettings,
-                solver: RidgeSolver | None = None, curve_ranks: tuple[int, ...] | None = None) -> tuple[dict, Basis, list[dict]]:
+def solve_basis(
+    gs: GramSet,
+    source: ModelIdentity,
+    target: ModelIdentity,
+    settings: FitSettings,
+    solver: RidgeSolver | None = None,
+    curve_ranks: tuple[int, ...] | None = None,
+) -> tuple[dict, Basis, list[dict]]:
     """A shared-basis set of rank ``settings.basis_rank``: each target map's lambda by its every-source ridge path's
     held-out R² (one eigendecomposition serves all), then the reduced-rank projection on all rows.
 
@@ -324,7 +371,9 @@ def solve_basis(gs: GramSet, source: ModelIdentity, target: ModelIdentity, setti
     solver = solver or RidgeSolver(gs.train, gs.heldout)
     top = min(gs.train.dx, gs.train.dy)
     if settings.basis_rank > top:
-        raise InvalidInput(f"basis_rank {settings.basis_rank} exceeds the {top} features of the narrower side; pick a lower rank")
+        raise InvalidInput(
+            f"basis_rank {settings.basis_rank} exceeds the {top} features of the narrower side; pick a lower rank"
+        )
     xi, keys = torch.arange(gs.train.dx), [(t, kind) for t in range(tg.layers) for kind in KINDS]
     blocks = [feature_cols(tg, t, kind) for t, kind in keys]
     lams, ridge_r2 = [], []
@@ -346,9 +395,19 @@ def solve_basis(gs: GramSet, source: ModelIdentity, target: ModelIdentity, setti
     order = torch.cat([feature_cols(sg, l, c) for l in range(sg.layers) for c in KINDS])  # Basis.rows' layout
     basis = Basis(tuple(range(sg.layers)), fit.encoder[order].to(dt).contiguous(), fit.encoder_bias.to(dt), KINDS)
     r2 = dict(zip(keys, by_rank[settings.basis_rank]))
-    maps = {key: LayerMap(key[0], key[1], basis.source_layers, fit.decoder[:, cols].to(dt).contiguous(),
-                          fit.decoder_bias[cols].to(dt), lam, r2[key], KINDS)
-            for key, cols, lam in zip(keys, blocks, lams)}
+    maps = {
+        key: LayerMap(
+            key[0],
+            key[1],
+            basis.source_layers,
+            fit.decoder[:, cols].to(dt).contiguous(),
+            fit.decoder_bias[cols].to(dt),
+            lam,
+            r2[key],
+            KINDS,
+        )
+        for key, cols, lam in zip(keys, blocks, lams)
+    }
     return maps, basis, curve
 
 
@@ -358,8 +417,15 @@ def _powers_of_two(top: int) -> list[int]:
 
 def _curve_row(rank: int | None, r2: list[float], keys: list[tuple[int, str]], macs: int) -> dict:
     by_kind = {kind: [v for (_, k), v in zip(keys, r2) if k == kind] for kind in KINDS}
-    return {"rank": rank, "mflop_per_token": round(2 * macs / 1e6, 2),
-            **{f"{kind}_r2_{stat}": round(f(v), 4) for kind, v in by_kind.items() for stat, f in (("mean", lambda v: sum(v) / len(v)), ("worst", min))}}
+    return {
+        "rank": rank,
+        "mflop_per_token": round(2 * macs / 1e6, 2),
+        **{
+            f"{kind}_r2_{stat}": round(f(v), 4)
+            for kind, v in by_kind.items()
+            for stat, f in (("mean", lambda v: sum(v) / len(v)), ("worst", min))
+        },
+    }
 
 
 def _solve_windowed(gs: GramSet, plan: WindowPlan, tg: Geometry, settings: FitSettings) -> dict:
@@ -371,8 +437,9 @@ def _solve_windowed(gs: GramSet, plan: WindowPlan, tg: Geometry, settings: FitSe
         path = solver.heldout_r2_path(xi, yi, settings.lambdas, rounding_variance(settings.dtype))
         best = int(torch.argmax(path))
         w, b = solver.solve(xi, yi, settings.lambdas[best])
-        maps[(t, kind)] = LayerMap(t, kind, plan.sources, w.to(dt), b.to(dt), settings.lambdas[best], float(path[best]),
-                                   KINDS, plan.window)
+        maps[(t, kind)] = LayerMap(
+            t, kind, plan.sources, w.to(dt), b.to(dt), settings.lambdas[best], float(path[best]), KINDS, plan.window
+        )
     return maps
 
 
@@ -390,8 +457,10 @@ def _per_head(solver: RidgeSolver, sg, tg, t: int, kind: str, chosen: list[int],
         best = int(torch.argmax(path))
         w, b = solver.solve(xi, yi, settings.lambdas[best])
         for r, _ in enumerate(rows):
-            weight[r * sg.kv_width + h * sg.head_dim : r * sg.kv_width + (h + 1) * sg.head_dim,
-                   j * tg.head_dim : (j + 1) * tg.head_dim] = w[r * sg.head_dim : (r + 1) * sg.head_dim]
+            weight[
+                r * sg.kv_width + h * sg.head_dim : r * sg.kv_width + (h + 1) * sg.head_dim,
+                j * tg.head_dim : (j + 1) * tg.head_dim,
+            ] = w[r * sg.head_dim : (r + 1) * sg.head_dim]
         bias[j * tg.head_dim : (j + 1) * tg.head_dim] = b
         r2s.append(float(path[best]))
     return weight, bias, sum(r2s) / len(r2s)
@@ -401,8 +470,22 @@ def stats_key(source: ModelIdentity, target: ModelIdentity, corpus_sha256: str, 
     """What captured Gram sums depend on: both models, the corpus, and the capture settings (not k, lambdas, dtype)."""
     from .geometry import digest
 
-    capture = {k: v for k, v in settings.as_dict().items() if k in ("seq_len", "max_tokens", "heldout_every", "subsample", "seed",
-                                                                   "window", "window_layers", "window_kinds", "window_sources")}
+    capture = {
+        k: v
+        for k, v in settings.as_dict().items()
+        if k
+        in (
+            "seq_len",
+            "max_tokens",
+            "heldout_every",
+            "subsample",
+            "seed",
+            "window",
+            "window_layers",
+            "window_kinds",
+            "window_sources",
+        )
+    }
     return digest({"source": source.as_dict(), "target": target.as_dict(), "corpus": corpus_sha256, "capture": capture})
 
 
@@ -410,9 +493,14 @@ def save_stats(gs: GramSet, path: str | Path, key: str) -> None:
     """Write captured sums (safetensors, float64) so that maps can be solved again without a forward pass."""
     from safetensors.torch import save_file
 
-    tensors = {f"{side}.{name}": t.contiguous() for side, st in _sides(gs)
-               for name, t in zip(("sx", "sy", "sxx", "sxy", "syy"), st.tensors())}
-    meta = {"key": key, "tokens": str(gs.tokens), "windows": str(gs.windows)} | {f"{side}_n": str(st.n) for side, st in _sides(gs)}
+    tensors = {
+        f"{side}.{name}": t.contiguous()
+        for side, st in _sides(gs)
+        for name, t in zip(("sx", "sy", "sxx", "sxy", "syy"), st.tensors())
+    }
+    meta = {"key": key, "tokens": str(gs.tokens), "windows": str(gs.windows)} | {
+        f"{side}_n": str(st.n) for side, st in _sides(gs)
+    }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(str(path) + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -429,13 +517,24 @@ def load_stats(path: str | Path, key: str) -> GramSet | None:
         meta = f.metadata() or {}
         if meta.get("key") != key:
             return None
-        t = {name: f.get_tensor(name) for name in f.keys()}
+        t = {name: f.get_tensor(name) for name in f}
+
     def sides(prefix: str) -> list[GramStats]:
         out = []
         for side in (f"{prefix}train", f"{prefix}heldout"):
             sx, sy = t[f"{side}.sx"], t[f"{side}.sy"]
-            out.append(GramStats(sx.numel(), sy.numel(), int(meta[f"{side}_n"]), sx, sy, t[f"{side}.sxx"],
-                                 t[f"{side}.sxy"], t[f"{side}.syy"]))
+            out.append(
+                GramStats(
+                    sx.numel(),
+                    sy.numel(),
+                    int(meta[f"{side}_n"]),
+                    sx,
+                    sy,
+                    t[f"{side}.sxx"],
+                    t[f"{side}.sxy"],
+                    t[f"{side}.syy"],
+                )
+            )
         return out
 
     windowed = GramSet(*sides("window.")) if "window.train.sx" in t else None
@@ -450,9 +549,16 @@ def _sides(gs: GramSet) -> list[tuple[str, GramStats]]:
     return named
 
 
-def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings | None = None,
-             version: str = "1.0.0", progress: bool = True, stats_path: str | Path | None = None,
-             features: str | Path | None = None) -> MapSet | None:
+def fit_pair(
+    source: LoadedModel,
+    target: LoadedModel,
+    corpus: list[str],
+    settings: FitSettings | None = None,
+    version: str = "1.0.0",
+    progress: bool = True,
+    stats_path: str | Path | None = None,
+    features: str | Path | None = None,
+) -> MapSet | None:
     """Fit source->target maps. Under torch.distributed every rank must call it; rank 0 gets the MapSet.
 
     ``stats_path``: reuse the Gram sums captured there for the same models, corpus and capture settings, or
@@ -488,9 +594,17 @@ def fit_pair(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
     else:
         maps = solve_maps(gs, source.identity, target.identity, settings, solver)
     if progress:
-        print(f"solved {len(maps)} maps{origin} in {time.perf_counter() - t0:.1f}s ({solver.decompositions} eigendecompositions)")
-    calibration = {"corpus_sha256": corpus_sha, "tokens": gs.tokens, "windows": gs.windows, "seq_len": settings.seq_len,
-                   "processes": processes}
+        print(
+            f"solved {len(maps)} maps{origin} in {time.perf_counter() - t0:.1f}s ({solver.decompositions} "
+            "eigendecompositions)"
+        )
+    calibration = {
+        "corpus_sha256": corpus_sha,
+        "tokens": gs.tokens,
+        "windows": gs.windows,
+        "seq_len": settings.seq_len,
+        "processes": processes,
+    }
     ms = MapSet(source.identity, target.identity, maps, version, fit_record, calibration, basis=basis)
     ms.validate()
     return ms
@@ -501,20 +615,32 @@ def format_curve(curve: list[dict]) -> str:
     lines = ["rank   MFLOP/token   held-out R² K mean / worst   V mean / worst"]
     for row in curve:
         name = "ridge" if row["rank"] is None else str(row["rank"])
-        lines.append(f"{name:>6} {row['mflop_per_token']:>12.1f}   {row['k_r2_mean']:.3f} / {row['k_r2_worst']:.3f}"
-                     f"              {row['v_r2_mean']:.3f} / {row['v_r2_worst']:.3f}")
+        lines.append(
+            f"{name:>6} {row['mflop_per_token']:>12.1f}   {row['k_r2_mean']:.3f} / {row['k_r2_worst']:.3f}"
+            f"              {row['v_r2_mean']:.3f} / {row['v_r2_worst']:.3f}"
+        )
     return "\n".join(lines)
 
 
-def _capture(source: LoadedModel, target: LoadedModel, corpus: list[str], settings: FitSettings, rank: int, world: int,
-             progress: bool, features: str | Path | None = None) -> GramSet:
+def _capture(
+    source: LoadedModel,
+    target: LoadedModel,
+    corpus: list[str],
+    settings: FitSettings,
+    rank: int,
+    world: int,
+    progress: bool,
+    features: str | Path | None = None,
+) -> GramSet:
     """Both models over the corpus' windows (this rank's share), sums all-reduced; tokens and windows are totals."""
     import torch.distributed as dist
 
     windows = token_windows(source.tokenizer, read_corpus(corpus), settings.seq_len, settings.max_tokens)
     if len(windows) < settings.heldout_every:
-        raise InvalidInput(f"calibration corpus gives {len(windows)} windows of {settings.seq_len} tokens; "
-                           f"need at least {settings.heldout_every}. Add text or lower --seq-len.")
+        raise InvalidInput(
+            f"calibration corpus gives {len(windows)} windows of {settings.seq_len} tokens; "
+            f"need at least {settings.heldout_every}. Add text or lower --seq-len."
+        )
     gs = accumulate(source, target, windows, settings, rank, world, progress, features)
     all_reduce(gs.all())
     tokens = torch.tensor([float(gs.tokens)], dtype=torch.float64)
@@ -527,7 +653,10 @@ def _capture(source: LoadedModel, target: LoadedModel, corpus: list[str], settin
 def identity_mapset(model: ModelIdentity, version: str = "0.0.1") -> MapSet:
     """An exact map from a model to itself (W = I, b = 0): for layout and plumbing checks."""
     g = model.geometry
-    maps = {(t, kind): LayerMap(t, kind, (t,), torch.eye(g.kv_width), torch.zeros(g.kv_width), 0.0, 1.0, (kind,))
-            for t in range(g.layers) for kind in KINDS}
+    maps = {
+        (t, kind): LayerMap(t, kind, (t,), torch.eye(g.kv_width), torch.zeros(g.kv_width), 0.0, 1.0, (kind,))
+        for t in range(g.layers)
+        for kind in KINDS
+    }
     target = ModelIdentity(model.name + "-self", g, model.tokenizer, model.weights)
     return MapSet(model, target, maps, version, {"kind": "identity"}, {})

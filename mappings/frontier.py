@@ -6,7 +6,7 @@ the same prompts and scored against the target's own full prefill:
   truncate r         the target computes only the prompt's last r tokens (share r / n)
   <map> refresh r    the map's cache for all but the last r tokens, which the target recomputes (share r / n)
   <map> hybrid L     the target computes its first L layers over the whole prompt itself, the map gives the other
-                     layers, and the target recomputes the last r₀ tokens (share L / layers + (1 − L / layers) r₀ / n)
+                     layers, and the target recomputes the last r₀ tokens (share L / layers + (1 - L / layers) r₀ / n)
   full prefill       share 1
 
 The source's own prefill is not counted: in a cascade it has run already. Measures: copy kept (the unguessable copy
@@ -48,7 +48,11 @@ class FrontierSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.refreshes or any(r < 1 for r in self.refreshes) or list(self.refreshes) != sorted(set(self.refreshes)):
+        if (
+            not self.refreshes
+            or any(r < 1 for r in self.refreshes)
+            or list(self.refreshes) != sorted(set(self.refreshes))
+        ):
             raise InvalidInput(f"refreshes must be increasing positive token counts, got {self.refreshes}")
         if any(L < 1 for L in self.hybrid_layers):
             raise InvalidInput(f"hybrid layers must be positive, got {self.hybrid_layers}")
@@ -60,16 +64,19 @@ class FrontierSettings:
 
 
 def operating_points(versions: list[str], s: FrontierSettings, layers: int) -> list[tuple[str, str | None, int, int]]:
-    """(arm, map version or None, r, L) of every point, in plotting order; hybrid L at or above ``layers`` is left out."""
+    """(arm, map version or None, r, L) of every point, in plotting order; hybrid L at or above ``layers`` is left
+    out."""
     points = [("truncate", None, r, 0) for r in s.refreshes]
     for v in versions:
         points += [("refresh", v, r, 0) for r in s.refreshes]
-        points += [("hybrid", v, s.refreshes[0], L) for L in s.hybrid_layers if L < layers]
+        points += [("hybrid", v, s.refreshes[0], L) for L in s.hybrid_layers if layers > L]
     return points
 
 
 def point_name(arm: str, version: str | None, r: int, L: int) -> str:
-    return {"truncate": f"truncate r={r}", "refresh": f"{version} refresh r={r}", "hybrid": f"{version} hybrid L={L}"}[arm]
+    return {"truncate": f"truncate r={r}", "refresh": f"{version} refresh r={r}", "hybrid": f"{version} hybrid L={L}"}[
+        arm
+    ]
 
 
 def share(arm: str, r: int, L: int, n: int, layers: int) -> float:
@@ -78,12 +85,13 @@ def share(arm: str, r: int, L: int, n: int, layers: int) -> float:
     return L / layers + (1 - L / layers) * tail if arm == "hybrid" else tail
 
 
-def _caches(maps: dict[str, MapSet], source: LoadedModel, target: LoadedModel, ids: list[int], s: FrontierSettings,
-            layers: int) -> dict[str, list[LayerKV]]:
+def _caches(
+    maps: dict[str, MapSet], source: LoadedModel, target: LoadedModel, ids: list[int], s: FrontierSettings, layers: int
+) -> dict[str, list[LayerKV]]:
     """Each map's cache of ``ids``, and each hybrid point's (the target's first L layers, the map's others)."""
     skv = capture_kv(source.model, torch.tensor([ids]))
     out = {v: apply(ms, skv, 0) for v, ms in maps.items()}
-    hybrid = [L for L in s.hybrid_layers if L < layers]
+    hybrid = [L for L in s.hybrid_layers if layers > L]
     if hybrid:
         own = capture_first_layers(target.model, torch.tensor([ids]), max(hybrid))
         for v in maps:
@@ -102,8 +110,15 @@ def _prefix(caches: dict[str, list[LayerKV]], arm: str, v: str | None, r: int, L
 
 
 @torch.no_grad()
-def copy_points(maps: dict[str, MapSet], source: LoadedModel, target: LoadedModel, texts: list[str],
-                s: FrontierSettings, memo: Memo | None = None, progress: bool = False) -> dict:
+def copy_points(
+    maps: dict[str, MapSet],
+    source: LoadedModel,
+    target: LoadedModel,
+    texts: list[str],
+    s: FrontierSettings,
+    memo: Memo | None = None,
+    progress: bool = False,
+) -> dict:
     """Per gap: full prefill's per-prompt accuracy, each point's, and each point's per-prompt share."""
     layers = target.identity.geometry.layers
     points = operating_points(list(maps), s, layers)
@@ -116,16 +131,26 @@ def copy_points(maps: dict[str, MapSet], source: LoadedModel, target: LoadedMode
     out: dict[str, dict] = {}
     for ex in examples:
         n = len(ex.prompt)
-        row = out.setdefault(str(ex.gap), {"full": [], "points": {point_name(*p): [] for p in points},
-                                           "share": {point_name(*p): [] for p in points}})
-        row["full"].append(remembered(memo, ("copy-full", *who, ex.prompt, ex.answer),
-                                      lambda: continuation_accuracy(target.model, None, ex.prompt, ex.answer)))
+        row = out.setdefault(
+            str(ex.gap),
+            {"full": [], "points": {point_name(*p): [] for p in points}, "share": {point_name(*p): [] for p in points}},
+        )
+        row["full"].append(
+            remembered(
+                memo,
+                ("copy-full", *who, ex.prompt, ex.answer),
+                lambda: continuation_accuracy(target.model, None, ex.prompt, ex.answer),
+            )
+        )
         caches = _caches(maps, source, target, ex.prompt[:-1], s, layers)
         for arm, v, r, L in points:
             name = point_name(arm, v, r, L)
             if arm == "truncate":
-                acc = remembered(memo, ("copy-truncate", *who, r, ex.prompt, ex.answer),
-                                 lambda: continuation_accuracy(target.model, None, ex.prompt[max(n - r, 0):], ex.answer))
+                acc = remembered(
+                    memo,
+                    ("copy-truncate", *who, r, ex.prompt, ex.answer),
+                    lambda: continuation_accuracy(target.model, None, ex.prompt[max(n - r, 0) :], ex.answer),
+                )
             else:
                 kv, stop = _prefix(caches, arm, v, r, L, n)
                 acc = continuation_accuracy(target.model, kv, ex.prompt[stop:], ex.answer)
@@ -135,8 +160,9 @@ def copy_points(maps: dict[str, MapSet], source: LoadedModel, target: LoadedMode
 
 
 @torch.no_grad()
-def top10_points(maps: dict[str, MapSet], source: LoadedModel, target: LoadedModel, texts: list[str],
-                 s: FrontierSettings) -> dict:
+def top10_points(
+    maps: dict[str, MapSet], source: LoadedModel, target: LoadedModel, texts: list[str], s: FrontierSettings
+) -> dict:
     """Each point's per-prompt top-10 overlap with full prefill at the prompt's last position, and its share."""
     layers = target.identity.geometry.layers
     points = operating_points(list(maps), s, layers)
@@ -169,13 +195,19 @@ def summarize(raw: dict, s: FrontierSettings, versions: list[str], layers: int) 
                 continue
             measures[f"copy kept, {domain}, gap {gap}"] = {
                 name: _cell(sum(row["share"][name]) / len(row["share"][name]), ratio_interval(acc, row["full"]))
-                for name, acc in row["points"].items()}
+                for name, acc in row["points"].items()
+            }
         if "top10" in got:
             t = got["top10"]
-            measures[f"top-10, {domain}"] = {name: _cell(sum(t["share"][name]) / len(t["share"][name]), mean_interval(v))
-                                             for name, v in t["points"].items() if v}
-    points = [{"name": point_name(*p), "arm": p[0], "map": p[1], "r": p[2], "layers": p[3]}
-              for p in operating_points(versions, s, layers)]
+            measures[f"top-10, {domain}"] = {
+                name: _cell(sum(t["share"][name]) / len(t["share"][name]), mean_interval(v))
+                for name, v in t["points"].items()
+                if v
+            }
+    points = [
+        {"name": point_name(*p), "arm": p[0], "map": p[1], "r": p[2], "layers": p[3]}
+        for p in operating_points(versions, s, layers)
+    ]
     return {"settings": s.as_dict(), "points": points, "measures": measures}
 
 
@@ -191,8 +223,11 @@ def format_frontier(front: dict) -> str:
         cells = []
         for m in names:
             c = front["measures"][m].get(p["name"])
-            cells.append("" if c is None else f"{c['value']:.3f} [{c['interval'][0]:.3f}, {c['interval'][1]:.3f}] "
-                                              f"@ {c['share']:.3f}")
+            cells.append(
+                ""
+                if c is None
+                else f"{c['value']:.3f} [{c['interval'][0]:.3f}, {c['interval'][1]:.3f}] @ {c['share']:.3f}"
+            )
         lines.append(f"| {p['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -225,7 +260,10 @@ def plot(front: dict, path, title: str = "") -> None:
                 continue
             xs = [c["share"] for c, _ in got]
             ys = [c["value"] for c, _ in got]
-            err = [[max(c["value"] - c["interval"][0], 0) for c, _ in got], [max(c["interval"][1] - c["value"], 0) for c, _ in got]]
+            err = [
+                [max(c["value"] - c["interval"][0], 0) for c, _ in got],
+                [max(c["interval"][1] - c["value"], 0) for c, _ in got],
+            ]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
         ax.plot([1], [1], marker="*", markersize=10, color="black", linestyle="none", label="full prefill")
         bar = next((v for prefix, v in bars.items() if m.startswith(prefix)), None)
@@ -235,7 +273,7 @@ def plot(front: dict, path, title: str = "") -> None:
         ax.set_xlabel("share of the target's prefill spent")
         ax.set_title(m, fontsize=10)
         ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=7)
     if title:

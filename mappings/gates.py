@@ -8,7 +8,6 @@ from .artifact import MapSet
 from .errors import GateFailed, InvalidInput
 from .intervals import Interval, difference_interval, mean_interval, ratio_interval
 
-
 MARGINAL_POLICIES = ("refuse", "serve")
 
 
@@ -44,8 +43,9 @@ class Check:
         else:
             text = self.note or f"{where}{self.measure}={shown} fails the gate ({op} {self.bar})"
         if self.interval is not None:
-            text += (f" [95% interval {self.interval.low:.3f} to {self.interval.high:.3f}"
-                     + (": the bar lies inside it]" if self.marginal else "]"))
+            text += f" [95% interval {self.interval.low:.3f} to {self.interval.high:.3f}" + (
+                ": the bar lies inside it]" if self.marginal else "]"
+            )
         return text
 
 
@@ -102,17 +102,17 @@ class Gates:
         problems, checks = self.checks(evidence)
         return problems + [c.message() for c in checks if self.blocks(c)]
 
-    def blocks(self, check: "Check") -> bool:
+    def blocks(self, check: Check) -> bool:
         """Whether one measured check keeps the map from serving, under the marginal policy."""
         if check.marginal:
             return self.marginal == "refuse"
         return not check.passes
 
-    def marginal_checks(self, evidence: dict | None) -> list["Check"]:
+    def marginal_checks(self, evidence: dict | None) -> list[Check]:
         """The measures whose bar lies inside their interval (what the verdict names as marginal)."""
         return [c for c in self.checks(evidence)[1] if c.marginal] if evidence and "arms" in evidence else []
 
-    def checks(self, evidence: dict) -> tuple[list[str], list["Check"]]:
+    def checks(self, evidence: dict) -> tuple[list[str], list[Check]]:
         """Every gated measure of the evidence as a Check (value, bar, interval where per-prompt data exist), and the
         structural problems (an arm or a probe missing) that fail the map whatever the numbers."""
         problems: list[str] = []
@@ -123,8 +123,12 @@ class Gates:
                 problems.append(f"the {domain} evidence has no {self.arm!r} arm; re-run `kvferry eval`")
                 continue
             per = row.get("per_prompt") or {}
-            for key, bound, at_least in (("top10", self.min_top10, True), ("top1", self.min_top1, True),
-                                         ("kl", self.max_kl, False), ("attn_cos", self.min_attn_cos, True)):
+            for key, bound, at_least in (
+                ("top10", self.min_top10, True),
+                ("top1", self.min_top1, True),
+                ("kl", self.max_kl, False),
+                ("attn_cos", self.min_attn_cos, True),
+            ):
                 value = row.get(key)
                 if value is None and domain != "code" and key not in _PROSE_METRICS:
                     continue  # prose is scored on the next-token metrics alone
@@ -139,7 +143,7 @@ class Gates:
         problems, checks = self.completion_checks(evidence)
         return problems + [c.message() for c in checks if self.blocks(c)]
 
-    def completion_checks(self, evidence: dict) -> tuple[list[str], list["Check"]]:
+    def completion_checks(self, evidence: dict) -> tuple[list[str], list[Check]]:
         """The downstream bar: on the next-line task where the evidence has it (edit similarity), else on the
         completion task (exact lines); the served arm may fall at most ``max_completion_drop`` below full prefill."""
         if evidence.get("next_line"):
@@ -150,32 +154,57 @@ class Gates:
         full, got = arms.get("full"), arms.get(self.arm)
         if full is None or got is None:
             return [f"the completion task has no full or {self.arm!r} arm; re-run `kvferry eval`"], []
-        per = (evidence["completion"].get("per_task") or {})
-        interval = (difference_interval(per[self.arm], per["full"]) if per.get(self.arm) and per.get("full") else None)
-        note = (f"completion: {self.arm} writes {got:.3f} of the lines exactly, full prefill {full:.3f} (gate: within "
-                f"{self.max_completion_drop:.2f}; truncation {arms.get('truncate', float('nan')):.3f})")
-        return [], [Check("completion", f"{self.arm} exact lines minus full prefill's", got - full, -self.max_completion_drop,
-                          True, interval, note)]
+        per = evidence["completion"].get("per_task") or {}
+        interval = difference_interval(per[self.arm], per["full"]) if per.get(self.arm) and per.get("full") else None
+        note = (
+            f"completion: {self.arm} writes {got:.3f} of the lines exactly, full prefill {full:.3f} (gate: within "
+            f"{self.max_completion_drop:.2f}; truncation {arms.get('truncate', float('nan')):.3f})"
+        )
+        return [], [
+            Check(
+                "completion",
+                f"{self.arm} exact lines minus full prefill's",
+                got - full,
+                -self.max_completion_drop,
+                True,
+                interval,
+                note,
+            )
+        ]
 
-    def _next_line_checks(self, ev: dict) -> tuple[list[str], list["Check"]]:
+    def _next_line_checks(self, ev: dict) -> tuple[list[str], list[Check]]:
         arms, per = ev.get("arms") or {}, ev.get("per_task") or {}
         if "full" not in arms or self.arm not in arms:
             return [f"the next-line task has no full or {self.arm!r} arm; re-run `kvferry eval`"], []
         full, got = arms["full"]["edit_sim"], arms[self.arm]["edit_sim"]
-        interval = (difference_interval(per[self.arm]["edit_sim"], per["full"]["edit_sim"])
-                    if self.arm in per and "full" in per else None)
+        interval = (
+            difference_interval(per[self.arm]["edit_sim"], per["full"]["edit_sim"])
+            if self.arm in per and "full" in per
+            else None
+        )
         truncate = arms.get("truncate", {}).get("edit_sim", float("nan"))
-        note = (f"next line: {self.arm} edit similarity {got:.3f}, full prefill {full:.3f} (gate: within "
-                f"{self.max_completion_drop:.2f}; truncation {truncate:.3f})")
-        return [], [Check("next line", f"{self.arm} edit similarity minus full prefill's", got - full,
-                          -self.max_completion_drop, True, interval, note)]
+        note = (
+            f"next line: {self.arm} edit similarity {got:.3f}, full prefill {full:.3f} (gate: within "
+            f"{self.max_completion_drop:.2f}; truncation {truncate:.3f})"
+        )
+        return [], [
+            Check(
+                "next line",
+                f"{self.arm} edit similarity minus full prefill's",
+                got - full,
+                -self.max_completion_drop,
+                True,
+                interval,
+                note,
+            )
+        ]
 
     def copy_failures(self, evidence: dict) -> list[str]:
         """The long-range gate alone: reasons the copy-probe evidence fails (empty when it passes or is off)."""
         problems, checks = self.copy_checks(evidence)
         return problems + [c.message() for c in checks if self.blocks(c)]
 
-    def copy_checks(self, evidence: dict) -> tuple[list[str], list["Check"]]:
+    def copy_checks(self, evidence: dict) -> tuple[list[str], list[Check]]:
         """The long-range gate's checks: per domain and gap where the target copies, the share of its copy accuracy the
         arm keeps. The code domain's probe is required; a prose probe, where measured, is checked too."""
         if self.min_copy_retention <= 0:
@@ -189,22 +218,31 @@ class Gates:
             for gap, row in sorted((ev.get("copy") or {}).get("gaps", {}).items(), key=lambda kv: int(kv[0])):
                 full, got = row.get("full"), row.get(self.arm)
                 if full is None or got is None:
-                    problems.append(f"{where}the copy probe at gap {gap} has no {self.arm!r} arm; re-run `kvferry eval`")
+                    problems.append(
+                        f"{where}the copy probe at gap {gap} has no {self.arm!r} arm; re-run `kvferry eval`"
+                    )
                     continue
                 if full < self.min_copy_full:
                     continue  # the target shows no long-range skill here to lose
                 per = row.get("per_prompt") or []
-                interval = (ratio_interval([p[self.arm] for p in per], [p["full"] for p in per])
-                            if per and all(self.arm in p for p in per) else None)
-                note = (f"{where}long-range copy at gap {gap}: {self.arm} {got:.3f} keeps {got / full:.0%} of full "
-                        f"prefill's {full:.3f} (gate: >= {self.min_copy_retention:.0%}; truncation scores "
-                        f"{row.get('truncate', float('nan')):.3f})")
-                checks.append(Check(domain, f"copy kept at gap {gap}", got / full, self.min_copy_retention, True,
-                                    interval, note))
+                interval = (
+                    ratio_interval([p[self.arm] for p in per], [p["full"] for p in per])
+                    if per and all(self.arm in p for p in per)
+                    else None
+                )
+                note = (
+                    f"{where}long-range copy at gap {gap}: {self.arm} {got:.3f} keeps {got / full:.0%} of full "
+                    f"prefill's {full:.3f} (gate: >= {self.min_copy_retention:.0%}; truncation scores "
+                    f"{row.get('truncate', float('nan')):.3f})"
+                )
+                checks.append(
+                    Check(domain, f"copy kept at gap {gap}", got / full, self.min_copy_retention, True, interval, note)
+                )
         return problems, checks
 
     def verdict(self, evidence: dict | None, force: bool = False) -> tuple[bool, list[str]]:
-        """The one answer to "may this map serve?": (serves, the gate failures). ``force`` serves it anyway (testing)."""
+        """The one answer to "may this map serve?": (serves, the gate failures). ``force`` serves it anyway
+        (testing)."""
         problems = self.failures(evidence)
         return (not problems or force), problems
 
@@ -212,8 +250,11 @@ class Gates:
         """Raise GateFailed for a map that may not serve, unless ``force``."""
         serves, problems = self.verdict(ms.evidence, force)
         if not serves:
-            raise GateFailed(f"map {ms.name} {ms.version} is gated off: " + "; ".join(problems) +
-                             ". Improve the map, lower the gates deliberately, or force it for testing.")
+            raise GateFailed(
+                f"map {ms.name} {ms.version} is gated off: "
+                + "; ".join(problems)
+                + ". Improve the map, lower the gates deliberately, or force it for testing."
+            )
 
 
 _PROSE_METRICS = ("top10", "top1", "kl")
@@ -227,7 +268,9 @@ def domains(evidence: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def load_for_serving(path, gates: Gates | None = None, force: bool = False, expect_source=None, expect_target=None) -> MapSet:
+def load_for_serving(
+    path, gates: Gates | None = None, force: bool = False, expect_source=None, expect_target=None
+) -> MapSet:
     """Load and verify an artifact, then refuse it unless its evidence passes ``gates`` (or ``force``)."""
     from .artifact import load
 

@@ -35,15 +35,26 @@ class Geometry:
 
     def as_dict(self) -> dict:
         return {
-            "architecture": self.architecture, "layers": self.layers, "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim, "rope": self.rope.as_dict(), "attention": self.attention,
+            "architecture": self.architecture,
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "rope": self.rope.as_dict(),
+            "attention": self.attention,
             "vocab_size": self.vocab_size,
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Geometry":
-        return cls(d["architecture"], int(d["layers"]), int(d["kv_heads"]), int(d["head_dim"]),
-                   RopeSpec.from_dict(d["rope"]), d.get("attention", "full"), int(d.get("vocab_size", 0)))
+    def from_dict(cls, d: dict) -> Geometry:
+        return cls(
+            d["architecture"],
+            int(d["layers"]),
+            int(d["kv_heads"]),
+            int(d["head_dim"]),
+            RopeSpec.from_dict(d["rope"]),
+            d.get("attention", "full"),
+            int(d.get("vocab_size", 0)),
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -65,8 +76,13 @@ def geometry_of(config) -> Geometry:
     theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
     if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         raise Incompatible("partial rotary embeddings are not supported (partial_rotary_factor != 1)")
-    rope = RopeSpec(rope_type, theta, int(head_dim), tuple(sorted(params.items())),
-                    int(getattr(config, "max_position_embeddings", 0) or 0))
+    rope = RopeSpec(
+        rope_type,
+        theta,
+        int(head_dim),
+        tuple(sorted(params.items())),
+        int(getattr(config, "max_position_embeddings", 0) or 0),
+    )
     rope.check_supported()
     attention = "full"
     window = getattr(config, "sliding_window", None)
@@ -74,8 +90,15 @@ def geometry_of(config) -> Geometry:
         attention = f"sliding_window:{window}"
     if arch == "qwen3":
         attention += "+qk_norm"
-    return Geometry(arch, config.num_hidden_layers, config.num_key_value_heads or heads, int(head_dim),
-                    rope, attention, int(config.vocab_size))
+    return Geometry(
+        arch,
+        config.num_hidden_layers,
+        config.num_key_value_heads or heads,
+        int(head_dim),
+        rope,
+        attention,
+        int(config.vocab_size),
+    )
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -85,12 +108,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
         raise Incompatible("only fast (tokenizers-backed) tokenizers can be fingerprinted; load with use_fast=True")
     spec = json.loads(backend.to_str())
     model = spec.get("model", {})
-    return digest({
-        "type": model.get("type"), "vocab": model.get("vocab"), "merges": model.get("merges"),
-        "added_tokens": [(t["id"], t["content"], t.get("special")) for t in spec.get("added_tokens", [])],
-        "normalizer": spec.get("normalizer"), "pre_tokenizer": spec.get("pre_tokenizer"),
-        "special_tokens": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
-    })
+    return digest(
+        {
+            "type": model.get("type"),
+            "vocab": model.get("vocab"),
+            "merges": model.get("merges"),
+            "added_tokens": [(t["id"], t["content"], t.get("special")) for t in spec.get("added_tokens", [])],
+            "normalizer": spec.get("normalizer"),
+            "pre_tokenizer": spec.get("pre_tokenizer"),
+            "special_tokens": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -103,14 +131,23 @@ class ModelIdentity:
     weights: str = ""  # sha256 of the weights file(s), when known
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "geometry": self.geometry.as_dict(), "geometry_fingerprint": self.geometry.fingerprint,
-                "tokenizer_fingerprint": self.tokenizer, "weights_sha256": self.weights}
+        return {
+            "name": self.name,
+            "geometry": self.geometry.as_dict(),
+            "geometry_fingerprint": self.geometry.fingerprint,
+            "tokenizer_fingerprint": self.tokenizer,
+            "weights_sha256": self.weights,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelIdentity":
-        ident = cls(d["name"], Geometry.from_dict(d["geometry"]), d["tokenizer_fingerprint"], d.get("weights_sha256", ""))
+    def from_dict(cls, d: dict) -> ModelIdentity:
+        ident = cls(
+            d["name"], Geometry.from_dict(d["geometry"]), d["tokenizer_fingerprint"], d.get("weights_sha256", "")
+        )
         if d.get("geometry_fingerprint") not in (None, ident.geometry.fingerprint):
-            raise Incompatible(f"geometry fingerprint of {ident.name!r} does not match its geometry: the manifest was edited")
+            raise Incompatible(
+                f"geometry fingerprint of {ident.name!r} does not match its geometry: the manifest was edited"
+            )
         return ident
 
 
@@ -121,7 +158,11 @@ def check_pair(source: ModelIdentity, target: ModelIdentity) -> None:
             f"tokenizers differ ({source.name}: {source.tokenizer[:12]}…, {target.name}: {target.tokenizer[:12]}…): "
             "token positions would not line up. Use two models that share one tokenizer (same vocab, merges, specials)."
         )
-    if source.geometry.vocab_size and target.geometry.vocab_size and source.geometry.vocab_size != target.geometry.vocab_size:
+    if (
+        source.geometry.vocab_size
+        and target.geometry.vocab_size
+        and source.geometry.vocab_size != target.geometry.vocab_size
+    ):
         raise Incompatible(f"vocab sizes differ ({source.geometry.vocab_size} vs {target.geometry.vocab_size})")
     for ident in (source, target):
         ident.geometry.rope.check_supported()

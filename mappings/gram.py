@@ -24,7 +24,9 @@ class GramStats:
     syy: torch.Tensor = field(default=None)  # per-dimension sum of squares (all SSE needs)
 
     def __post_init__(self) -> None:
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+        def z(*s):
+            return torch.zeros(*s, dtype=torch.float64)
+
         self.sx = z(self.dx) if self.sx is None else self.sx
         self.sy = z(self.dy) if self.sy is None else self.sy
         self.sxx = z(self.dx, self.dx) if self.sxx is None else self.sxx
@@ -42,7 +44,7 @@ class GramStats:
         self.sxy += x.T @ y
         self.syy += (y * y).sum(0)
 
-    def merge(self, other: "GramStats") -> "GramStats":
+    def merge(self, other: GramStats) -> GramStats:
         out = GramStats(self.dx, self.dy)
         out.n = self.n + other.n
         for name in ("sx", "sy", "sxx", "sxy", "syy"):

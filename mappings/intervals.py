@@ -78,7 +78,9 @@ def ratio_interval(num, den, level: float = LEVEL, resamples: int = RESAMPLES, s
         raise InvalidInput("a ratio of means needs a denominator that is not zero on average")
     idx = _draws(len(x), resamples, seed)
     den_r = y[idx].mean(1)
-    ratios = torch.where(den_r > 0, x[idx].mean(1) / den_r.clamp(min=1e-300), torch.tensor(float("nan"), dtype=torch.float64))
+    ratios = torch.where(
+        den_r > 0, x[idx].mean(1) / den_r.clamp(min=1e-300), torch.tensor(float("nan"), dtype=torch.float64)
+    )
     return Interval(float(x.mean() / y.mean()), *_bounds(ratios, level))
 
 

@@ -37,7 +37,7 @@ class Pin:
     """The precision the evaluation's forwards ran in (``float32`` or ``bfloat16``)."""
 
     @classmethod
-    def of(cls, target, precision: str) -> "Pin":
+    def of(cls, target, precision: str) -> Pin:
         """The pin of a loaded target model evaluated at ``precision``."""
         return cls(target.identity.weights, target.identity.geometry.fingerprint, precision)
 
@@ -60,9 +60,11 @@ class Memo:
         except (ValueError, KeyError, TypeError):
             found = None
         if found != asdict(pin):
-            raise InvalidInput(f"the references at {self.path} were made for {found}, not for this evaluation's "
-                               f"{asdict(pin)} (another target's weights, geometry or precision): point --references "
-                               "at a file of this target's, or build a new one with --update-references")
+            raise InvalidInput(
+                f"the references at {self.path} were made for {found}, not for this evaluation's "
+                f"{asdict(pin)} (another target's weights, geometry or precision): point --references "
+                "at a file of this target's, or build a new one with --update-references"
+            )
         for line in lines[1:]:
             try:
                 row = json.loads(line)
@@ -97,10 +99,12 @@ def remembered(memo: Memo | None, key_parts: tuple, compute):
     value = memo.get(key)
     if value is None:
         if memo.frozen:
-            raise InvalidInput(f"the references at {memo.path} have no result for the {key_parts[0]} arm of one of "
-                               "this evaluation's prompts: its prompts or settings differ from those the references "
-                               "were built for. Evaluate with the settings they were built with, or rebuild them with "
-                               "--update-references")
+            raise InvalidInput(
+                f"the references at {memo.path} have no result for the {key_parts[0]} arm of one of "
+                "this evaluation's prompts: its prompts or settings differ from those the references "
+                "were built for. Evaluate with the settings they were built with, or rebuild them with "
+                "--update-references"
+            )
         value = compute()
         memo.put(key, value)
     return value

@@ -33,7 +33,6 @@ from .memo import Memo
 from .scramble import scramble
 
 
-
 @dataclass(frozen=True)
 class NextLineSettings:
     """Which lines become tasks, and how long their prompts are."""
@@ -54,15 +53,27 @@ class NextLineSettings:
     """Seeds the scrambling and the choice of line."""
 
     def __post_init__(self) -> None:
-        if self.tasks < 1 or not 1 <= self.refresh < self.min_context <= self.max_context or self.max_new_tokens < 1 \
-                or self.min_chars < 1:
-            raise InvalidInput("next-line needs tasks >= 1, 1 <= refresh < min_context <= max_context, "
-                               "max_new_tokens >= 1 and min_chars >= 1")
+        if (
+            self.tasks < 1
+            or not 1 <= self.refresh < self.min_context <= self.max_context
+            or self.max_new_tokens < 1
+            or self.min_chars < 1
+        ):
+            raise InvalidInput(
+                "next-line needs tasks >= 1, 1 <= refresh < min_context <= max_context, "
+                "max_new_tokens >= 1 and min_chars >= 1"
+            )
 
     def as_dict(self) -> dict:
-        return {"tasks": self.tasks, "min_context": self.min_context, "max_context": self.max_context,
-                "min_chars": self.min_chars, "refresh": self.refresh, "max_new_tokens": self.max_new_tokens,
-                "seed": self.seed}
+        return {
+            "tasks": self.tasks,
+            "min_context": self.min_context,
+            "max_context": self.max_context,
+            "min_chars": self.min_chars,
+            "refresh": self.refresh,
+            "max_new_tokens": self.max_new_tokens,
+            "seed": self.seed,
+        }
 
 
 @dataclass(frozen=True)
@@ -99,37 +110,54 @@ def make_tasks(tokenizer, texts: list[str], s: NextLineSettings) -> list[NextLin
                 starts.append((pos, line))
             pos += len(line) + 1
         # tokens before each line, from one tokenization of the file (its tokens' start offsets)
-        offsets = [a for a, _ in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+        offsets = [
+            a for a, _ in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        ]
         candidates = [(start, line) for start, line in starts if bisect.bisect_left(offsets, start) >= s.min_context]
         if not candidates:
             continue
         start, line = random.Random(f"{s.seed}:{i}").choice(candidates)
         indent = len(line) - len(line.lstrip(" \t"))
         prompt = tokenizer(text[: start + indent], add_special_tokens=False)["input_ids"]
-        tasks.append(NextLineTask(prompt[-s.max_context:], line.strip()))
+        tasks.append(NextLineTask(prompt[-s.max_context :], line.strip()))
         if len(tasks) == s.tasks:
             return tasks
-    raise InvalidInput(f"the files hold {len(tasks)} lines with {s.min_context}+ tokens before them; {s.tasks} were "
-                       "asked for. Add files or lower tasks / min_context.")
+    raise InvalidInput(
+        f"the files hold {len(tasks)} lines with {s.min_context}+ tokens before them; {s.tasks} were "
+        "asked for. Add files or lower tasks / min_context."
+    )
 
 
 @torch.no_grad()
-def next_line_task(ms: MapSet | None, source: LoadedModel | None, target: LoadedModel, texts: list[str],
-                   s: NextLineSettings | None = None, progress: bool = False, memo: Memo | None = None) -> dict:
+def next_line_task(
+    ms: MapSet | None,
+    source: LoadedModel | None,
+    target: LoadedModel,
+    texts: list[str],
+    s: NextLineSettings | None = None,
+    progress: bool = False,
+    memo: Memo | None = None,
+) -> dict:
     """Each arm's mean edit similarity and exact-match rate on the tasks, with each task's scores (``per_task``, for
     the gate's intervals); ``ms`` None: only the target's own arms (which come from ``memo`` when it has them)."""
     s = s or NextLineSettings()
     tasks = make_tasks(target.tokenizer, texts, s)
-    lines = written_lines(ms, source, target, [t.prompt for t in tasks], s.refresh, s.max_new_tokens, "next-line",
-                          progress, memo)
+    lines = written_lines(
+        ms, source, target, [t.prompt for t in tasks], s.refresh, s.max_new_tokens, "next-line", progress, memo
+    )
     return score(lines, [t.answer for t in tasks], s)
 
 
 def score(lines: dict[str, list[str | None]], answers: list[str], s: NextLineSettings) -> dict:
     """The evidence of written ``lines`` (per arm, one per task) against the files' ``answers``."""
-    per_task = {arm: {"edit_sim": [round(edit_similarity(got, want), 6) for got, want in zip(got_lines, answers)],
-                      "exact": [int(got is not None and got.strip() == want) for got, want in zip(got_lines, answers)]}
-                for arm, got_lines in lines.items() if got_lines}
+    per_task = {
+        arm: {
+            "edit_sim": [round(edit_similarity(got, want), 6) for got, want in zip(got_lines, answers)],
+            "exact": [int(got is not None and got.strip() == want) for got, want in zip(got_lines, answers)],
+        }
+        for arm, got_lines in lines.items()
+        if got_lines
+    }
     arms = {arm: {k: sum(v) / len(v) for k, v in scores.items()} for arm, scores in per_task.items()}
     return {"settings": s.as_dict(), "arms": arms, "per_task": per_task}
 
@@ -143,27 +171,36 @@ def library_files(manifest: str | Path) -> list[str]:
     spec = importlib.util.find_spec(man["package"])
     if spec is None or not spec.submodule_search_locations:
         raise InvalidInput(f"the next-line task reads files of the package {man['package']!r}, which is not installed")
-    root = Path(list(spec.submodule_search_locations)[0])
+    root = Path(next(iter(spec.submodule_search_locations)))
     texts = []
     for entry in man["files"]:
         path = root / entry["path"]
         try:
             blob = path.read_bytes()
         except OSError:
-            raise InvalidInput(f"{path} is missing: the next-line task needs {man['package']} {man['version']}") from None
+            raise InvalidInput(
+                f"{path} is missing: the next-line task needs {man['package']} {man['version']}"
+            ) from None
         if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
-            raise InvalidInput(f"{path} differs from the file the task was built on ({man['package']} {man['version']}); "
-                               "install that version, or rebuild the manifest and its references")
+            raise InvalidInput(
+                f"{path} differs from the file the task was built on ({man['package']} {man['version']}); "
+                "install that version, or rebuild the manifest and its references"
+            )
         texts.append(blob.decode("utf-8", errors="replace"))
     return texts
 
 
 def format_next_line_table(ev: dict, title: str = "") -> str:
-    names = {"full": "full prefill", "truncate": f"truncate to {ev['settings']['refresh']}",
-             "mapped_refresh": f"mapped + refresh {ev['settings']['refresh']}"}
+    names = {
+        "full": "full prefill",
+        "truncate": f"truncate to {ev['settings']['refresh']}",
+        "mapped_refresh": f"mapped + refresh {ev['settings']['refresh']}",
+    }
     lines = [title] if title else []
     lines.append("| arm | edit similarity | exact lines | tasks |")
     lines.append("|---|---|---|---|")
     for arm, row in ev["arms"].items():
-        lines.append(f"| {names[arm]} | {row['edit_sim']:.3f} | {row['exact']:.3f} | {len(ev['per_task'][arm]['exact'])} |")
+        lines.append(
+            f"| {names[arm]} | {row['edit_sim']:.3f} | {row['exact']:.3f} | {len(ev['per_task'][arm]['exact'])} |"
+        )
     return "\n".join(lines)

@@ -12,8 +12,30 @@ import string
 from dataclasses import dataclass
 
 _SYLLABLES = [
-    "ka", "lo", "mi", "ren", "tor", "vex", "qui", "zan", "pel", "dor", "fis", "gra",
-    "hul", "jin", "mox", "nep", "sul", "tiv", "wex", "yor", "bri", "cal", "dun", "fel",
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tor",
+    "vex",
+    "qui",
+    "zan",
+    "pel",
+    "dor",
+    "fis",
+    "gra",
+    "hul",
+    "jin",
+    "mox",
+    "nep",
+    "sul",
+    "tiv",
+    "wex",
+    "yor",
+    "bri",
+    "cal",
+    "dun",
+    "fel",
 ]
 _VALUE_ALPHABET = string.ascii_lowercase + string.digits
 
@@ -61,9 +83,7 @@ def make_document(rng: random.Random, filler: str, entries: int, queries: int) -
     return "".join(parts)
 
 
-def make_probe(
-    fillers: list[str], count: int = 100, entries: int = 8, seed: int = 1234
-) -> list[RecallExample]:
+def make_probe(fillers: list[str], count: int = 100, entries: int = 8, seed: int = 1234) -> list[RecallExample]:
     """Probe prompts; each filler should be well over 64 tokens of held-out code."""
     if not fillers:
         raise ValueError("make_probe needs at least one filler text (held-out code)")

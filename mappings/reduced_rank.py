@@ -33,7 +33,7 @@ class ReducedRank:
     decoder: torch.Tensor  # [rank, dy]
     decoder_bias: torch.Tensor  # [dy]
 
-    def truncated(self, rank: int) -> "ReducedRank":
+    def truncated(self, rank: int) -> ReducedRank:
         """The same fit at a lower rank (its leading directions: the fit's are ordered by what they explain)."""
         return ReducedRank(self.encoder[:, :rank], self.encoder_bias[:rank], self.decoder[:rank], self.decoder_bias)
 
@@ -55,8 +55,9 @@ def reduced_rank(stats: GramStats, blocks: list[torch.Tensor], lambdas: list[flo
     if len(blocks) != len(lambdas):
         raise InvalidInput("one lambda per target block")
     if not 1 <= rank <= min(stats.dx, stats.dy):
-        raise InvalidInput(f"rank must be in 1..{min(stats.dx, stats.dy)} (the fewer of the source and target features), "
-                           f"got {rank}")
+        raise InvalidInput(
+            f"rank must be in 1..{min(stats.dx, stats.dy)} (the fewer of the source and target features), got {rank}"
+        )
     mx, my, cxx, cxy = _centred(stats)
     e, q = torch.linalg.eigh(cxx)
     del cxx
@@ -88,8 +89,9 @@ def reduced_rank(stats: GramStats, blocks: list[torch.Tensor], lambdas: list[flo
     return ReducedRank(encoder, -(mx @ encoder), decoder, my)
 
 
-def heldout_r2(fit: ReducedRank, train: GramStats, heldout: GramStats, blocks: list[torch.Tensor],
-               ranks: list[int]) -> dict[int, list[float]]:
+def heldout_r2(
+    fit: ReducedRank, train: GramStats, heldout: GramStats, blocks: list[torch.Tensor], ranks: list[int]
+) -> dict[int, list[float]]:
     """Held-out R² of each target block at each rank in ``ranks`` (each at most the fit's), from held-out sums alone.
 
     Errors are measured about the fit's own means (its biases), the R²'s total about the held-out mean, as

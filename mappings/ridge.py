@@ -31,9 +31,16 @@ def _block(m: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Ten
     return m.index_select(1, cols).index_select(0, rows)
 
 
-def _centre(block: torch.Tensor, sum_rows: torch.Tensor, sum_cols: torch.Tensor, m_rows: torch.Tensor,
-            m_cols: torch.Tensor, n: int) -> torch.Tensor:
-    """A Gram block of (a - m_rows), (b - m_cols) from raw sums: Σabᵀ - (Σa) m_colsᵀ - m_rows (Σb)ᵀ + n m_rows m_colsᵀ."""
+def _centre(
+    block: torch.Tensor,
+    sum_rows: torch.Tensor,
+    sum_cols: torch.Tensor,
+    m_rows: torch.Tensor,
+    m_cols: torch.Tensor,
+    n: int,
+) -> torch.Tensor:
+    """A Gram block of (a - m_rows), (b - m_cols) from raw sums: Σabᵀ - (Σa) m_colsᵀ - m_rows (Σb)ᵀ + n m_rows
+    m_colsᵀ."""
     return block - torch.outer(sum_rows, m_cols) - torch.outer(m_rows, sum_cols) + n * torch.outer(m_rows, m_cols)
 
 
@@ -168,11 +175,14 @@ class _Final:
 
 
 def rounding_variance(dtype: str) -> float:
-    """Relative error variance that storing x and W in ``dtype`` adds to each product term: 2 u²/3 (u = unit roundoff)."""
-    return {"float32": 0.0, "bfloat16": 2 * (2.0 ** -8) ** 2 / 3}[dtype]
+    """Relative error variance that storing x and W in ``dtype`` adds to each product term: 2 u²/3 (u = unit
+    roundoff)."""
+    return {"float32": 0.0, "bfloat16": 2 * (2.0**-8) ** 2 / 3}[dtype]
 
 
-def heldout_r2_path(train: GramStats, heldout: GramStats, xi, yi, lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0) -> torch.Tensor:
+def heldout_r2_path(
+    train: GramStats, heldout: GramStats, xi, yi, lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0
+) -> torch.Tensor:
     """Held-out R² for every lambda in ``lambdas`` (same order).
 
     ``rounding`` > 0: the map will run with inputs and weights rounded to a short float (bfloat16), which adds
@@ -194,9 +204,18 @@ def cols(layers: list[int] | tuple[int, ...], width: int) -> torch.Tensor:
 SELECTIONS = ("greedy", "ranked")
 
 
-def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, blocks: dict[int, torch.Tensor], k: int,
-                   lambdas=DEFAULT_LAMBDAS, rounding: float = 0.0, solver: RidgeSolver | None = None,
-                   selection: str = "greedy", min_gain: float = 0.0) -> tuple[list[int], RidgeFit]:
+def select_and_fit(
+    train: GramStats,
+    heldout: GramStats,
+    yi: torch.Tensor,
+    blocks: dict[int, torch.Tensor],
+    k: int,
+    lambdas=DEFAULT_LAMBDAS,
+    rounding: float = 0.0,
+    solver: RidgeSolver | None = None,
+    selection: str = "greedy",
+    min_gain: float = 0.0,
+) -> tuple[list[int], RidgeFit]:
     """Choose k candidate blocks (source layers) by held-out R², then refit on all rows.
 
     ``selection="greedy"``: forward selection, each step adding the block that helps most given those chosen
@@ -226,7 +245,7 @@ def select_and_fit(train: GramStats, heldout: GramStats, yi: torch.Tensor, block
         for cand in blocks:
             if cand in chosen:
                 continue
-            xi = torch.cat([blocks[c] for c in sorted(chosen + [cand])])
+            xi = torch.cat([blocks[c] for c in sorted([*chosen, cand])])
             path = solver.heldout_r2_path(xi, yi, lambdas, rounding)
             i = int(torch.argmax(path))
             trial[cand] = (float(path[i]), lambdas[i])

@@ -9,7 +9,6 @@ positions. Frequencies come from transformers' own RoPE initialisers, so every s
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch
@@ -32,20 +31,29 @@ class RopeSpec:
 
     def as_dict(self) -> dict:
         return {
-            "rope_type": self.rope_type, "theta": self.theta, "head_dim": self.head_dim,
-            "params": dict(self.params), "max_position_embeddings": self.max_position_embeddings,
+            "rope_type": self.rope_type,
+            "theta": self.theta,
+            "head_dim": self.head_dim,
+            "params": dict(self.params),
+            "max_position_embeddings": self.max_position_embeddings,
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RopeSpec":
-        return cls(d["rope_type"], float(d["theta"]), int(d["head_dim"]),
-                   tuple(sorted(d.get("params", {}).items())), int(d.get("max_position_embeddings", 0)))
+    def from_dict(cls, d: dict) -> RopeSpec:
+        return cls(
+            d["rope_type"],
+            float(d["theta"]),
+            int(d["head_dim"]),
+            tuple(sorted(d.get("params", {}).items())),
+            int(d.get("max_position_embeddings", 0)),
+        )
 
     def check_supported(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise Incompatible(
                 f"RoPE type {self.rope_type!r} is not supported: its rotation depends on the sequence length, "
-                f"so cached keys cannot be un-rotated position by position. Supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+                "so cached keys cannot be un-rotated position by position. Supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}."
             )
 
 

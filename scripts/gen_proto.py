@@ -1,7 +1,7 @@
 """Generate the Python stubs for proto/kvferry/v1/*.proto (grpcio-tools), or check them for drift.
 
-    python scripts/gen_proto.py          # regenerate in place
-    python scripts/gen_proto.py --check  # exit 1 if the committed stubs differ from a fresh generation
+python scripts/gen_proto.py          # regenerate in place
+python scripts/gen_proto.py --check  # exit 1 if the committed stubs differ from a fresh generation
 """
 
 from __future__ import annotations
@@ -18,13 +18,22 @@ OUT_FILES = ("translate_pb2.py", "translate_pb2.pyi", "translate_pb2_grpc.py")
 
 
 def generate(out: Path) -> None:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     sources = sorted(str(p.relative_to(PROTO)) for p in (PROTO / "kvferry" / "v1").glob("*.proto"))
-    rc = protoc.main(["protoc", f"-I{PROTO}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
-                      f"--grpc_python_out={out}", *sources])
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{PROTO}",
+            f"-I{include}",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
+            *sources,
+        ]
+    )
     if rc != 0:
         raise SystemExit(f"protoc failed with exit code {rc}")
 
@@ -38,10 +47,17 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
-        drift = [f for f in OUT_FILES
-                 if not (PROTO / "kvferry/v1" / f).exists() or not filecmp.cmp(Path(tmp) / "kvferry/v1" / f, PROTO / "kvferry/v1" / f, shallow=False)]
+        drift = [
+            f
+            for f in OUT_FILES
+            if not (PROTO / "kvferry/v1" / f).exists()
+            or not filecmp.cmp(Path(tmp) / "kvferry/v1" / f, PROTO / "kvferry/v1" / f, shallow=False)
+        ]
     if drift:
-        print(f"generated stubs drifted from proto/: {', '.join(drift)}; run `python scripts/gen_proto.py`", file=sys.stderr)
+        print(
+            f"generated stubs drifted from proto/: {', '.join(drift)}; run `python scripts/gen_proto.py`",
+            file=sys.stderr,
+        )
         return 1
     print("stubs match proto/")
     return 0

@@ -27,7 +27,9 @@ def main() -> int:
             (target / f.name).symlink_to(f)
     lint = Path(sys.executable).with_name("lint-imports")
     env = {**os.environ, "PYTHONPATH": str(layout)}
-    return subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=layout, env=env).returncode
+    return subprocess.run(
+        [str(lint), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=layout, env=env
+    ).returncode
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
+from kvferry.common.errors import InvalidInput, PermissionDenied, Unauthenticated
 from kvferry.common.files import PEM_LIMIT, read_secret_text
 from kvferry.common.prefix import check_tenant
-from kvferry.common.errors import InvalidInput, PermissionDenied, Unauthenticated
 
 PROTECTED_PREFIX = "/kvferry."  # every kvferry service; health and reflection stay open
 
@@ -27,7 +27,10 @@ class Caller:
     """How it was established: "token", "mtls" or "none"."""
 
 
-CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("kvferry_caller", default=Caller("", "none"))
+ANONYMOUS = Caller("", "none")
+"""The caller of a server without auth: no tenant, unnamed."""
+
+CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("kvferry_caller", default=ANONYMOUS)
 
 
 def _digest(token: str) -> bytes:
@@ -44,7 +47,7 @@ class Authenticator:
         self.mtls_identity = mtls_identity
 
     @classmethod
-    def from_file(cls, path: str, mtls_identity: bool = False) -> "Authenticator":
+    def from_file(cls, path: str, mtls_identity: bool = False) -> Authenticator:
         tokens: dict[str, str] = {}
         lines = read_secret_text(path, "auth_tokens_file", PEM_LIMIT).splitlines()
         for no, line in enumerate(lines, 1):
@@ -84,14 +87,15 @@ class Authenticator:
         if self.mtls_identity:
             names = auth_context.get("x509_common_name") or []
             if not names:
-                raise Unauthenticated("this sidecar takes the tenant from the client certificate's common name; "
-                                      "connect with mutual TLS")
+                raise Unauthenticated(
+                    "this sidecar takes the tenant from the client certificate's common name; connect with mutual TLS"
+                )
             cn = names[0].decode() if isinstance(names[0], bytes) else str(names[0])
             try:
                 return Caller(check_tenant(cn, "client certificate CN"), "mtls")
             except InvalidInput as e:
                 raise PermissionDenied(str(e)) from None
-        return Caller("", "none")
+        return ANONYMOUS
 
 
 def tenant_for(requested: str) -> str:
@@ -104,5 +108,7 @@ def tenant_for(requested: str) -> str:
     if caller.via == "none":
         return requested
     if requested and requested != caller.tenant:
-        raise PermissionDenied(f"this call is authenticated as tenant {caller.tenant!r} and cannot use tenant {requested!r}")
+        raise PermissionDenied(
+            f"this call is authenticated as tenant {caller.tenant!r} and cannot use tenant {requested!r}"
+        )
     return caller.tenant

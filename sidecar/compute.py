@@ -31,7 +31,9 @@ class ComputeThread(ThreadPoolExecutor):
     def __init__(self, map_threads: int = 1):
         laned = map_threads > 1
         with torch_threads_kept():  # one core for these threads, not for every thread started after them
-            super().__init__(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=one_torch_thread if laned else None)
+            super().__init__(
+                max_workers=1, thread_name_prefix=THREAD_NAME, initializer=one_torch_thread if laned else None
+            )
             if laned:
                 started(self)
             self.lanes = Lanes(map_threads) if laned else None

@@ -4,17 +4,18 @@ only fill it in; every field is validated here, once."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvferry.common.errors import InvalidInput
 from kvferry.common.files import read_secret_text
 from kvferry.common.settings import check_range, read_settings
 from kvferry.common.stores import STORE_SCHEMES
 from kvferry.common.urls import check_store_url
-from kvferry.common.errors import InvalidInput
 
 if TYPE_CHECKING:
     from kvferry.mappings.gates import Gates
@@ -99,7 +100,8 @@ class SidecarConfig:
     prefix_cache: bool = True
     """Reuse and publish mapped prefix blocks (needs token_ids in requests)."""
     prefix_secret: str = ""
-    """HMAC key of prefix block hashes; required (or prefix_secret_file) with redis_url so every pod derives the same keys."""
+    """HMAC key of prefix block hashes; required (or prefix_secret_file) with redis_url so every pod derives the same
+    keys."""
     prefix_secret_file: str = ""
     """File holding the prefix HMAC key (a mounted Secret)."""
     prefix_write_back: bool = False
@@ -144,7 +146,9 @@ class SidecarConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidInput("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.auth_mtls_tenant and not self.tls_client_ca:
-            raise InvalidInput("auth_mtls_tenant takes the tenant from client certificates: set tls_client_ca (mutual TLS)")
+            raise InvalidInput(
+                "auth_mtls_tenant takes the tenant from client certificates: set tls_client_ca (mutual TLS)"
+            )
         check_range("max_stream_seconds", self.max_stream_seconds, 0, DAY, low_open=True)
         if self.redis_url and not self.redis_url.startswith(STORE_SCHEMES):
             raise InvalidInput(f"redis_url must start with one of {', '.join(STORE_SCHEMES)}")
@@ -154,8 +158,10 @@ class SidecarConfig:
             except ValueError as e:
                 raise InvalidInput(f"redis_url: {e}") from None
         if self.redis_url and self.prefix_cache and not (self.prefix_secret or self.prefix_secret_file):
-            raise InvalidInput("a shared prefix store needs prefix_secret (env KVFERRY_PREFIX_SECRET): every pod must "
-                               "derive the same keys, and nobody else should")
+            raise InvalidInput(
+                "a shared prefix store needs prefix_secret (env KVFERRY_PREFIX_SECRET): every pod must "
+                "derive the same keys, and nobody else should"
+            )
         if self.prefix_block_size < 1 or self.prefix_memory_bytes < 1:
             raise InvalidInput("prefix_block_size and prefix_memory_bytes must be positive")
         check_range("prefix_ttl_seconds", self.prefix_ttl_seconds, 0, YEAR, low_open=True)
@@ -163,8 +169,7 @@ class SidecarConfig:
         check_range("prefix_store_cooldown_seconds", self.prefix_store_cooldown_seconds, 0, HOUR)
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise InvalidInput(f"shm_dir {self.shm_dir} must be an absolute path (the folder both containers mount)")
-        self.gates  # validates the gate fields
-        self.limits
+        _ = (self.gates, self.limits)  # built once here, so a bad gate or limit field fails at construction
 
     def resolved_map_threads(self) -> int:
         """How many token lanes a translation is mapped in: map_threads, or (0) torch's CPU threads; 1 off a CPU."""
@@ -192,19 +197,27 @@ class SidecarConfig:
         return Authenticator(mtls_identity=True) if self.auth_mtls_tenant else None
 
     @property
-    def gates(self) -> "Gates":
+    def gates(self) -> Gates:
         from kvferry.mappings.gates import Gates  # imported when used: `kvferry --help` builds this config's flags
 
-        return Gates(arm=self.gate_arm, min_top10=self.gate_min_top10, max_kl=self.gate_max_kl,
-                     min_copy_retention=self.gate_min_copy_retention,
-                     max_completion_drop=self.gate_max_completion_drop, marginal=self.gate_marginal)
+        return Gates(
+            arm=self.gate_arm,
+            min_top10=self.gate_min_top10,
+            max_kl=self.gate_max_kl,
+            min_copy_retention=self.gate_min_copy_retention,
+            max_completion_drop=self.gate_max_completion_drop,
+            marginal=self.gate_marginal,
+        )
 
     @property
-    def limits(self) -> "Limits":
+    def limits(self) -> Limits:
         from .limits import Limits
 
-        return Limits(max_tokens=self.max_tokens, max_request_bytes=self.max_request_bytes,
-                      max_message_bytes=self.max_message_bytes)
+        return Limits(
+            max_tokens=self.max_tokens,
+            max_request_bytes=self.max_request_bytes,
+            max_message_bytes=self.max_message_bytes,
+        )
 
 
 def _flag(name: str) -> str:
@@ -255,7 +268,11 @@ def _field_docs() -> dict[str, str]:
     tree = ast.parse(inspect.getsource(SidecarConfig))
     body = tree.body[0].body
     docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
+    for a, b in itertools.pairwise(body):
+        if (
+            isinstance(a, ast.AnnAssign)
+            and isinstance(b, ast.Expr)
+            and isinstance(getattr(b, "value", None), ast.Constant)
+        ):
             docs[a.target.id] = str(b.value.value).strip()
     return docs

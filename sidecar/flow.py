@@ -5,6 +5,7 @@ messages to these calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -43,14 +44,19 @@ class TranslateFlow:
         self.limits.check(spec.num_tokens, 0)  # before the prefix store hashes, reads, maps or writes anything
         if spec.prefix_key:
             if self.prefix is None:
-                raise Unsupported("this sidecar runs without a prefix store (prefix_cache = false); stream the source KV")
-            session, initial, cached_blocks = await asyncio.to_thread(self.prefix.from_store, spec, ms, self.limits, self.compute)
+                raise Unsupported(
+                    "this sidecar runs without a prefix store (prefix_cache = false); stream the source KV"
+                )
+            session, initial, cached_blocks = await asyncio.to_thread(
+                self.prefix.from_store, spec, ms, self.limits, self.compute
+            )
             return Opened(session, ms, None, cached_blocks, initial)
         plan = await self._plan(spec, ms) if self.prefix is not None and spec.token_ids else None
         cached = plan.lookup if plan and plan.lookup.blocks else None
         write_back = plan is not None and self.prefix.write_streamed
-        session, initial = await on_compute(self.compute, start_session, spec, ms, self.limits, cached, True, write_back,
-                                            self.compute.lanes)
+        session, initial = await on_compute(
+            self.compute, start_session, spec, ms, self.limits, cached, True, write_back, self.compute.lanes
+        )
         return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0, initial)
 
     async def _plan(self, spec: TranslateSpec, ms: MapSet):
@@ -73,10 +79,8 @@ class TranslateFlow:
         loop, wake = asyncio.get_running_loop(), asyncio.Event()
 
         def on_output() -> None:  # on a lane's thread
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
                 loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # the loop has closed: nobody is waiting
-                pass
 
         return wake if opened.session.wake_on_output(on_output) else None
 
@@ -93,7 +97,9 @@ class TranslateFlow:
         stats = opened.session.finish()
         stats.cached_blocks = opened.cached_blocks
         if opened.plan is not None and opened.session.outputs:
-            task = asyncio.create_task(asyncio.to_thread(self.prefix.write_back, opened.plan, opened.session, self.compute))
+            task = asyncio.create_task(
+                asyncio.to_thread(self.prefix.write_back, opened.plan, opened.session, self.compute)
+            )
             self._background.add(task)  # keep a reference until it finishes
             task.add_done_callback(self._write_back_done)
         label = f"{opened.ms.name}@{opened.ms.version}"

@@ -21,6 +21,7 @@ log = logging.getLogger("kvferry.rpc")
 RETRY_AFTER_KEY = "kvferry-retry-after-ms"
 """Plain trailing metadata beside google.rpc.RetryInfo, for clients without a rich-status parser."""
 
+
 def retry_details(code: grpc.StatusCode, msg: str, retry_after: float) -> tuple:
     """Trailing metadata carrying google.rpc.Status with a RetryInfo detail (and the plain millisecond hint)."""
     delay = duration_pb2.Duration()
@@ -50,14 +51,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         full_method = details.method
         method = full_method.rsplit("/", 1)[-1]
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method, full_method),
-                                                       handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, method, full_method),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method, full_method),
-                                                         handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(handler.stream_stream, method, full_method),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method, full_method),
-                                                        handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, method, full_method),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         return handler
 
     def _done(self, method: str, code: grpc.StatusCode, t0: float) -> None:
@@ -86,12 +96,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(code, msg, trailing_metadata=trailing)
         except grpc.aio.AbortError:
             raise
-        except Exception as gone:  # noqa: BLE001 - gRPC's ExecuteBatchError: the call is over on the caller's side
+        except Exception as gone:  # gRPC's ExecuteBatchError: the call is over on the caller's side
             log.debug("%s: %s, and the caller had gone before the status (%s)", method, code.name, type(gone).__name__)
             return True
         return False
 
-    def _guard(self, context, method: str, full_method: str) -> "_Guard":
+    def _guard(self, context, method: str, full_method: str) -> _Guard:
         return _Guard(self, context, method, full_method)
 
     def _unary(self, fn, method, full_method):
@@ -104,6 +114,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _stream(self, fn, method, full_method):
         # ``request``: the request iterator of a stream-stream call, the request of a unary-stream one.
         if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write() itself (Translate*)
+
             async def writer(request, context):
                 # gRPC keeps the AbortError of a failed call, and its traceback keeps this frame: hold the request
                 # (or the iterator, whose receiver keeps the last request message, up to max_message_bytes) only in
@@ -138,7 +149,7 @@ class _Guard:
         self.t0 = time.perf_counter()
         try:
             self.owner._authenticate(self.context, self.full_method)
-        except Exception as exc:  # noqa: BLE001 - an auth failure is a status like any other
+        except Exception as exc:  # an auth failure is a status like any other
             await self.owner._fail(self.context, exc, self.method, self.t0)
 
     async def __aexit__(self, typ, exc, tb) -> bool:

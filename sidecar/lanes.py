@@ -19,8 +19,9 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -71,11 +72,14 @@ class Lanes:
             raise ValueError(f"lanes need at least one part, got {parts}")
         self.parts, self.min_slice, self.share_min = parts, min_slice, share_min
         with torch_threads_kept():
-            self.workers = [started(ThreadPoolExecutor(1, thread_name_prefix=f"kvferry-lane{i}",
-                                                       initializer=one_torch_thread)) for i in range(parts)]
+            self.workers = [
+                started(ThreadPoolExecutor(1, thread_name_prefix=f"kvferry-lane{i}", initializer=one_torch_thread))
+                for i in range(parts)
+            ]
 
-    def applier(self, ms: MapSet, positions: int, out_dtype: torch.dtype | None, tokens: int,
-                context: int) -> LanedApplier | StreamingApplier:
+    def applier(
+        self, ms: MapSet, positions: int, out_dtype: torch.dtype | None, tokens: int, context: int
+    ) -> LanedApplier | StreamingApplier:
         """A LanedApplier for one translation of ``tokens`` tokens (its arguments as StreamingApplier's). A translation
         too short for two lanes of ``min_slice`` tokens is mapped by the caller's thread (a StreamingApplier): one lane
         would add a hand-off and nothing to run beside it, and its output would leave whenever the lane got to it."""
@@ -109,8 +113,9 @@ class LanedApplier:
 
     maps_off_thread = True  # output may be finished after push returns: see on_output
 
-    def __init__(self, ms: MapSet, positions: int, out_dtype: torch.dtype | None, tokens: int, context: int,
-                 lanes: Lanes):
+    def __init__(
+        self, ms: MapSet, positions: int, out_dtype: torch.dtype | None, tokens: int, context: int, lanes: Lanes
+    ):
         self.ms, self.positions, self.out_dtype, self.tokens, self.context = ms, positions, out_dtype, tokens, context
         self._lanes = lanes
         self.segments: list[Segment] = []  # in token order, once planned
@@ -143,8 +148,15 @@ class LanedApplier:
         """Make a segment per planned (start, end, lane), and give them the chunks that came before the plan."""
         for a, b, lane in cuts:
             lane_context = self.context if a == 0 else min(self.ms.context, self.positions + a)
-            self.segments.append(Segment(a, b, lane, a - lane_context, StreamingApplier(
-                self.ms, self.positions + a, self.out_dtype, b - a, lane_context)))
+            self.segments.append(
+                Segment(
+                    a,
+                    b,
+                    lane,
+                    a - lane_context,
+                    StreamingApplier(self.ms, self.positions + a, self.out_dtype, b - a, lane_context),
+                )
+            )
             self._ready.append([deque() for _ in self._emitted])
         self._ends = [s.end for s in self.segments]
         for layer, kind, tensor, start in self._early:
@@ -189,7 +201,8 @@ class LanedApplier:
         return j, out
 
     def _finished(self, future: Future) -> None:
-        """A lane's step is done (a done-callback: ``poll`` now sees it): wake the caller if it made output or failed."""
+        """A lane's step is done (a done-callback: ``poll`` now sees it): wake the caller if it made output or
+        failed."""
         if self.on_output is not None and not future.cancelled() and (future.exception() or future.result()[1]):
             self.on_output()
 

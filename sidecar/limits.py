@@ -28,8 +28,10 @@ class Limits:
         if self.max_tokens < 1 or self.max_request_bytes < 1 or self.max_block_size < 1:
             raise InvalidInput("limits must be positive")
         if not 2 * self.MESSAGE_OVERHEAD <= self.max_message_bytes <= 2**31 - 1:
-            raise InvalidInput(f"max_message_bytes must be in [{2 * self.MESSAGE_OVERHEAD}, {2**31 - 1}] (gRPC's limit "
-                               f"is a signed 32-bit size); got {self.max_message_bytes}")
+            raise InvalidInput(
+                f"max_message_bytes must be in [{2 * self.MESSAGE_OVERHEAD}, {2**31 - 1}] (gRPC's limit "
+                f"is a signed 32-bit size); got {self.max_message_bytes}"
+            )
 
     # Header bytes beyond its token_ids (identifiers are at most 256 characters each, fingerprints, small fields).
     HEADER_FIXED_BYTES = 64 << 10
@@ -46,11 +48,15 @@ class Limits:
 
     def check(self, tokens: int, declared_bytes: int) -> None:
         if tokens > self.max_tokens:
-            raise TooLarge(f"request declares {tokens} tokens; this sidecar allows at most {self.max_tokens} per request. "
-                           "Split the prompt or raise --max-tokens.")
+            raise TooLarge(
+                f"request declares {tokens} tokens; this sidecar allows at most {self.max_tokens} per request. "
+                "Split the prompt or raise --max-tokens."
+            )
         if declared_bytes > self.max_request_bytes:
-            raise TooLarge(f"request declares {declared_bytes} bytes of source KV; the limit is {self.max_request_bytes}. "
-                           "Send fewer tokens per request or raise --max-request-bytes.")
+            raise TooLarge(
+                f"request declares {declared_bytes} bytes of source KV; the limit is {self.max_request_bytes}. "
+                "Send fewer tokens per request or raise --max-request-bytes."
+            )
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,10 @@ class OversizedHeader:
         from .memory import release_freed
 
         release_freed()  # the header's bytes were freed at once: give them back (see memory.py)
-        return TooLarge(f"a {self.size}-byte header is larger than any request within --max-tokens needs "
-                        f"({self.limit} bytes); send one token id per token, or raise --max-tokens")
-
-
+        return TooLarge(
+            f"a {self.size}-byte header is larger than any request within --max-tokens needs "
+            f"({self.limit} bytes); send one token id per token, or raise --max-tokens"
+        )
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,10 @@ class UndecodableRequest:
     reason: str
 
     def refuse(self) -> InvalidInput:
-        return InvalidInput(f"the TranslateByKey request is not a kvferry.v1.TranslateByKeyRequest ({self.reason}); "
-                            "serialize that message, with the key-only header in field 1")
+        return InvalidInput(
+            f"the TranslateByKey request is not a kvferry.v1.TranslateByKeyRequest ({self.reason}); "
+            "serialize that message, with the key-only header in field 1"
+        )
 
 
 def by_key_decoder(limits: Limits, parse):
@@ -94,7 +102,7 @@ def by_key_decoder(limits: Limits, parse):
             return OversizedHeader(len(data), cap)
         try:
             return parse(data)
-        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or whatever a parser raises on hostile bytes
+        except Exception as e:  # protobuf's DecodeError, or whatever a parser raises on hostile bytes
             return UndecodableRequest(type(e).__name__)
 
     return decode

@@ -7,15 +7,25 @@ target layer leaves as soon as its source layers have arrived and memory stays b
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
-from kvferry.common.messages import PAGED, Block, BlockBytes, BlockParts, Chunk, Stats, TargetInfo, TranslateSpec, check_token_ids
+from kvferry.common.errors import Incompatible, InvalidInput
+from kvferry.common.messages import (
+    PAGED,
+    Block,
+    BlockBytes,
+    BlockParts,
+    Chunk,
+    Stats,
+    TargetInfo,
+    TranslateSpec,
+    check_token_ids,
+)
 from kvferry.common.prefix_cache import Lookup
 from kvferry.mappings.apply import StreamingApplier
 from kvferry.mappings.artifact import MapSet
-from kvferry.common.errors import Incompatible, InvalidInput
 from kvferry.sidecar.lanes import Lanes
 
 from .limits import Limits
@@ -25,17 +35,23 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
     """Header-level checks: fingerprints, sizes, layout. Raises before any allocation."""
     sg = ms.source.geometry
     if spec.source_geometry and spec.source_geometry != sg.fingerprint:
-        raise Incompatible(f"source geometry fingerprint {spec.source_geometry[:12]}… does not match map {ms.name} "
-                           f"{ms.version} (fitted on {ms.source.name}, {sg.fingerprint[:12]}…); use the map for your model")
+        raise Incompatible(
+            f"source geometry fingerprint {spec.source_geometry[:12]}… does not match map {ms.name} "
+            f"{ms.version} (fitted on {ms.source.name}, {sg.fingerprint[:12]}…); use the map for your model"
+        )
     if spec.tokenizer and spec.tokenizer != ms.source.tokenizer:
-        raise Incompatible(f"tokenizer fingerprint does not match map {ms.name} {ms.version}: the source model tokenizes "
-                           "differently from the one the map was fitted on")
+        raise Incompatible(
+            f"tokenizer fingerprint does not match map {ms.name} {ms.version}: the source model tokenizes "
+            "differently from the one the map was fitted on"
+        )
     if spec.num_tokens < 1:
         raise InvalidInput("header.num_tokens must be >= 1")
     check_token_ids(len(spec.token_ids), spec.num_tokens)
     if spec.start_position + spec.num_tokens > (sg.rope.max_position_embeddings or 1 << 31):
-        raise InvalidInput(f"positions up to {spec.start_position + spec.num_tokens} exceed the source model's "
-                           f"max_position_embeddings ({sg.rope.max_position_embeddings})")
+        raise InvalidInput(
+            f"positions up to {spec.start_position + spec.num_tokens} exceed the source model's "
+            f"max_position_embeddings ({sg.rope.max_position_embeddings})"
+        )
     if spec.layout == PAGED and not 1 <= spec.block_size <= limits.max_block_size:
         raise InvalidInput(f"block_size must be in [1, {limits.max_block_size}] for the paged layout")
     elem = torch.empty((), dtype=spec.source_dtype).element_size()
@@ -43,9 +59,11 @@ def check_spec(spec: TranslateSpec, ms: MapSet, limits: Limits) -> None:
     per_token = 2 * ms.target.geometry.kv_width * torch.empty((), dtype=target_dtype(spec, ms)).element_size()
     fits = limits.tokens_per_message(per_token)
     if fits < 1 or (spec.layout == PAGED and spec.block_size > fits):
-        raise InvalidInput(f"a {'page of ' + str(spec.block_size) + ' tokens' if spec.layout == PAGED else 'token'} of target KV "
-                           f"({per_token} bytes a token) does not fit the sidecar's max_message_bytes "
-                           f"({limits.max_message_bytes}); use a smaller block_size or raise --max-message-bytes")
+        raise InvalidInput(
+            f"a {'page of ' + str(spec.block_size) + ' tokens' if spec.layout == PAGED else 'token'} of target KV "
+            f"({per_token} bytes a token) does not fit the sidecar's max_message_bytes "
+            f"({limits.max_message_bytes}); use a smaller block_size or raise --max-message-bytes"
+        )
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -76,17 +94,27 @@ def target_dtype(spec: TranslateSpec, ms: MapSet) -> torch.dtype:
 class TranslateSession:
     """One request's state: per (layer, kind) the next expected token, the applier, partial pages.
 
-    Chunks go to the applier as they arrive; whatever target KV they complete leaves at once, as
-    token-range blocks (contiguous layout: several blocks per layer, in token order) or as pages.
-    ``cached``: target KV for the first tokens, found in the prefix store: a Lookup (its blocks' bytes are
-    sent as stored when the layout is contiguous and the dtype matches: one copy, into the messages), or
-    per target layer (K, V) [1, kv_heads, m, head_dim]; those tokens are not mapped again. ``expect_chunks=False`` for requests whose
-    source KV came from the store. ``keep_output`` retains the target KV (for write-back). ``lanes``: the tokens are mapped in
-lanes on those threads (compute.py); then blocks may leave only at ``drain``.
+        Chunks go to the applier as they arrive; whatever target KV they complete leaves at once, as
+        token-range blocks (contiguous layout: several blocks per layer, in token order) or as pages.
+        ``cached``: target KV for the first tokens, found in the prefix store: a Lookup (its blocks' bytes are
+        sent as stored when the layout is contiguous and the dtype matches: one copy, into the messages), or
+        per target layer (K, V) [1, kv_heads, m, head_dim]; those tokens are not mapped again.
+        ``expect_chunks=False`` for requests whose
+        source KV came from the store. ``keep_output`` retains the target KV (for write-back). ``lanes``: the tokens
+        are mapped in
+    lanes on those threads (compute.py); then blocks may leave only at ``drain``.
     """
 
-    def __init__(self, spec: TranslateSpec, ms: MapSet, limits: Limits, cached: Lookup | list | None = None,
-                 expect_chunks: bool = True, keep_output: bool = False, lanes: Lanes | None = None):
+    def __init__(
+        self,
+        spec: TranslateSpec,
+        ms: MapSet,
+        limits: Limits,
+        cached: Lookup | list | None = None,
+        expect_chunks: bool = True,
+        keep_output: bool = False,
+        lanes: Lanes | None = None,
+    ):
         check_spec(spec, ms, limits)
         self.spec, self.ms = spec, ms
         self.out_dtype = target_dtype(spec, ms)
@@ -104,11 +132,15 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         # a windowed map also reads the source tokens just before the first it maps: those of the cached prefix
         self.context = min(ms.context, spec.start_position + self.skip)
         if self.context > self.skip:
-            raise InvalidInput(f"map {ms.name} {ms.version} reads the {ms.context} source tokens before each token, and this "
-                               f"request starts at position {spec.start_position} without them: send the sequence from "
-                               "position 0 (its cached prefix is not mapped again), or use a per-token map")
+            raise InvalidInput(
+                f"map {ms.name} {ms.version} reads the {ms.context} source tokens before each token, and this "
+                f"request starts at position {spec.start_position} without them: send the sequence from "
+                "position 0 (its cached prefix is not mapped again), or use a per-token map"
+            )
         args = (ms, spec.start_position + self.skip, self.out_dtype, n - self.skip, self.context)
-        self.applier = (None if self.skip >= n else lanes.applier(*args) if lanes is not None else StreamingApplier(*args))
+        self.applier = (
+            None if self.skip >= n else lanes.applier(*args) if lanes is not None else StreamingApplier(*args)
+        )
         layers = ms.target.geometry.layers
         self._next: dict[tuple[int, str], int] = {}
         self._checked: tuple[int, str, int, int] | None = None  # the chunk whose header was checked before its bytes
@@ -124,9 +156,21 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
 
     def info(self) -> TargetInfo:
         g = self.ms.target.geometry
-        return TargetInfo(self.ms.name, self.ms.version, g.architecture, g.layers, g.kv_heads, g.head_dim, g.fingerprint,
-                          self.spec.layout, self.spec.block_size, self.out_dtype, self.spec.num_tokens, self.spec.start_position,
-                          self._pages)
+        return TargetInfo(
+            self.ms.name,
+            self.ms.version,
+            g.architecture,
+            g.layers,
+            g.kv_heads,
+            g.head_dim,
+            g.fingerprint,
+            self.spec.layout,
+            self.spec.block_size,
+            self.out_dtype,
+            self.spec.num_tokens,
+            self.spec.start_position,
+            self._pages,
+        )
 
     def expected_shape(self, layer_tokens: int) -> tuple[int, int, int]:
         g = self.ms.source.geometry
@@ -144,17 +188,23 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         repeat them."""
         g = self.ms.source.geometry
         if not self.expect_chunks:
-            raise InvalidInput("this request names a prefix_key: its source KV comes from the prefix store; send no chunks")
+            raise InvalidInput(
+                "this request names a prefix_key: its source KV comes from the prefix store; send no chunks"
+            )
         if not 0 <= layer < g.layers:
             raise InvalidInput(f"chunk layer {layer} out of range: the source model has {g.layers} layers")
         nxt = self._next.get((layer, kind), 0)
         if nxt >= self.spec.num_tokens:
             raise InvalidInput(f"layer {layer} {kind.upper()} already received all {self.spec.num_tokens} tokens")
         if start != nxt:
-            raise InvalidInput(f"chunks out of order: layer {layer} {kind.upper()} expected token_start {nxt}, got {start}")
+            raise InvalidInput(
+                f"chunks out of order: layer {layer} {kind.upper()} expected token_start {nxt}, got {start}"
+            )
         if not start < end <= self.spec.num_tokens:
-            raise InvalidInput(f"chunk layer {layer} {kind.upper()} token range [{start}, {end}) is empty or past "
-                               f"num_tokens={self.spec.num_tokens}")
+            raise InvalidInput(
+                f"chunk layer {layer} {kind.upper()} token range [{start}, {end}) is empty or past "
+                f"num_tokens={self.spec.num_tokens}"
+            )
         self._checked = (layer, kind, start, end)
 
     def add(self, chunk: Chunk) -> list[Block]:
@@ -164,13 +214,20 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         self._checked = None
         want = self.expected_shape(chunk.end - chunk.start)
         if tuple(chunk.tensor.shape) != want:
-            raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()}: shape {list(chunk.tensor.shape)}, expected {list(want)}")
+            raise InvalidInput(
+                f"chunk layer {chunk.layer} {chunk.kind.upper()}: shape {list(chunk.tensor.shape)}, expected "
+                f"{list(want)}"
+            )
         if chunk.tensor.dtype != self.spec.source_dtype:
-            raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()}: dtype {chunk.tensor.dtype} but the header "
-                               f"declared {self.spec.source_dtype}")
+            raise InvalidInput(
+                f"chunk layer {chunk.layer} {chunk.kind.upper()}: dtype {chunk.tensor.dtype} but the header "
+                f"declared {self.spec.source_dtype}"
+            )
         if not all_finite(chunk.tensor):  # NaN/Inf would map to NaN/Inf
-            raise InvalidInput(f"chunk layer {chunk.layer} {chunk.kind.upper()} tokens [{chunk.start}, {chunk.end}) holds NaN "
-                               "or infinite values; send the source model's cache as it computed it")
+            raise InvalidInput(
+                f"chunk layer {chunk.layer} {chunk.kind.upper()} tokens [{chunk.start}, {chunk.end}) holds NaN "
+                "or infinite values; send the source model's cache as it computed it"
+            )
         self.stats.bytes_in += chunk.tensor.numel() * chunk.tensor.element_size()
         self._next[(chunk.layer, chunk.kind)] = chunk.end
         first = self.skip - self.context  # the first token the applier reads
@@ -232,7 +289,11 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         out = []
         for s in range(pieces[0][0], pieces[-1][1], self._block_tokens):  # cut to the message limit
             e = min(s + self._block_tokens, pieces[-1][1])
-            parts = [(k[0][:, max(s - a, 0) : e - a], v[0][:, max(s - a, 0) : e - a]) for a, b, k, v in pieces if a < e and b > s]
+            parts = [
+                (k[0][:, max(s - a, 0) : e - a], v[0][:, max(s - a, 0) : e - a])
+                for a, b, k, v in pieces
+                if a < e and b > s
+            ]
             if len(parts) == 1:
                 out.append(Block(layer, s, e, self._index[layer], *parts[0]))
             else:
@@ -247,8 +308,12 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         bs, most = self.spec.block_size, max(self._pages, 1)
         last = self._page_start[layer] + self._page_fill[layer] == self.spec.num_tokens
         while self._page_fill[layer] >= bs or (last and self._page_fill[layer]):  # up to `most` pages a block
-            out.append(self._cut_pages(layer, min(self._page_fill[layer], most * bs) if last else
-                                       min(self._page_fill[layer] // bs, most) * bs))
+            out.append(
+                self._cut_pages(
+                    layer,
+                    min(self._page_fill[layer], most * bs) if last else min(self._page_fill[layer] // bs, most) * bs,
+                )
+            )
         self._count(out)
         return out
 
@@ -258,8 +323,18 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
         for t in range(g.layers):
             for s in range(0, self.skip, self._block_tokens):
                 e = min(s + self._block_tokens, self.skip)
-                out.append(BlockBytes(t, s, e, self._index[t], self.out_dtype, (g.kv_heads, e - s, g.head_dim),
-                                      self.stored.pieces(t, 0, s, e), self.stored.pieces(t, 1, s, e)))
+                out.append(
+                    BlockBytes(
+                        t,
+                        s,
+                        e,
+                        self._index[t],
+                        self.out_dtype,
+                        (g.kv_heads, e - s, g.head_dim),
+                        self.stored.pieces(t, 0, s, e),
+                        self.stored.pieces(t, 1, s, e),
+                    )
+                )
                 self._index[t] += 1
         self._count(out)
         return out
@@ -298,8 +373,10 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
 
     def output_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The kept target KV joined per layer: (K, V) [1, kv_heads, tokens, head_dim]."""
-        return [(torch.cat([k for k, _ in self.outputs[t]], 2), torch.cat([v for _, v in self.outputs[t]], 2))
-                for t in sorted(self.outputs or {})]
+        return [
+            (torch.cat([k for k, _ in self.outputs[t]], 2), torch.cat([v for _, v in self.outputs[t]], 2))
+            for t in sorted(self.outputs or {})
+        ]
 
     def finish(self) -> Stats:
         """Call when the request stream ends (after ``drain``); raises if any layer is incomplete."""
@@ -309,10 +386,14 @@ lanes on those threads (compute.py); then blocks may leave only at ``drain``.
 
     def _check_complete(self) -> None:
         g = self.ms.source.geometry
-        missing = [f"{l}{k.upper()}" for l in range(g.layers) for k in "kv" if self._next.get((l, k), 0) < self.spec.num_tokens]
+        missing = [
+            f"{l}{k.upper()}" for l in range(g.layers) for k in "kv" if self._next.get((l, k), 0) < self.spec.num_tokens
+        ]
         if self.expect_chunks and missing:
-            raise InvalidInput(f"truncated stream: source layers {', '.join(missing[:8])}{'…' if len(missing) > 8 else ''} "
-                               f"did not receive all {self.spec.num_tokens} tokens")
+            raise InvalidInput(
+                f"truncated stream: source layers {', '.join(missing[:8])}{'…' if len(missing) > 8 else ''} "
+                f"did not receive all {self.spec.num_tokens} tokens"
+            )
 
 
 def runs(mapped) -> Iterator[list]:

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.common.errors import InvalidInput, NotFound
 from kvferry.common.prefix import Namespace, map_id, map_namespaces, model_id
 from kvferry.common.prefix_cache import Lookup, PrefixCache
 from kvferry.common.stores import StoreSkipped, StoreUnavailable, open_store
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import MapSet
-from kvferry.common.errors import InvalidInput, NotFound
 from kvferry.sidecar.lanes import Lanes
 
 from .compute import ComputeThread
@@ -40,18 +40,26 @@ class PrefixService:
         self.metrics = metrics
         self.timeout = config.prefix_store_timeout_seconds
         self.on_breaker = None  # set by the server: the health service hears the breaker too
-        self.store = open_store(config.redis_url, config.secret("redis_password") or None, config.prefix_memory_bytes,
-                                config.prefix_store_timeout_seconds, config.prefix_store_cooldown_seconds,
-                                self._breaker_changed)
+        self.store = open_store(
+            config.redis_url,
+            config.secret("redis_password") or None,
+            config.prefix_memory_bytes,
+            config.prefix_store_timeout_seconds,
+            config.prefix_store_cooldown_seconds,
+            self._breaker_changed,
+        )
         key = config.secret("prefix_secret")
         secret = key.encode() if key else os.urandom(32)  # without a configured key: private to this process
-        self.cache = PrefixCache(self.store, secret, config.prefix_block_size, config.prefix_ttl_seconds,
-                                 config.prefix_max_blob_bytes)
+        self.cache = PrefixCache(
+            self.store, secret, config.prefix_block_size, config.prefix_ttl_seconds, config.prefix_max_blob_bytes
+        )
         self.write_streamed = config.prefix_write_back  # may a caller's streamed KV become stored answers?
 
     @staticmethod
     def namespaces(ms: MapSet, tenant: str) -> tuple[Namespace, Namespace]:
-        return map_namespaces(tenant, model_id(ms.source), model_id(ms.target), map_id(ms.name, ms.version, ms.content_sha256))
+        return map_namespaces(
+            tenant, model_id(ms.source), model_id(ms.target), map_id(ms.name, ms.version, ms.content_sha256)
+        )
 
     def _count(self, lookup: Lookup, wanted: int) -> None:
         self.metrics.prefix_blocks.labels("hit").inc(len(lookup.blocks))
@@ -65,7 +73,9 @@ class PrefixService:
 
     def _breaker_changed(self, is_open: bool) -> None:
         self.metrics.prefix_store_open.set(1 if is_open else 0)
-        log.warning("prefix store %s", "failing: not called for a while (circuit open)" if is_open else "answering again")
+        log.warning(
+            "prefix store %s", "failing: not called for a while (circuit open)" if is_open else "answering again"
+        )
         if self.on_breaker is not None:
             self.on_breaker(is_open)
 
@@ -82,8 +92,15 @@ class PrefixService:
         _, tgt_ns = self.namespaces(ms, spec.tenant)
         tg = ms.target.geometry
         try:
-            look = self.cache.lookup(tgt_ns, spec.token_ids, tg.layers, tg.kv_heads, tg.head_dim,
-                                     dtype=target_dtype(spec, ms), stored_dtype=ms.dtype)
+            look = self.cache.lookup(
+                tgt_ns,
+                spec.token_ids,
+                tg.layers,
+                tg.kv_heads,
+                tg.head_dim,
+                dtype=target_dtype(spec, ms),
+                stored_dtype=ms.dtype,
+            )
         except StoreUnavailable as e:
             self._store_error(e)
             return None
@@ -126,8 +143,10 @@ class PrefixService:
         src_hashes = self.cache.hashes(src_ns, spec.token_ids)
         tips = [h.hex() for h in src_hashes]
         if spec.prefix_key not in tips:
-            raise NotFound("prefix_key does not name a full-block prefix of these token_ids for this tenant and source "
-                           "model; use the key publish_source returned for the same tokens")
+            raise NotFound(
+                "prefix_key does not name a full-block prefix of these token_ids for this tenant and source "
+                "model; use the key publish_source returned for the same tokens"
+            )
         blocks = tips.index(spec.prefix_key) + 1
         bs = self.cache.block_size
         tokens = list(spec.token_ids[: blocks * bs])
@@ -139,15 +158,33 @@ class PrefixService:
         context_blocks = -(-context // bs)
         # the source blocks as their publisher stored them: a caller's source_dtype (what its own KV would be) never
         # changes what is mapped, and so what is stored for every later caller
-        src = self.cache.lookup(src_ns, tokens, sg.layers, sg.kv_heads, sg.head_dim, start_block=tgt.end_block - context_blocks,
-                                hashes=src_hashes[:blocks])
+        src = self.cache.lookup(
+            src_ns,
+            tokens,
+            sg.layers,
+            sg.kv_heads,
+            sg.head_dim,
+            start_block=tgt.end_block - context_blocks,
+            hashes=src_hashes[:blocks],
+        )
         covered = tgt.end_block + max(0, len(src.blocks) - context_blocks)
         if covered == 0:
             raise NotFound("no stored blocks for this prefix_key (expired, evicted, or never published)")
         cached = tgt  # all stored: sent from the blobs' bytes
         if covered > tgt.end_block:
-            cached, items = compute.submit(_map_stored, self.cache, ms, src, tgt, tgt_ns, context_blocks * bs - context,
-                                           covered, dtype, context, compute.lanes).result()
+            cached, items = compute.submit(
+                _map_stored,
+                self.cache,
+                ms,
+                src,
+                tgt,
+                tgt_ns,
+                context_blocks * bs - context,
+                covered,
+                dtype,
+                context,
+                compute.lanes,
+            ).result()
             self._put(items)
         spec2 = dataclasses.replace(spec, num_tokens=covered * bs, token_ids=tuple(tokens[: covered * bs]))
         return (*compute.submit(start_session, spec2, ms, limits, cached, False).result(), tgt.end_block)
@@ -155,8 +192,19 @@ class PrefixService:
 
 # The functions below touch tensor data, so they run on the compute thread (compute.py).
 
-def _map_stored(cache: PrefixCache, ms: MapSet, src: Lookup, tgt: Lookup, tgt_ns: Namespace, drop: int, covered: int,
-                dtype: torch.dtype, context: int, lanes: Lanes | None):
+
+def _map_stored(
+    cache: PrefixCache,
+    ms: MapSet,
+    src: Lookup,
+    tgt: Lookup,
+    tgt_ns: Namespace,
+    drop: int,
+    covered: int,
+    dtype: torch.dtype,
+    context: int,
+    lanes: Lanes | None,
+):
     """Map the stored source blocks past the stored target ones: (the target KV of every covered token, the mapped
     blocks encoded for the store)."""
     bs = cache.block_size
@@ -167,7 +215,11 @@ def _map_stored(cache: PrefixCache, ms: MapSet, src: Lookup, tgt: Lookup, tgt_ns
     items = cache.encode_blocks(tgt_ns, tgt.hashes, kept, tgt.end_block, covered, token_offset=tgt.end_block * bs)
     mapped = [(k.to(dtype), v.to(dtype)) for k, v in out]
     stored = tgt.layers()
-    joined = mapped if not stored else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(stored, mapped)]
+    joined = (
+        mapped
+        if not stored
+        else [(torch.cat([a, c], 2), torch.cat([b, d], 2)) for (a, b), (c, d) in zip(stored, mapped)]
+    )
     return joined, items
 
 

@@ -14,8 +14,8 @@ import os
 import stat
 import threading
 
-from kvferry.common.region_format import REGION_ALIGN, region_header
 from kvferry.common.errors import InvalidInput
+from kvferry.common.region_format import REGION_ALIGN, region_header
 
 log = logging.getLogger("kvferry.regions")
 
@@ -45,8 +45,10 @@ class ResponseRegion:
                     return None
                 if not hmac.compare_digest(os.pread(self.fd, REGION_ALIGN, 0), self.header):
                     self.full = True  # rekeyed by its owner: no longer this call's file
-                    log.warning("response region rekeyed by its owner during the call: the rest of the answer goes "
-                                "in the messages")
+                    log.warning(
+                        "response region rekeyed by its owner during the call: the rest of the answer goes "
+                        "in the messages"
+                    )
                     return None
                 _pwrite_all(self.fd, pieces, offset)
             except OSError as e:
@@ -88,8 +90,10 @@ class RegionFolder:
         try:
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
-            raise InvalidInput(f"shm_dir {path}: {e.strerror}; mount the volume shared with the model server there, "
-                               "or leave shm_dir empty") from None
+            raise InvalidInput(
+                f"shm_dir {path}: {e.strerror}; mount the volume shared with the model server there, "
+                "or leave shm_dir empty"
+            ) from None
 
     def take(self, name: str, size: int, key: bytes) -> ResponseRegion | None:
         """The caller's file ``name`` (already checked to be a plain region name) as this call's region; None when

@@ -14,10 +14,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.mappings.artifact import MapSet, check_name, load
-from kvferry.mappings.versions import check_version, serving_version, version_key
 from kvferry.common.errors import GateFailed, KvferryError, NotFound
+from kvferry.mappings.artifact import MapSet, check_name, load
 from kvferry.mappings.gates import Gates
+from kvferry.mappings.versions import check_version, serving_version, version_key
 
 log = logging.getLogger("kvferry.registry")
 
@@ -91,9 +91,13 @@ class MapRegistry:
                     if ms.name != key[0] or ms.version != key[1]:
                         raise KvferryError(f"manifest says {ms.name} {ms.version} but it sits in {key[0]}/{key[1]}")
                     servable, problems = self.gates.verdict(ms.evidence, self.force)
-                except Exception as e:  # noqa: BLE001 - one bad artifact (even a well-checksummed, malformed one) is refused alone
+                except Exception as e:  # one bad artifact (even a well-checksummed, malformed one) is refused alone
                     self._bad[vdir] = sig
-                    reason = str(e)[:300] if isinstance(e, KvferryError) else f"malformed artifact ({type(e).__name__}: {str(e)[:200]})"
+                    reason = (
+                        str(e)[:300]
+                        if isinstance(e, KvferryError)
+                        else f"malformed artifact ({type(e).__name__}: {str(e)[:200]})"
+                    )
                     events.append(f"refused {vdir}: {reason}")
                     log.error("refused map %s (what is loaded keeps serving): %s", vdir, reason)
                     continue
@@ -130,12 +134,17 @@ class MapRegistry:
         if version:
             entry = versions.get(version)
             if entry is None:
-                raise NotFound(f"map {name!r} has no version {version!r}; available: {', '.join(sorted(versions, key=version_key))}")
+                raise NotFound(
+                    f"map {name!r} has no version {version!r}; available: "
+                    f"{', '.join(sorted(versions, key=version_key))}"
+                )
             if not entry.servable:
                 raise GateFailed(f"map {name} {version} is gated off: {entry.reason}")
             return entry.maps
         chosen = serving_version({v: e.servable for v, e in versions.items()})
         if chosen is None:
-            raise GateFailed(f"no version of map {name!r} passes the serving gates: "
-                             + "; ".join(f"{v}: {e.reason}" for v, e in versions.items()))
+            raise GateFailed(
+                f"no version of map {name!r} passes the serving gates: "
+                + "; ".join(f"{v}: {e.reason}" for v, e in versions.items())
+            )
         return versions[chosen].maps

@@ -7,6 +7,7 @@ is SERVING only once at least one servable map is loaded (readiness). Both go NO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
@@ -21,16 +22,17 @@ from kvferry.v1 import translate_pb2 as pb
 from .compute import on_compute
 from .config import SidecarConfig
 from .interceptor import ErrorInterceptor
-from .regions import RegionFolder
 from .limits import by_key_decoder, request_decoder
 from .metrics import Metrics
+from .regions import RegionFolder
 from .registry import MapRegistry
 from .servicer import TranslateServicer
 
 log = logging.getLogger("kvferry.sidecar")
 SERVICE = pb.DESCRIPTOR.services_by_name["TranslateService"].full_name
 PREFIX_STORE_SERVICE = "kvferry.v1.PrefixStore"
-"""A health-only service name: SERVING while the shared prefix store is called, NOT_SERVING while its circuit is open."""
+"""A health-only service name: SERVING while the shared prefix store is called, NOT_SERVING while its circuit is
+open."""
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -43,15 +45,22 @@ def translate_handlers(servicer) -> grpc.GenericRpcHandler:
     refuse oversized headers unparsed (limits.request_decoder, limits.by_key_decoder)."""
     decode = request_decoder(servicer.limits, wire.decode_request)
     by_key = by_key_decoder(servicer.limits, pb.TranslateByKeyRequest.FromString)
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Translate": grpc.stream_stream_rpc_method_handler(servicer.Translate, request_deserializer=decode,
-                                                           response_serializer=wire.serialize),
-        "TranslateByKey": grpc.unary_stream_rpc_method_handler(servicer.TranslateByKey, request_deserializer=by_key,
-                                                               response_serializer=wire.serialize),
-        "ListMappings": grpc.unary_unary_rpc_method_handler(servicer.ListMappings,
-                                                            request_deserializer=pb.ListMappingsRequest.FromString,
-                                                            response_serializer=pb.ListMappingsResponse.SerializeToString),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Translate": grpc.stream_stream_rpc_method_handler(
+                servicer.Translate, request_deserializer=decode, response_serializer=wire.serialize
+            ),
+            "TranslateByKey": grpc.unary_stream_rpc_method_handler(
+                servicer.TranslateByKey, request_deserializer=by_key, response_serializer=wire.serialize
+            ),
+            "ListMappings": grpc.unary_unary_rpc_method_handler(
+                servicer.ListMappings,
+                request_deserializer=pb.ListMappingsRequest.FromString,
+                response_serializer=pb.ListMappingsResponse.SerializeToString,
+            ),
+        },
+    )
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -64,10 +73,20 @@ def enable_reflection(services: tuple[str, ...], server) -> None:
     names = (*services, REFLECTION_V1, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     servicer = reflection.aio.ReflectionServicer(names)  # public: reflection's __all__ exports aio
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        servicer.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
 
 
 def warm(ms, lanes=None) -> None:
@@ -96,8 +115,17 @@ class Sidecar:
         self.prefix = PrefixService(config, self.metrics) if config.prefix_cache else None
         self.authenticator = config.authenticator()
         self.regions = RegionFolder(config.shm_dir, self.metrics) if config.shm_dir else None
-        self.servicer = TranslateServicer(self.registry, config.limits, self.metrics, config.max_streams, config.gate_arm,
-                                          self.prefix, config.max_stream_seconds, config.resolved_map_threads(), self.regions)
+        self.servicer = TranslateServicer(
+            self.registry,
+            config.limits,
+            self.metrics,
+            config.max_streams,
+            config.gate_arm,
+            self.prefix,
+            config.max_stream_seconds,
+            config.resolved_map_threads(),
+            self.regions,
+        )
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
@@ -113,10 +141,8 @@ class Sidecar:
 
         def changed(is_open: bool) -> None:  # on whichever thread called the store
             state = status.NOT_SERVING if is_open else status.SERVING
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop has closed
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.health.set(PREFIX_STORE_SERVICE, state)))
-            except RuntimeError:  # the loop has closed
-                pass
 
         self.prefix.on_breaker = changed
         await self.health.set(PREFIX_STORE_SERVICE, status.NOT_SERVING if self.prefix.skipping else status.SERVING)
@@ -127,7 +153,10 @@ class Sidecar:
             import torch
 
             torch.set_num_threads(c.threads)
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics, self.authenticator)], options=channel_options(c.max_message_bytes))
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(self.metrics, self.authenticator)],
+            options=channel_options(c.max_message_bytes),
+        )
         self.server.add_generic_rpc_handlers((translate_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.extra_handlers:
@@ -136,9 +165,17 @@ class Sidecar:
         address = f"{c.host}:{c.port}"
         if c.tls_cert:
             creds = grpc.ssl_server_credentials(
-                [(read_small_file(c.tls_key, "tls_key", PEM_LIMIT), read_small_file(c.tls_cert, "tls_cert", PEM_LIMIT))],
-                root_certificates=read_small_file(c.tls_client_ca, "tls_client_ca", PEM_LIMIT) if c.tls_client_ca else None,
-                require_client_auth=bool(c.tls_client_ca))
+                [
+                    (
+                        read_small_file(c.tls_key, "tls_key", PEM_LIMIT),
+                        read_small_file(c.tls_cert, "tls_cert", PEM_LIMIT),
+                    )
+                ],
+                root_certificates=read_small_file(c.tls_client_ca, "tls_client_ca", PEM_LIMIT)
+                if c.tls_client_ca
+                else None,
+                require_client_auth=bool(c.tls_client_ca),
+            )
             self.port = self.server.add_secure_port(address, creds)
         else:
             self.port = self.server.add_insecure_port(address)
@@ -152,7 +189,13 @@ class Sidecar:
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
         if c.reload_seconds > 0:
             self._reload_task = asyncio.create_task(self._reload_loop())
-        log.info("kvferry sidecar on %s:%d (maps: %s, servable: %d)", c.host, self.port, c.maps_dir, self.registry.servable_count)
+        log.info(
+            "kvferry sidecar on %s:%d (maps: %s, servable: %d)",
+            c.host,
+            self.port,
+            c.maps_dir,
+            self.registry.servable_count,
+        )
         return self.port
 
     async def reload(self) -> list[str]:
@@ -163,7 +206,9 @@ class Sidecar:
         await self._warm_new()
         if not self.draining:
             ok = self.registry.servable_count > 0
-            await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(
+                SERVICE, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
         return events
 
     async def _scan(self) -> list[str]:
@@ -177,7 +222,7 @@ class Sidecar:
             if e.servable and key not in self.warmed:
                 try:
                     await on_compute(self.servicer.compute, warm, e.maps, self.servicer.compute.lanes)
-                except Exception:  # noqa: BLE001 - a map that cannot warm up will fail its requests with a status
+                except Exception:  # a map that cannot warm up will fail its requests with a status
                     log.exception("warming map %s %s failed", *key)
                 self.warmed.add(key)
 
@@ -186,9 +231,8 @@ class Sidecar:
             await asyncio.sleep(self.config.reload_seconds)
             try:
                 await self.reload()
-            except Exception:  # noqa: BLE001 - a bad scan must never take the server down
+            except Exception:  # a bad scan must never take the server down
                 log.exception("map directory rescan failed; serving what is loaded")
-
 
     async def drain(self, grace: float | None = None) -> None:
         """NOT_SERVING at once; new RPCs are refused (UNAVAILABLE); in-flight streams get ``grace`` seconds."""
@@ -219,6 +263,9 @@ async def serve(config: SidecarConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(sidecar.drain()))
-    print(f"kvferry sidecar listening on {config.host}:{sidecar.port}"
-          + (f", metrics on :{sidecar.metrics_port}" if sidecar.metrics_port else ""), flush=True)
+    print(
+        f"kvferry sidecar listening on {config.host}:{sidecar.port}"
+        + (f", metrics on :{sidecar.metrics_port}" if sidecar.metrics_port else ""),
+        flush=True,
+    )
     await sidecar.wait()

@@ -19,28 +19,47 @@ from .compute import ComputeThread
 from .flow import TranslateFlow
 from .limits import OversizedHeader, UndecodableRequest
 
-
 CANCEL_NOTICE_SECONDS = 0.05
 """How long a stream that ended early waits for gRPC's cancel notice before it is refused as truncated (the notice
 was measured at ~0.1 ms after the end of stream, across processes on loopback)."""
 
 
 def _geometry(g) -> pb.Geometry:
-    return pb.Geometry(architecture=g.architecture, layers=g.layers, kv_heads=g.kv_heads, head_dim=g.head_dim,
-                       fingerprint=g.fingerprint, rope_type=g.rope.rope_type, rope_theta=g.rope.theta)
+    return pb.Geometry(
+        architecture=g.architecture,
+        layers=g.layers,
+        kv_heads=g.kv_heads,
+        head_dim=g.head_dim,
+        fingerprint=g.fingerprint,
+        rope_type=g.rope.rope_type,
+        rope_theta=g.rope.theta,
+    )
 
 
 def mapping_info(entry, arm: str) -> pb.MappingInfo:
     ms = entry.maps
     ev = (ms.evidence or {}).get("arms", {}).get(arm, {})
     return pb.MappingInfo(
-        name=ms.name, version=ms.version, source=_geometry(ms.source.geometry), target=_geometry(ms.target.geometry),
-        tokenizer_fingerprint=ms.source.tokenizer, content_sha256=ms.content_sha256, servable=entry.servable,
-        gate_reason=entry.reason, context_tokens=ms.context, dtype=wire.dtype_to_pb(ms.dtype),
-        evidence=pb.MapEvidence(arm=arm, top1=ev.get("top1", 0.0), top10=ev.get("top10", 0.0), kl=ev.get("kl", 0.0),
-                                attn_cos=ev.get("attn_cos", 0.0), drift_attn_cos=ev.get("drift_attn_cos", 0.0),
-                                drift_rel_err=ev.get("drift_rel_err", 0.0),
-                                recommended_refresh=int((ms.evidence or {}).get("recommended_refresh", 0))),
+        name=ms.name,
+        version=ms.version,
+        source=_geometry(ms.source.geometry),
+        target=_geometry(ms.target.geometry),
+        tokenizer_fingerprint=ms.source.tokenizer,
+        content_sha256=ms.content_sha256,
+        servable=entry.servable,
+        gate_reason=entry.reason,
+        context_tokens=ms.context,
+        dtype=wire.dtype_to_pb(ms.dtype),
+        evidence=pb.MapEvidence(
+            arm=arm,
+            top1=ev.get("top1", 0.0),
+            top10=ev.get("top10", 0.0),
+            kl=ev.get("kl", 0.0),
+            attn_cos=ev.get("attn_cos", 0.0),
+            drift_attn_cos=ev.get("drift_attn_cos", 0.0),
+            drift_rel_err=ev.get("drift_rel_err", 0.0),
+            recommended_refresh=int((ms.evidence or {}).get("recommended_refresh", 0)),
+        ),
     )
 
 
@@ -51,7 +70,9 @@ async def _before(requests, deadline: float):
     while True:
         remaining = deadline - loop.time()
         if remaining <= 0:
-            raise TimeoutError("the Translate stream ran past the sidecar's max_stream_seconds; send faster or split the prompt")
+            raise TimeoutError(
+                "the Translate stream ran past the sidecar's max_stream_seconds; send faster or split the prompt"
+            )
         try:
             # asyncio.timeout, not wait_for: the read runs in the handler's own task (no task per message), so a
             # caller's cancel reaches the handler as a cancellation more often than as a plain end of stream.
@@ -103,7 +124,7 @@ async def _with_wakes(requests, wake: asyncio.Event | None):
 async def _no_chunks():
     """The request stream of a TranslateByKey call after its header: nothing."""
     return
-    yield  # noqa: unreachable - makes this an async generator
+    yield  # makes this an async generator
 
 
 class _Sender:
@@ -132,26 +153,36 @@ class _Sender:
         goes out, since gRPC takes no status while a message is being sent; its error is the caller leaving."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            try:
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # the failure being handled is what counts
                 await pending
-            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the failure being handled is what counts
-                pass
 
     async def _write(self, msg) -> None:
         try:
             async with asyncio.timeout_at(self.deadline):  # no task per message (wait_for made one)
                 await self.context.write(msg)
         except TimeoutError:
-            raise TimeoutError("the caller did not read the response before the sidecar's max_stream_seconds ran out") from None
+            raise TimeoutError(
+                "the caller did not read the response before the sidecar's max_stream_seconds ran out"
+            ) from None
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - gRPC refuses writes into a call the caller has cancelled or left
+        except Exception:  # gRPC refuses writes into a call the caller has cancelled or left
             raise CallerGone("the caller cancelled or left the Translate stream; nothing more can be sent") from None
 
 
 class TranslateServicer(pb_grpc.TranslateServiceServicer):
-    def __init__(self, registry, limits, metrics, max_streams: int, gate_arm: str = "mapped_refresh", prefix=None,
-                 max_stream_seconds: float = 300.0, map_threads: int = 1, regions=None):
+    def __init__(
+        self,
+        registry,
+        limits,
+        metrics,
+        max_streams: int,
+        gate_arm: str = "mapped_refresh",
+        prefix=None,
+        max_stream_seconds: float = 300.0,
+        map_threads: int = 1,
+        regions=None,
+    ):
         self.registry, self.limits, self.metrics = registry, limits, metrics
         self.regions = regions  # regions.RegionFolder, or None: response regions are ignored
         self.max_stream_seconds = max_stream_seconds
@@ -164,7 +195,9 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         self.flow = TranslateFlow(registry, limits, metrics, prefix, self.compute)
 
     async def ListMappings(self, request, context):
-        return pb.ListMappingsResponse(mappings=[mapping_info(e, self.gate_arm) for e in self.registry.entries(request.name_prefix)])
+        return pb.ListMappingsResponse(
+            mappings=[mapping_info(e, self.gate_arm) for e in self.registry.entries(request.name_prefix)]
+        )
 
     async def Translate(self, request_iterator, context):
         await self._serve(context, lambda deadline: self._translate(request_iterator, deadline))
@@ -178,8 +211,11 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         if self.draining:
             raise Unavailable("this sidecar is draining (shutting down); retry on another endpoint")
         if self.active >= self.max_streams:
-            raise Overloaded(f"{self.active} translate streams in flight, the limit is {self.max_streams}; "
-                             "retry after a short backoff (google.rpc.RetryInfo in the status details)", retry_after=0.1)
+            raise Overloaded(
+                f"{self.active} translate streams in flight, the limit is {self.max_streams}; "
+                "retry after a short backoff (google.rpc.RetryInfo in the status details)",
+                retry_after=0.1,
+            )
         self.active += 1
         self.metrics.streams.inc()
         loop = asyncio.get_running_loop()
@@ -211,8 +247,10 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         if isinstance(request, (OversizedHeader, UndecodableRequest)):
             raise request.refuse()
         if not request.header.prefix_key:
-            raise InvalidInput("TranslateByKey needs header.prefix_key (the key publish_source returned) and token_ids; "
-                               "stream a request's source KV through Translate")
+            raise InvalidInput(
+                "TranslateByKey needs header.prefix_key (the key publish_source returned) and token_ids; "
+                "stream a request's source KV through Translate"
+            )
         async for out in self._translate_stream(request.header, _no_chunks()):
             yield out
 
@@ -245,7 +283,11 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
         g = opened.ms.target.geometry
         info = session.info() if region is None else dataclasses.replace(session.info(), response_region=True)
         yield wire.info_to_pb(info, g.rope.rope_type, g.rope.theta)
-        encode = wire.encode_block_response if region is None else functools.partial(wire.encode_block_response, region=region)
+        encode = (
+            wire.encode_block_response
+            if region is None
+            else functools.partial(wire.encode_block_response, region=region)
+        )
         for block in opened.initial:  # encoded as sent (numpy copies the data out: no torch parallel region)
             yield encode(block)
         wake = self.flow.wake_event(opened)
@@ -258,7 +300,9 @@ class TranslateServicer(pb_grpc.TranslateServiceServicer):
                     continue
                 if not isinstance(req, wire.ChunkFrame):  # the request decoder makes every chunk a frame
                     raise InvalidInput("after the header, a Translate stream carries only chunks")
-                session.check_chunk_header(req.layer, wire.chunk_kind(req), req.start, req.end)  # before the bytes are viewed
+                session.check_chunk_header(
+                    req.layer, wire.chunk_kind(req), req.start, req.end
+                )  # before the bytes are viewed
                 chunk = wire.chunk_from_frame(req, session.expected_shape(req.end - req.start), spec.source_dtype)
                 for encoded in await self.flow.add(opened, chunk, encode):
                     yield encoded

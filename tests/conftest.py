@@ -22,13 +22,25 @@ def pytest_configure(config):
     transformers.utils.logging.disable_progress_bar()
 
 
-def tiny_config(arch: str, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, **rope):
+def tiny_config(
+    arch: str, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, **rope
+):
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(
-        arch, vocab_size=4096, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=2 * hidden, max_position_embeddings=8192,
-        tie_word_embeddings=True, eos_token_id=0, pad_token_id=1, bos_token_id=0,
+        arch,
+        vocab_size=4096,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        pad_token_id=1,
+        bos_token_id=0,
     )
     if rope:
         cfg.rope_parameters = {"rope_theta": 10000.0, **rope}
@@ -53,7 +65,9 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for arch in ("llama", "mistral", "qwen2", "qwen3"):
         out[arch] = save_tiny(root / arch, tiny_config(arch))
-    out["llama_wide"] = save_tiny(root / "llama_wide", tiny_config("llama", layers=3, hidden=96, heads=6, kv_heads=3), seed=1)
+    out["llama_wide"] = save_tiny(
+        root / "llama_wide", tiny_config("llama", layers=3, hidden=96, heads=6, kv_heads=3), seed=1
+    )
     return out
 
 
@@ -107,16 +121,29 @@ def sample(sc, name: str, **labels) -> float:
 
 # A passing long-range copy probe, for hand-written evidence of exact (identity) maps, which keep exactly what
 # the target's full prefill has; maps fitted and evaluated for real carry their own.
-PASSING_COPY = {"settings": {"gaps": [500], "prompts": 1, "passage": 120, "cue": 40, "score": 40, "refresh": 16, "seed": 0},
-                "gaps": {"500": {"full": 0.95, "truncate": 0.4, "mapped": 0.95, "mapped_refresh": 0.95, "retention": 1.0,
-                                 "prompts": 1}}}
+PASSING_COPY = {
+    "settings": {"gaps": [500], "prompts": 1, "passage": 120, "cue": 40, "score": 40, "refresh": 16, "seed": 0},
+    "gaps": {
+        "500": {"full": 0.95, "truncate": 0.4, "mapped": 0.95, "mapped_refresh": 0.95, "retention": 1.0, "prompts": 1}
+    },
+}
 
 
-def make_kv(layers: int = 2, tokens: int = 16, heads: int = 2, head_dim: int = 16, batch: int = 1, seed: int = 0,
-            dtype=torch.float32):
+def make_kv(
+    layers: int = 2,
+    tokens: int = 16,
+    heads: int = 2,
+    head_dim: int = 16,
+    batch: int = 1,
+    seed: int = 0,
+    dtype=torch.float32,
+):
     """A random cache: ``layers`` x (K, V), each [batch, heads, tokens, head_dim]."""
     g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(batch, heads, tokens, head_dim, generator=g).to(dtype) for _ in range(2)) for _ in range(layers)]
+    return [
+        tuple(torch.randn(batch, heads, tokens, head_dim, generator=g).to(dtype) for _ in range(2))
+        for _ in range(layers)
+    ]
 
 
 def RunningSidecar(**config):
@@ -176,13 +203,51 @@ def make_certs(tmp_path: Path) -> Path:
     def run(*args):
         subprocess.run(["openssl", *args], check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvferry-test-ca",
-        "-keyout", str(tmp_path / "ca.key"), "-out", str(tmp_path / "ca.pem"))
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvferry-test-ca",
+        "-keyout",
+        str(tmp_path / "ca.key"),
+        "-out",
+        str(tmp_path / "ca.pem"),
+    )
     for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(tmp_path / f"{name}.key"),
-            "-out", str(tmp_path / f"{name}.csr"))
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            str(tmp_path / f"{name}.key"),
+            "-out",
+            str(tmp_path / f"{name}.csr"),
+        )
         ext = tmp_path / f"{name}.ext"
         ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        run("x509", "-req", "-in", str(tmp_path / f"{name}.csr"), "-CA", str(tmp_path / "ca.pem"), "-CAkey",
-            str(tmp_path / "ca.key"), "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(tmp_path / f"{name}.pem"))
+        run(
+            "x509",
+            "-req",
+            "-in",
+            str(tmp_path / f"{name}.csr"),
+            "-CA",
+            str(tmp_path / "ca.pem"),
+            "-CAkey",
+            str(tmp_path / "ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(ext),
+            "-out",
+            str(tmp_path / f"{name}.pem"),
+        )
     return tmp_path

@@ -1,13 +1,12 @@
 import pytest
 import torch
+from conftest import ROOT, make_kv
 
 from kvferry.mappings.apply import StreamingApplier, apply
 from kvferry.mappings.artifact import LayerMap, MapSet
 from kvferry.mappings.capture import load_model
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
-
-from conftest import ROOT, make_kv
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +58,11 @@ def test_a_source_no_map_reads_is_checked_and_not_kept(llama):
     never kept, and the answer is source layer 0's, range by range."""
     ident = llama.identity
     w = ident.geometry.kv_width
-    ms = MapSet(ident, ident, {(t, kind): LayerMap(t, kind, (0,), torch.eye(w), torch.zeros(w)) for t in (0, 1) for kind in "kv"})
+    ms = MapSet(
+        ident,
+        ident,
+        {(t, kind): LayerMap(t, kind, (0,), torch.eye(w), torch.zeros(w)) for t in (0, 1) for kind in "kv"},
+    )
     kv = make_kv(layers=2, tokens=12, heads=2, head_dim=16)
     app = StreamingApplier(ms, positions=0, tokens=12)
     got = []
@@ -78,8 +81,13 @@ def test_streaming_emits_token_ranges_as_they_complete(llama):
     """Every target layer of a map reading all source layers still streams: range by range."""
     ident = llama.identity
     w = ident.geometry.kv_width
-    maps = {(t, kind): LayerMap(t, kind, (0, 1), torch.cat([torch.eye(w) * (t == 0), torch.eye(w) * (t == 1)]), torch.zeros(w))
-            for t in range(2) for kind in "kv"}
+    maps = {
+        (t, kind): LayerMap(
+            t, kind, (0, 1), torch.cat([torch.eye(w) * (t == 0), torch.eye(w) * (t == 1)]), torch.zeros(w)
+        )
+        for t in range(2)
+        for kind in "kv"
+    }
     ms = MapSet(ident, ident, maps)
     kv = make_kv(layers=2, tokens=12, heads=2, head_dim=16)
     app = StreamingApplier(ms, positions=100, tokens=12)
@@ -154,10 +162,12 @@ def test_one_token_chunks_layer_by_layer_stay_linear_and_exact(family):
     for layer in range(g.layers):
         for i, kind in enumerate("kv"):
             for t in range(n):
-                for tl, a, b, k, v in applier.push(layer, kind, src[layer][i][:, :, t : t + 1], t):
+                for tl, _a, _b, k, v in applier.push(layer, kind, src[layer][i][:, :, t : t + 1], t):
                     got.setdefault((tl, "k"), []).append(k)
                     got.setdefault((tl, "v"), []).append(v)
-                longest = max([longest] + [len(p) for p in applier._feats.values()] + [len(p) for p in applier._out.values()])
+                longest = max(
+                    [longest] + [len(p) for p in applier._feats.values()] + [len(p) for p in applier._out.values()]
+                )
     assert longest <= math.log2(n) + 2, longest
     want = apply(ms, src, 0)
     for tl, (wk, wv) in enumerate(want):
@@ -167,9 +177,10 @@ def test_one_token_chunks_layer_by_layer_stay_linear_and_exact(family):
 
 LANE_CHUNKS = {  # chunks sent as (start, end) token ranges, each for every layer; the segments they plan (lane last)
     "small ranges: contiguous lanes": (((0, 5), (5, 41), (41, 90)), [(0, 30, 0), (30, 60, 1), (60, 90, 2)]),
-    "ranges shared by the lanes": (((0, 40), (40, 80), (80, 90)),
-                                   [(0, 13, 0), (13, 26, 1), (26, 40, 2), (40, 53, 0), (53, 66, 1), (66, 80, 2),
-                                    (80, 90, 0)]),
+    "ranges shared by the lanes": (
+        ((0, 40), (40, 80), (80, 90)),
+        [(0, 13, 0), (13, 26, 1), (26, 40, 2), (40, 53, 0), (53, 66, 1), (66, 80, 2), (80, 90, 0)],
+    ),
 }
 
 
@@ -203,12 +214,12 @@ def test_token_lanes_on_threads_give_the_whole_maps_cache_in_token_order(map_dty
         got.setdefault(tl, []).append((a, b, tk, tv))
     assert app.done and app.lane_seconds > 0 and [seg[:3] for seg in app.segments] == planned
     for tl, (wk, wv) in enumerate(want):
-        assert [a for a, *_ in got[tl]] == [0] + [b for _, b, *_ in got[tl]][:-1]  # token order, nothing missing
+        assert [a for a, *_ in got[tl]] == [0, *[b for _, b, *_ in got[tl]][:-1]]  # token order, nothing missing
         k, v = torch.cat([k for *_, k, _ in got[tl]], 2), torch.cat([v for *_, v in got[tl]], 2)
         assert k.dtype == v.dtype == out_dtype and k.shape == wk.shape
         if map_dtype == torch.bfloat16:
             torch.testing.assert_close(k, k.bfloat16().to(out_dtype), rtol=0, atol=0)  # carries the map's precision
-        tol = 0 if out_dtype == torch.float32 and map_dtype == torch.float32 else 2 ** -7  # else: one bf16 rounding
+        tol = 0 if out_dtype == torch.float32 and map_dtype == torch.float32 else 2**-7  # else: one bf16 rounding
         torch.testing.assert_close(k, wk, rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * float(wk.abs().max()))
         torch.testing.assert_close(v, wv, rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * float(wv.abs().max()))
     assert torch.equal(apply(ms, src, 37, lanes=lanes)[5][0], torch.cat([k for *_, k, _ in got[5]], 2))
@@ -220,12 +231,26 @@ def test_lane_plans_share_each_range_the_client_sends():
     one range for all, or ranges under two lanes' minimum, give contiguous lanes."""
     from kvferry.sidecar.lanes import plan
 
-    assert plan(8192, 2730, 2) == [(0, 1365, 0), (1365, 2730, 1), (2730, 4095, 0), (4095, 5460, 1),
-                                   (5460, 6825, 0), (6825, 8190, 1), (8190, 8192, 0)]
+    assert plan(8192, 2730, 2) == [
+        (0, 1365, 0),
+        (1365, 2730, 1),
+        (2730, 4095, 0),
+        (4095, 5460, 1),
+        (5460, 6825, 0),
+        (6825, 8190, 1),
+        (8190, 8192, 0),
+    ]
     assert plan(2048, 2730, 2) == plan(2048, 2048, 2) == [(0, 1024, 0), (1024, 2048, 1)]
     assert plan(8192, 1024, 2) == [(0, 4096, 0), (4096, 8192, 1)]  # pieces of 512 would cost more than they give
-    assert plan(1000, 400, 3, share_min=128) == [(0, 133, 0), (133, 266, 1), (266, 400, 2), (400, 533, 0),
-                                                 (533, 666, 1), (666, 800, 2), (800, 1000, 0)]
+    assert plan(1000, 400, 3, share_min=128) == [
+        (0, 133, 0),
+        (133, 266, 1),
+        (266, 400, 2),
+        (400, 533, 0),
+        (533, 666, 1),
+        (666, 800, 2),
+        (800, 1000, 0),
+    ]
     assert plan(1000, 200, 2, share_min=128) == [(0, 500, 0), (500, 1000, 1)]  # too short to share
 
 
@@ -236,8 +261,8 @@ def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(
     import threading
     import time
 
-    from kvferry.sidecar import lanes as lanes_module
     from kvferry.mappings.artifact import load
+    from kvferry.sidecar import lanes as lanes_module
 
     ms = load(ROOT / "maps" / "S__T" / "1.0.0")
     g = ms.source.geometry
@@ -297,8 +322,8 @@ def test_lanes_run_on_one_core_and_threads_started_after_them_do_not():
     sidecar's compute thread keep one core each; a thread started after them has the count it had before."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvferry.sidecar.lanes import Lanes
     from kvferry.sidecar.compute import ComputeThread
+    from kvferry.sidecar.lanes import Lanes
 
     def later() -> int:
         with ThreadPoolExecutor(1) as fresh:
@@ -336,7 +361,7 @@ def test_a_bfloat16_map_gives_the_same_cache_whichever_dtype_multiplies_it(famil
         for w, x in ((wk, k), (wv, v)):
             assert x.dtype == torch.float32  # the input's dtype, carrying bf16 precision
             torch.testing.assert_close(x, x.bfloat16().float(), rtol=0, atol=0)
-            torch.testing.assert_close(x, w, rtol=2 ** -7, atol=2 ** -7 * float(w.abs().max()))
+            torch.testing.assert_close(x, w, rtol=2**-7, atol=2**-7 * float(w.abs().max()))
 
 
 def test_bfloat16_maps_are_multiplied_in_float32_where_the_cpu_lacks_fast_bfloat16():

@@ -3,12 +3,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from kvferry.mappings.artifact import LayerMap, MapSet, artifact_dir, check_name, load, save, write_evidence
 from kvferry.mappings.errors import ArtifactError, Incompatible
 from kvferry.mappings.geometry import ModelIdentity, geometry_of
-
-from conftest import tiny_config
 
 GOLDEN = Path(__file__).parent / "golden" / "artifact_v1"
 
@@ -16,16 +15,26 @@ GOLDEN = Path(__file__).parent / "golden" / "artifact_v1"
 def golden_mapset() -> MapSet:
     """A fully deterministic map: 2-layer llama (kv 2x16) -> 3-layer llama (kv 3x16)."""
     src = ModelIdentity("tiny-src", geometry_of(tiny_config("llama")), "a" * 64)
-    tgt = ModelIdentity("tiny-tgt", geometry_of(tiny_config("llama", layers=3, hidden=96, heads=6, kv_heads=3)), "a" * 64)
+    tgt = ModelIdentity(
+        "tiny-tgt", geometry_of(tiny_config("llama", layers=3, hidden=96, heads=6, kv_heads=3)), "a" * 64
+    )
     maps = {}
     for t in range(3):
         for i, kind in enumerate("kv"):
             srcs = (0,) if t == 0 else (0, 1)
             w = torch.arange(len(srcs) * 32 * 48, dtype=torch.float32).reshape(len(srcs) * 32, 48) / 1000 + t + i
             maps[(t, kind)] = LayerMap(t, kind, srcs, w, torch.full((48,), 0.5 * t), 1e-3, 0.9)
-    return MapSet(src, tgt, maps, "1.2.3", {"k": 2}, {"corpus_sha256": "b" * 64, "tokens": 1000},
-                  {"arms": {"mapped_refresh": {"top1": 0.9, "top10": 0.95, "kl": 0.01, "attn_cos": 0.99}}},
-                  created_at="2026-01-01T00:00:00Z", kvferry_version="0.1.0")
+    return MapSet(
+        src,
+        tgt,
+        maps,
+        "1.2.3",
+        {"k": 2},
+        {"corpus_sha256": "b" * 64, "tokens": 1000},
+        {"arms": {"mapped_refresh": {"top1": 0.9, "top10": 0.95, "kl": 0.01, "attn_cos": 0.99}}},
+        created_at="2026-01-01T00:00:00Z",
+        kvferry_version="0.1.0",
+    )
 
 
 def test_golden_bytes(tmp_path):
@@ -34,7 +43,9 @@ def test_golden_bytes(tmp_path):
     dest = save(golden_mapset(), tmp_path)
     assert dest == tmp_path / "tiny-src__tiny-tgt" / "1.2.3"
     for name in ("manifest.json", "maps.safetensors"):
-        assert (dest / name).read_bytes() == (GOLDEN / name).read_bytes(), f"{name} changed: a format change needs a new FORMAT_VERSION"
+        assert (dest / name).read_bytes() == (GOLDEN / name).read_bytes(), (
+            f"{name} changed: a format change needs a new FORMAT_VERSION"
+        )
     committed = tmp_path / "committed" / "tiny-src__tiny-tgt" / "1.2.3"
     committed.mkdir(parents=True)
     for name in ("manifest.json", "maps.safetensors"):

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import MODELS, save_tiny, tiny_config
 
 from kvferry.client import attention
 from kvferry.client.importers import to_dynamic_cache
 from kvferry.mappings.capture import cache_layers, load_model
-
-from conftest import MODELS, save_tiny, tiny_config
 
 
 def _prefix_then_tail(model, ids, mask, split: int) -> torch.Tensor:

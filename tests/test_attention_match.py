@@ -2,14 +2,13 @@
 
 import pytest
 import torch
+from conftest import DATA, ROOT
 
 from kvferry.mappings.artifact import load
 from kvferry.mappings.attention_match import MatchSettings, match_values
 from kvferry.mappings.capture import read_corpus, token_windows
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
-
-from conftest import DATA, ROOT
 
 
 def _windows(tokenizer, n, count):
@@ -60,15 +59,53 @@ def test_kvferry_match_values_writes_an_artifact(tmp_path):
 
     from conftest import MODELS
 
-    run = subprocess.run([sys.executable, "-m", "kvferry", "match-values", str(ROOT / "maps" / "S__T" / "1.0.0"),
-                          "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--out", str(tmp_path),
-                          "--version", "1.0.2", "--seq-len", "128", "--max-tokens", str(128 * 10), "--repeat-span", "24",
-                          "--quiet"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "match-values",
+            str(ROOT / "maps" / "S__T" / "1.0.0"),
+            "--source",
+            str(MODELS / "S"),
+            "--target",
+            str(MODELS / "T"),
+            "--out",
+            str(tmp_path),
+            "--version",
+            "1.0.2",
+            "--seq-len",
+            "128",
+            "--max-tokens",
+            str(128 * 10),
+            "--repeat-span",
+            "24",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "layer 0 V: held-out attention-output error" in run.stdout
     record = json.loads((tmp_path / "S__T" / "1.0.2" / "manifest.json").read_text())["fit"]["attention_matched"]
     assert record["windows"] == 8 and record["held_windows"] == 2 and len(record["chosen_lambda"]) == 6
-    bad = subprocess.run([sys.executable, "-m", "kvferry", "match-values", str(ROOT / "maps" / "S__T" / "1.0.0"),
-                          "--out", str(tmp_path), "--version", "1.0.3", "--lambdas", "-1"], capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "match-values",
+            str(ROOT / "maps" / "S__T" / "1.0.0"),
+            "--out",
+            str(tmp_path),
+            "--version",
+            "1.0.3",
+            "--lambdas",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "lambdas must be positive" in bad.stderr and "Traceback" not in bad.stderr

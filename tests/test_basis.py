@@ -1,10 +1,12 @@
-"""The shared-basis map kind: every source layer -> one low-rank code -> every target layer (reduced-rank regression)."""
+"""The shared-basis map kind: every source layer -> one low-rank code -> every target layer (reduced-rank
+regression)."""
 
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA, make_kv, tiny_config
 
 from kvferry.mappings.apply import StreamingApplier, apply
 from kvferry.mappings.artifact import Basis, LayerMap, MapSet, load, save
@@ -15,8 +17,6 @@ from kvferry.mappings.geometry import ModelIdentity, geometry_of
 from kvferry.mappings.gram import GramStats
 from kvferry.mappings.reduced_rank import heldout_r2, reduced_rank
 
-from conftest import DATA, make_kv, tiny_config
-
 CALIB = [str(DATA / "calib.jsonl")]
 GOLDEN = Path(__file__).parent / "golden" / "artifact_v3"
 
@@ -24,7 +24,9 @@ GOLDEN = Path(__file__).parent / "golden" / "artifact_v3"
 def _regression(n=600, dx=12, dy=10, rank=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dx, generator=g, dtype=torch.float64) * torch.linspace(0.5, 3, dx) + 2
-    b = torch.randn(dx, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, dy, generator=g, dtype=torch.float64)
+    b = torch.randn(dx, rank, generator=g, dtype=torch.float64) @ torch.randn(
+        rank, dy, generator=g, dtype=torch.float64
+    )
     y = x @ b + 0.1 * torch.randn(n, dy, generator=g, dtype=torch.float64) + 1
     y[:, dy // 2 :] *= 10  # one block ten times the other's scale: the weighting must not let it decide alone
     train, held = GramStats(dx, dy), GramStats(dx, dy)
@@ -48,7 +50,9 @@ def test_reduced_rank_is_the_weighted_projection_of_the_ridge_fit():
     _, _, vt = torch.linalg.svd((xt - mx) @ w * weights.sqrt(), full_matrices=False)
     v = vt[:2].T
     low = reduced_rank(train, blocks, [1e-9, 1e-9], 2)
-    torch.testing.assert_close(low.encoder @ low.decoder, (w * weights.sqrt()) @ v @ v.T / weights.sqrt(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        low.encoder @ low.decoder, (w * weights.sqrt()) @ v @ v.T / weights.sqrt(), rtol=1e-5, atol=1e-5
+    )
     z = xt @ low.encoder + low.encoder_bias
     torch.testing.assert_close(z.mean(0), torch.zeros(2, dtype=torch.float64), atol=1e-9, rtol=0)
     torch.testing.assert_close(z.var(0, unbiased=False), torch.ones(2, dtype=torch.float64))
@@ -64,7 +68,7 @@ def test_reduced_rank_is_the_weighted_projection_of_the_ridge_fit():
 def test_reduced_rank_refuses_an_impossible_rank():
     _, _, train, _, blocks = _regression()
     for rank in (0, 11):
-        with pytest.raises(InvalidInput, match="rank must be in 1..10"):
+        with pytest.raises(InvalidInput, match=r"rank must be in 1..10"):
             reduced_rank(train, blocks, [1e-3, 1e-3], rank)
 
 
@@ -83,9 +87,13 @@ def test_fit_writes_a_basis_set_and_its_curve(basis_set, family):
     assert all(m.weight.shape == (48, tg.kv_width) for m in ms.maps.values())
     curve = ms.fit["rank_curve"]
     ridge = curve[-1]
-    assert ridge["rank"] is None and ridge["mflop_per_token"] == pytest.approx(2 * 2 * sg.layers * sg.kv_width * 2 * tg.layers * tg.kv_width / 1e6, abs=0.01)
+    assert ridge["rank"] is None and ridge["mflop_per_token"] == pytest.approx(
+        2 * 2 * sg.layers * sg.kv_width * 2 * tg.layers * tg.kv_width / 1e6, abs=0.01
+    )
     ranked = [row for row in curve[:-1]]
-    assert [row["rank"] for row in ranked] == sorted(row["rank"] for row in ranked) and 48 in [row["rank"] for row in ranked]
+    assert [row["rank"] for row in ranked] == sorted(row["rank"] for row in ranked) and 48 in [
+        row["rank"] for row in ranked
+    ]
     means = [row["k_r2_mean"] for row in ranked]
     assert means == sorted(means)  # more directions never explain less on these sums
     assert ranked[-1]["k_r2_mean"] == pytest.approx(ridge["k_r2_mean"], abs=0.02)  # full rank: the ridge map itself
@@ -108,12 +116,18 @@ def test_basis_apply_equals_the_materialised_map_in_any_chunking(basis_set, fami
     import copy
 
     def worst(out):  # the largest relative error of any layer's K or V against the float32 basis set's
-        return max(float((a.float() - b).norm() / b.norm()) for (k, v), (wk, wv) in zip(out, got) for a, b in ((k, wk), (v, wv)))
+        return max(
+            float((a.float() - b).norm() / b.norm())
+            for (k, v), (wk, wv) in zip(out, got)
+            for a, b in ((k, wk), (v, wv))
+        )
 
     # stored and applied in bfloat16, the code rounded between the two products: no worse than the same map
     # materialised and applied in bfloat16 (this float32 fit's weights are large for bf16 either way: a bf16 fit
     # chooses its lambdas for that rounding)
-    assert worst(apply(copy.deepcopy(ms).to(dtype=torch.bfloat16), kv)) < 1.5 * worst(apply(dense.to(dtype=torch.bfloat16), kv))
+    assert worst(apply(copy.deepcopy(ms).to(dtype=torch.bfloat16), kv)) < 1.5 * worst(
+        apply(dense.to(dtype=torch.bfloat16), kv)
+    )
     applier = StreamingApplier(ms, 0, tokens=37)
     out: dict[int, list] = {}
     for a, b in ((0, 1), (1, 9), (9, 37)):  # token ranges, every layer of each before the next range
@@ -142,15 +156,28 @@ def _dense(ms: MapSet) -> MapSet:
     """The same set with every map's weight materialised (encoder @ decoder) as a per-layer set reading every source
     layer."""
     enc, bias = ms.basis.encoder.float(), ms.basis.bias.float()
-    maps = {key: LayerMap(m.target_layer, m.kind, m.source_layers, enc @ m.weight.float(), bias @ m.weight.float() + m.bias.float(),
-                          inputs=m.inputs) for key, m in ms.maps.items()}
+    maps = {
+        key: LayerMap(
+            m.target_layer,
+            m.kind,
+            m.source_layers,
+            enc @ m.weight.float(),
+            bias @ m.weight.float() + m.bias.float(),
+            inputs=m.inputs,
+        )
+        for key, m in ms.maps.items()
+    }
     return MapSet(ms.source, ms.target, maps, ms.version)
 
 
 def test_fitted_basis_round_trips_and_is_refused_when_edited(basis_set, tmp_path):
     dest = save(basis_set, tmp_path)
     man = json.loads((dest / "manifest.json").read_text())
-    assert man["format_version"] == 3 and man["basis"] == {"rank": 48, "source_layers": [0, 1, 2, 3], "inputs": ["k", "v"]}
+    assert man["format_version"] == 3 and man["basis"] == {
+        "rank": 48,
+        "source_layers": [0, 1, 2, 3],
+        "inputs": ["k", "v"],
+    }
     back = load(dest)
     torch.testing.assert_close(back.basis.encoder, basis_set.basis.encoder, rtol=0, atol=0)
     assert back.fit["rank_curve"] == basis_set.fit["rank_curve"]
@@ -159,21 +186,45 @@ def test_fitted_basis_round_trips_and_is_refused_when_edited(basis_set, tmp_path
 def golden_basis_set() -> MapSet:
     """A deterministic shared-basis set: 2-layer llama (kv 2x16) -> 3-layer llama (kv 3x16), rank 5."""
     src = ModelIdentity("tiny-src", geometry_of(tiny_config("llama")), "a" * 64)
-    tgt = ModelIdentity("tiny-tgt", geometry_of(tiny_config("llama", layers=3, hidden=96, heads=6, kv_heads=3)), "a" * 64)
+    tgt = ModelIdentity(
+        "tiny-tgt", geometry_of(tiny_config("llama", layers=3, hidden=96, heads=6, kv_heads=3)), "a" * 64
+    )
     enc = torch.arange(2 * 2 * 32 * 5, dtype=torch.float32).reshape(128, 5) / 1000
     basis = Basis((0, 1), enc, torch.linspace(-1, 1, 5))
-    maps = {(t, kind): LayerMap(t, kind, (0, 1), torch.arange(5 * 48, dtype=torch.float32).reshape(5, 48) / 100 + t + i,
-                                torch.full((48,), 0.25 * t), 1e-3, 0.8, ("k", "v"))
-            for t in range(3) for i, kind in enumerate("kv")}
-    return MapSet(src, tgt, maps, "3.0.0", {"basis_rank": 5}, {"corpus_sha256": "b" * 64, "tokens": 1000},
-                  created_at="2026-01-01T00:00:00Z", kvferry_version="0.1.0", basis=basis)
+    maps = {
+        (t, kind): LayerMap(
+            t,
+            kind,
+            (0, 1),
+            torch.arange(5 * 48, dtype=torch.float32).reshape(5, 48) / 100 + t + i,
+            torch.full((48,), 0.25 * t),
+            1e-3,
+            0.8,
+            ("k", "v"),
+        )
+        for t in range(3)
+        for i, kind in enumerate("kv")
+    }
+    return MapSet(
+        src,
+        tgt,
+        maps,
+        "3.0.0",
+        {"basis_rank": 5},
+        {"corpus_sha256": "b" * 64, "tokens": 1000},
+        created_at="2026-01-01T00:00:00Z",
+        kvferry_version="0.1.0",
+        basis=basis,
+    )
 
 
 def test_golden_bytes_of_a_basis_set(tmp_path):
     """Format 3 outlives the process: today's save() writes exactly the committed bytes, and load() reads them."""
     dest = save(golden_basis_set(), tmp_path)
     for name in ("manifest.json", "maps.safetensors"):
-        assert (dest / name).read_bytes() == (GOLDEN / name).read_bytes(), f"{name} changed: a format change needs a new FORMAT_VERSION"
+        assert (dest / name).read_bytes() == (GOLDEN / name).read_bytes(), (
+            f"{name} changed: a format change needs a new FORMAT_VERSION"
+        )
     committed = tmp_path / "committed" / "tiny-src__tiny-tgt" / "3.0.0"
     committed.mkdir(parents=True)
     for name in ("manifest.json", "maps.safetensors"):
@@ -182,14 +233,17 @@ def test_golden_bytes_of_a_basis_set(tmp_path):
     assert back.basis.source_layers == (0, 1) and torch.equal(back.basis.encoder, golden_basis_set().basis.encoder)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda ms: setattr(ms.basis, "encoder", ms.basis.encoder[:, :4]), "bias"),
-    (lambda ms: setattr(ms.basis, "source_layers", (0, 0)), "distinct"),
-    (lambda ms: setattr(ms.basis, "encoder", ms.basis.encoder.double()), "dtype"),
-    (lambda ms: setattr(ms.maps[(1, "v")], "weight", torch.zeros(4, 48)), "weight"),
-    (lambda ms: setattr(ms.maps[(1, "k")], "source_layers", (0,)), "read the basis"),
-    (lambda ms: ms.basis.encoder.__setitem__((0, 0), float("nan")), "NaN"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda ms: setattr(ms.basis, "encoder", ms.basis.encoder[:, :4]), "bias"),
+        (lambda ms: setattr(ms.basis, "source_layers", (0, 0)), "distinct"),
+        (lambda ms: setattr(ms.basis, "encoder", ms.basis.encoder.double()), "dtype"),
+        (lambda ms: setattr(ms.maps[(1, "v")], "weight", torch.zeros(4, 48)), "weight"),
+        (lambda ms: setattr(ms.maps[(1, "k")], "source_layers", (0,)), "read the basis"),
+        (lambda ms: ms.basis.encoder.__setitem__((0, 0), float("nan")), "NaN"),
+    ],
+)
 def test_inconsistent_basis_sets_are_refused(tmp_path, edit, match):
     ms = golden_basis_set()
     edit(ms)
@@ -221,8 +275,8 @@ def test_basis_settings_that_cannot_work_are_refused(family):
 
 def test_basis_and_per_layer_solvers_agree_on_the_same_sums(family):
     """Same sums: the every-source ridge row of the curve equals the per-layer solver's fit with every source layer."""
-    from kvferry.mappings.fit import GramSet, accumulate
     from kvferry.mappings.capture import read_corpus, token_windows
+    from kvferry.mappings.fit import GramSet, accumulate
 
     s, t = family["S"], family["T"]
     settings = FitSettings(k=s.identity.geometry.layers, seq_len=128, max_tokens=4096, basis_rank=16)
@@ -237,8 +291,15 @@ def test_basis_and_per_layer_solvers_agree_on_the_same_sums(family):
 def _degraded(ms: MapSet) -> MapSet:
     """``ms`` with its encoder shrunk to 0.6: a shared-basis set the target's tail KL can repair."""
     b = ms.basis
-    return MapSet(ms.source, ms.target, dict(ms.maps), "1.0.0", dict(ms.fit), dict(ms.calibration),
-                  basis=Basis(b.source_layers, b.encoder * 0.6, b.bias, b.inputs, b.mlp))
+    return MapSet(
+        ms.source,
+        ms.target,
+        dict(ms.maps),
+        "1.0.0",
+        dict(ms.fit),
+        dict(ms.calibration),
+        basis=Basis(b.source_layers, b.encoder * 0.6, b.bias, b.inputs, b.mlp),
+    )
 
 
 def _distilled(start: MapSet, family) -> MapSet:
@@ -252,7 +313,10 @@ def _distilled(start: MapSet, family) -> MapSet:
     windows = token_windows(target.tokenizer, read_corpus(CALIB), 256, 256 * 12)
     s = DistillSettings(from_layer=0, tail=16, repeat_span=48, epochs=3, lr=5e-4, seed=0)
     rng = random.Random(0)
-    train, held = capture_tails(start, source, target, windows[:9], s, rng), capture_tails(start, source, target, windows[9:], s, rng)
+    train, held = (
+        capture_tails(start, source, target, windows[:9], s, rng),
+        capture_tails(start, source, target, windows[9:], s, rng),
+    )
     maps, log = distill(start, source, target, train, held, s)
     assert log[log[-1]["kept_epoch"]]["held_kl"] < 0.8 * log[0]["held_kl"], log
     return maps.mapset("1.0.1", s.as_dict())
@@ -305,8 +369,9 @@ def golden_mlp_set() -> MapSet:
 
     ms = golden_basis_set()
     ms.version = "4.0.0"
-    ms.basis.mlp = CodeMLP(torch.linspace(-1, 1, 15).reshape(5, 3), torch.tensor([0.5, -0.5, 0.0]),
-                           torch.linspace(1, -1, 15).reshape(3, 5))
+    ms.basis.mlp = CodeMLP(
+        torch.linspace(-1, 1, 15).reshape(5, 3), torch.tensor([0.5, -0.5, 0.0]), torch.linspace(1, -1, 15).reshape(3, 5)
+    )
     return ms
 
 
@@ -314,7 +379,9 @@ def test_golden_bytes_of_a_basis_set_with_a_code_mlp(tmp_path):
     dest = save(golden_mlp_set(), tmp_path)
     golden = GOLDEN.parent / "artifact_v4"
     for name in ("manifest.json", "maps.safetensors"):
-        assert (dest / name).read_bytes() == (golden / name).read_bytes(), f"{name} changed: a format change needs a new FORMAT_VERSION"
+        assert (dest / name).read_bytes() == (golden / name).read_bytes(), (
+            f"{name} changed: a format change needs a new FORMAT_VERSION"
+        )
     man = json.loads((dest / "manifest.json").read_text())
     assert man["format_version"] == 4 and man["basis"]["mlp_hidden"] == 3
     back = load(dest)
@@ -332,7 +399,7 @@ def test_a_code_mlp_refines_the_code_every_map_reads(basis_set, family):
     kv = capture_kv(family["S"].model, torch.randint(2, 4096, (1, 21)))
     plain = apply(basis_set, kv)
     added = with_code_mlp(basis_set, 16)
-    for (k, v), (wk, wv) in zip(apply(added, kv), plain):
+    for (k, _v), (wk, _wv) in zip(apply(added, kv), plain):
         torch.testing.assert_close(k, wk, rtol=1e-5, atol=1e-5)
     ms = copy.deepcopy(added)
     g = torch.Generator().manual_seed(1)
@@ -378,8 +445,24 @@ def test_distill_refuses_a_code_mlp_without_a_basis(tmp_path):
 
     from conftest import ROOT
 
-    run = subprocess.run([sys.executable, "-m", "kvferry", "distill", str(ROOT / "maps" / "S__T" / "1.0.0"), "--version",
-                          "1.0.1", "--out", str(tmp_path), "--code-mlp", "8"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "distill",
+            str(ROOT / "maps" / "S__T" / "1.0.0"),
+            "--version",
+            "1.0.1",
+            "--out",
+            str(tmp_path),
+            "--code-mlp",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode != 0 and "has no basis" in run.stderr and "Traceback" not in run.stderr
 
 

@@ -20,4 +20,6 @@ def test_quartiles_show_the_spread_over_rounds():
 
 
 def test_one_round_has_no_spread():
-    assert paired_ratio({"a": [2.0], "b": [4.0]}, ("a",), ("b",)) == pytest.approx({"median": 0.5, "q1": 0.5, "q3": 0.5})
+    assert paired_ratio({"a": [2.0], "b": [4.0]}, ("a",), ("b",)) == pytest.approx(
+        {"median": 0.5, "q1": 0.5, "q3": 0.5}
+    )

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT
 
 from kvferry.cli import build_parser
 from kvferry.sidecar.config import SidecarConfig, from_sources
 from kvferry.sidecar.server import SERVICE
-
-from conftest import ROOT
 
 CHART = ROOT / "helm" / "kvferry"
 HELM = shutil.which("helm") or str(ROOT / ".tools" / "node_modules" / ".bin" / "helm")
@@ -50,7 +49,9 @@ def test_chart_agrees_with_the_binary(values, tmp_path):
     (c,) = [c for c in pod["containers"] if c["name"] == "kvferry"]
     args = build_parser().parse_args(c["args"])  # exits on any flag `kvferry serve` does not accept
     for e in c.get("env", []):  # every env var the chart sets is one the config reads
-        assert e["name"].startswith("KVFERRY_") and e["name"][8:].lower() in SidecarConfig.__dataclass_fields__, e["name"]
+        assert e["name"].startswith("KVFERRY_") and e["name"][8:].lower() in SidecarConfig.__dataclass_fields__, e[
+            "name"
+        ]
     assert args.cmd == "serve" and args.config == "/etc/kvferry/kvferry.toml"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"grpc": config.port, "metrics": config.metrics_port}
@@ -58,7 +59,13 @@ def test_chart_agrees_with_the_binary(values, tmp_path):
     assert c["livenessProbe"]["grpc"] == {"port": config.port} and c["startupProbe"]["grpc"]["port"] == config.port
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[config.maps_dir]["readOnly"] and mounts["/etc/kvferry"]["readOnly"]
-    for path in (config.tls_cert, config.tls_key, config.tls_client_ca, config.redis_password_file, config.prefix_secret_file):
+    for path in (
+        config.tls_cert,
+        config.tls_key,
+        config.tls_client_ca,
+        config.redis_password_file,
+        config.prefix_secret_file,
+    ):
         if path:
             assert any(path.startswith(m + "/") for m in mounts), f"{path} is not on a mounted volume"
     assert pod["terminationGracePeriodSeconds"] >= config.drain_seconds + c["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -83,11 +90,16 @@ def test_modes_and_options():
     for c in pod["containers"]:
         assert {"name": volume["name"], "mountPath": shm_dir} in c["volumeMounts"], c["name"]
     (server,) = [c for c in pod["containers"] if c["name"] == "model-server"]
-    assert {"name": "KVFERRY_SHM_DIR", "value": shm_dir} in server["env"] and f'"shm_dir":"{shm_dir}"' in server["args"][-1]
+    assert {"name": "KVFERRY_SHM_DIR", "value": shm_dir} in server["env"] and f'"shm_dir":"{shm_dir}"' in server[
+        "args"
+    ][-1]
     off = _one(render(CHART / "ci" / "pod-sidecar-values.yaml", "sharedMemory.enabled=false"), "Deployment")
     assert not any(v.get("emptyDir", {}).get("medium") == "Memory" for v in off["spec"]["template"]["spec"]["volumes"])
-    r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "sharedMemory.enabled=true"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "sharedMemory.enabled=true"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0 and "sharedMemory.enabled needs mode: podSidecar" in r.stderr
     gpu = _one(render(CHART / "ci" / "gpu-values.yaml"), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -96,11 +108,17 @@ def test_modes_and_options():
 
 
 def test_bad_values_fail_at_install():
-    r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "sidecar.port=0"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "sidecar.port=0"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0 and "port" in r.stderr
-    r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "maps.source=url"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "--set", "maps.source=url"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0
 
 
@@ -109,9 +127,14 @@ def test_metrics_network_rule_defaults_to_this_namespace():
     pol = _one(render(CHART / "ci" / "standalone-values.yaml"), "NetworkPolicy")
     metrics = [r for r in pol["spec"]["ingress"] if any(p["port"] == 9100 for p in r["ports"])]
     assert metrics and metrics[0]["from"] == [{"podSelector": {}}], metrics
-    scoped = _one(render(CHART / "ci" / "standalone-values.yaml",
-                         "networkPolicy.metricsNamespaceSelector.matchLabels.name=monitoring"), "NetworkPolicy")
-    rule = [r for r in scoped["spec"]["ingress"] if any(p["port"] == 9100 for p in r["ports"])][0]
+    scoped = _one(
+        render(
+            CHART / "ci" / "standalone-values.yaml",
+            "networkPolicy.metricsNamespaceSelector.matchLabels.name=monitoring",
+        ),
+        "NetworkPolicy",
+    )
+    rule = next(r for r in scoped["spec"]["ingress"] if any(p["port"] == 9100 for p in r["ports"]))
     assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
 
 
@@ -123,9 +146,14 @@ def test_hostile_values_are_refused_with_the_fix(values):
     """Each of these rendered silently before: a public LoadBalancer without auth or TLS, root or privileged
     containers, no limits, http map URLs, a password in the ConfigMap, injected TOML/YAML/cp arguments, and a
     maxMessageBytes the sidecar could not bind."""
-    expect = next(line[len("# expect: "):] for line in values.read_text().splitlines() if line.startswith("# expect: "))
-    r = subprocess.run([HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "-f", str(values)],
-                       capture_output=True, text=True)
+    expect = next(
+        line[len("# expect: ") :] for line in values.read_text().splitlines() if line.startswith("# expect: ")
+    )
+    r = subprocess.run(
+        [HELM, "template", "t", str(CHART), "--kube-version", "1.30.0", "-f", str(values)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0, f"{values.name} rendered"
     assert expect in r.stderr, r.stderr
 
@@ -138,8 +166,11 @@ def test_allow_insecure_renders_what_it_names():
 
 def test_strings_reach_toml_and_args_as_single_values(tmp_path):
     """Values with quotes and spaces that the schema allows arrive as one string each, never as new keys or args."""
-    docs = render(CHART / "ci" / "redis-values.yaml", "redis.url=rediss://user@redis-0.cache:6380/0?ssl_cert_reqs=required",
-                  "maps.image.path=/opt/kvferry/maps.v2")
+    docs = render(
+        CHART / "ci" / "redis-values.yaml",
+        "redis.url=rediss://user@redis-0.cache:6380/0?ssl_cert_reqs=required",
+        "maps.image.path=/opt/kvferry/maps.v2",
+    )
     toml_text = _one(docs, "ConfigMap")["data"]["kvferry.toml"]
     cfg = tomllib.loads(toml_text)["sidecar"]
     assert cfg["redis_url"] == "rediss://user@redis-0.cache:6380/0?ssl_cert_reqs=required"

@@ -1,18 +1,18 @@
 """Client behaviour against a real sidecar: async API, retries, TLS, fallback, the cascade."""
 
 import asyncio
+import itertools
 import time
 
 import grpc
 import pytest
 import torch
+from conftest import RunningSidecar, make_certs, make_kv
 
 from kvferry.client.cascade import Cascade
-from kvferry.client.rollout import MapRollout
 from kvferry.client.client import AsyncTranslateClient, ClientOptions, TranslateClient
+from kvferry.client.rollout import MapRollout
 from kvferry.mappings.capture import capture_kv
-
-from conftest import RunningSidecar, make_certs, make_kv
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,9 @@ def test_unavailable_is_retried_until_the_server_appears(maps_dir):
     import threading
 
     holder = {}
-    timer = threading.Timer(0.4, lambda: holder.setdefault("sc", RunningSidecar(maps_dir=str(maps_dir), force_maps=True, port=port)))
+    timer = threading.Timer(
+        0.4, lambda: holder.setdefault("sc", RunningSidecar(maps_dir=str(maps_dir), force_maps=True, port=port))
+    )
     timer.start()
     try:
         with TranslateClient(opts) as c:
@@ -90,11 +92,22 @@ def test_unavailable_gives_up_after_retries():
 
 def test_mutual_tls(sidecar_factory, maps_dir, tmp_path):
     d = make_certs(tmp_path)
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"),
-                         tls_client_ca=str(d / "ca.pem"))
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir),
+        force_maps=True,
+        tls_cert=str(d / "server.pem"),
+        tls_key=str(d / "server.key"),
+        tls_client_ca=str(d / "ca.pem"),
+    )
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
-    good = ClientOptions(target=sc.address, tls_root_certs=str(d / "ca.pem"), tls_client_cert=str(d / "client.pem"),
-                         tls_client_key=str(d / "client.key"), retries=0, timeout=10)
+    good = ClientOptions(
+        target=sc.address,
+        tls_root_certs=str(d / "ca.pem"),
+        tls_client_cert=str(d / "client.pem"),
+        tls_client_key=str(d / "client.key"),
+        retries=0,
+        timeout=10,
+    )
     with TranslateClient(good) as c:
         assert c.translate(kv, "S__S-self").stats.tokens == 8
     no_cert = ClientOptions(target=sc.address, tls_root_certs=str(d / "ca.pem"), retries=0, timeout=10)
@@ -124,7 +137,11 @@ def test_cascade_mapped_path_matches_full_prefill_and_falls_back(sidecar_factory
         assert mapped.path == "mapped" and mapped.tokens == gold.tokens
         before = _counter("short_prompt")
         short = cascade.generate(ids[:, :20], capture_kv(s.model, ids[:, :20]), max_new_tokens=4)
-        assert short.path == "fallback" and short.reason.startswith("short_prompt") and _counter("short_prompt") == before + 1
+        assert (
+            short.path == "fallback"
+            and short.reason.startswith("short_prompt")
+            and _counter("short_prompt") == before + 1
+        )
         missing = Cascade(s.model, c, "S__S-self", MapRollout(version="7.7.7", refresh=8, min_tokens=32), s.identity)
         res = missing.generate(ids, src, max_new_tokens=12)
         assert res.path == "fallback" and res.reason.startswith("map_not_found") and res.tokens == gold.tokens
@@ -141,7 +158,8 @@ def test_gated_map_falls_back(sidecar_factory, maps_dir, family):
     ids = torch.randint(2, 4096, (1, 80))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         res = Cascade(s.model, c, "S__S-self", MapRollout(refresh=8, min_tokens=32), s.identity).generate(
-            ids, capture_kv(s.model, ids), max_new_tokens=4)
+            ids, capture_kv(s.model, ids), max_new_tokens=4
+        )
     assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible")
 
 
@@ -149,28 +167,55 @@ def test_vllm_connector_settings_are_validated_once(tmp_path):
     from kvferry.client.connector_config import ConnectorConfig
     from kvferry.mappings.errors import InvalidInput
 
-    cfg = ConnectorConfig.from_extra({"redis_url": "redis://r:6379/0", "prefix_secret": "x" * 32, "prefix_block_size": "256",
-                                      "refresh": 16, "sidecar": "s:1", "map_name": "S__T", "timeout": "5"})
+    cfg = ConnectorConfig.from_extra(
+        {
+            "redis_url": "redis://r:6379/0",
+            "prefix_secret": "x" * 32,
+            "prefix_block_size": "256",
+            "refresh": 16,
+            "sidecar": "s:1",
+            "map_name": "S__T",
+            "timeout": "5",
+        }
+    )
     assert cfg.prefix_block_size == 256 and cfg.timeout == 5.0 and cfg.secret() == b"x" * 32 and not cfg.direct_reads
     assert cfg.token() == "" and not cfg.layer_by_layer and cfg.async_loads
     (tmp_path / "secret").write_text("s" * 32 + "\n")
     (tmp_path / "token").write_text("t0k3n\n")
-    files = ConnectorConfig.from_extra({"redis_url": "redis://r", "prefix_secret_file": str(tmp_path / "secret"),
-                                        "auth_token_file": str(tmp_path / "token")})
+    files = ConnectorConfig.from_extra(
+        {
+            "redis_url": "redis://r",
+            "prefix_secret_file": str(tmp_path / "secret"),
+            "auth_token_file": str(tmp_path / "token"),
+        }
+    )
     assert files.secret() == b"s" * 32 and files.token() == "t0k3n"  # kept out of the settings vLLM logs
     with pytest.raises(InvalidInput, match="auth_token or auth_token_file, not both"):
-        ConnectorConfig.from_extra({"redis_url": "redis://r", "prefix_secret": "x", "auth_token": "a",
-                                    "auth_token_file": str(tmp_path / "token")})
+        ConnectorConfig.from_extra(
+            {
+                "redis_url": "redis://r",
+                "prefix_secret": "x",
+                "auth_token": "a",
+                "auth_token_file": str(tmp_path / "token"),
+            }
+        )
     base = {"redis_url": "redis://r", "prefix_secret": "x"}
-    assert [ConnectorConfig.from_extra({**base, "direct_reads": v}).direct_reads for v in (True, "true", "1", False, "False", "0")] \
-        == [True, True, True, False, False, False]
-    with pytest.raises(InvalidInput, match=r"kvferry connector: direct_reads: expected true or false .*got 'yes please'"):
+    assert [
+        ConnectorConfig.from_extra({**base, "direct_reads": v}).direct_reads
+        for v in (True, "true", "1", False, "False", "0")
+    ] == [True, True, True, False, False, False]
+    with pytest.raises(
+        InvalidInput, match=r"kvferry connector: direct_reads: expected true or false .*got 'yes please'"
+    ):
         ConnectorConfig.from_extra({**base, "direct_reads": "yes please"})
     with pytest.raises(InvalidInput, match="refresh: cannot read 'sixteen' as int"):  # was a bare ValueError
         ConnectorConfig.from_extra({**base, "refresh": "sixteen"})
-    for extra, needle in (({"prefix_secret": "x"}, "redis_url"), ({"redis_url": "redis://r"}, "prefix_secret"),
-                          ({"redis_url": "redis://r", "prefix_secret": "x", "bogus": 1}, "unknown"),
-                          ({"redis_url": "redis://r", "prefix_secret": "x", "refresh": 64, "min_tokens": 32}, "min_tokens")):
+    for extra, needle in (
+        ({"prefix_secret": "x"}, "redis_url"),
+        ({"redis_url": "redis://r"}, "prefix_secret"),
+        ({"redis_url": "redis://r", "prefix_secret": "x", "bogus": 1}, "unknown"),
+        ({"redis_url": "redis://r", "prefix_secret": "x", "refresh": 64, "min_tokens": 32}, "min_tokens"),
+    ):
         with pytest.raises(InvalidInput, match=needle):
             ConnectorConfig.from_extra(extra)
 
@@ -191,19 +236,23 @@ def _hostile_server(seconds: int, nanos: int = 0):
             pass  # reports INTERNAL instead of the server's status (grpc/grpc#36066)
         detail = any_pb2.Any()
         detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=seconds, nanos=nanos)))
-        context.abort_with_status(rpc_status.to_status(status_pb2.Status(
-            code=code_pb2.RESOURCE_EXHAUSTED, message="busy, come back later", details=[detail])))
+        context.abort_with_status(
+            rpc_status.to_status(
+                status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message="busy, come back later", details=[detail])
+            )
+        )
 
     server = grpc.server(futures.ThreadPoolExecutor(4))
     handler = grpc.stream_stream_rpc_method_handler(translate)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvferry.v1.TranslateService",
-                                                                          {"Translate": handler}),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvferry.v1.TranslateService", {"Translate": handler}),)
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, port, calls
 
 
-@pytest.mark.parametrize("seconds", [10 ** 9, 315_576_000_000, -5, 3])
+@pytest.mark.parametrize("seconds", [10**9, 315_576_000_000, -5, 3])
 def test_a_servers_retry_hint_never_outlasts_the_callers_deadline(seconds):
     """A hostile (or man-in-the-middle) server asks the client to wait years, an amount past what a duration holds,
     a negative time, or 3 s: the call ends with that server's own gRPC error within the caller's 1.5 s timeout."""
@@ -235,7 +284,7 @@ def test_a_sane_retry_hint_is_honoured_within_the_deadline():
         opts = ClientOptions(target=f"127.0.0.1:{port}", retries=2, backoff=0.01, timeout=5)
         with TranslateClient(opts) as c, pytest.raises(grpc.RpcError):
             c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self")
-        assert len(calls) == 3 and all(b - a >= 0.2 for a, b in zip(calls, calls[1:]))
+        assert len(calls) == 3 and all(b - a >= 0.2 for a, b in itertools.pairwise(calls))
     finally:
         server.stop(None)
 
@@ -244,11 +293,14 @@ def test_failed_calls_raise_the_services_typed_errors(sidecar_factory, maps_dir,
     """One table (kvferry.common.status) both ways: the sidecar's domain error becomes a status, and the client
     raises that domain class again, which is also a grpc.RpcError with the status's code and details."""
     from kvferry.common.errors import NotFound, Unavailable
-    from kvferry.common.status import STATUS, ServiceError, _CLIENT_CLASSES
+    from kvferry.common.status import _CLIENT_CLASSES, STATUS, ServiceError
     from kvferry.mappings.errors import InvalidInput, KvferryError
 
     for code, cls in _CLIENT_CLASSES.items():
-        assert cls in STATUS and STATUS[cls] == code or code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert (cls in STATUS and STATUS[cls] == code) or code in (
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
     s = family["S"].identity
@@ -256,7 +308,11 @@ def test_failed_calls_raise_the_services_typed_errors(sidecar_factory, maps_dir,
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
         with pytest.raises(NotFound) as e:
             c.translate(kv, "no__such-map", **kw)
-        assert isinstance(e.value, grpc.RpcError) and isinstance(e.value, ServiceError) and isinstance(e.value, KvferryError)
+        assert (
+            isinstance(e.value, grpc.RpcError)
+            and isinstance(e.value, ServiceError)
+            and isinstance(e.value, KvferryError)
+        )
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no__such-map" in e.value.details()
         with pytest.raises(InvalidInput):
             c.translate(kv, "S__S-self", tenant="bad tenant", **kw)

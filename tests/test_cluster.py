@@ -6,14 +6,13 @@ import shutil
 import grpc
 import pytest
 import torch
+from conftest import make_kv, spec_kw, wait_until
 
 from kvferry.bench.harness import RedisClusterServers
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.client.direct import DirectReader
 from kvferry.common.prefix_cache import publish_source
 from kvferry.common.stores import MemoryStore, RedisStore, StoreUnavailable
-
-from conftest import make_kv, spec_kw, wait_until
 
 SECRET, BS = b"cluster-secret", 16
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -49,7 +48,9 @@ def _kw(family):
 def _published(family, url, tokens=64, seed=1, first=100, tenant="acme"):
     kv = make_kv(layers=4, tokens=tokens, heads=2, head_dim=32, seed=seed)
     ids = list(range(first, first + tokens))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(url), secret=SECRET, tenant=tenant, block_size=BS)
+    key = publish_source(
+        kv, ids, family["S"].identity, store=RedisStore(url), secret=SECRET, tenant=tenant, block_size=BS
+    )
     return kv, ids, key
 
 
@@ -60,17 +61,25 @@ def _keys(cluster) -> set[bytes]:
 def test_hits_and_misses_on_a_cluster(sidecar_factory, maps_dir, family, fresh):
     """The same answers as on one node: a key-only miss maps the stored source and writes it back, spread over every
     master; the next ask is a full hit, through the sidecar and read directly; another tenant sees nothing."""
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, redis_url=fresh.url, prefix_secret=SECRET.decode(),
-                         prefix_block_size=BS)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir),
+        force_maps=True,
+        redis_url=fresh.url,
+        prefix_secret=SECRET.decode(),
+        prefix_block_size=BS,
+    )
     kv, ids, key = _published(family, fresh.url)
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        ask = lambda **kw: c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family), **kw)  # noqa: E731
+
+        def ask(**kw):
+            return c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family), **kw)
+
         miss = ask()
         assert miss.stats.cached_blocks == 0 and miss.info.num_tokens == 64
         wait_until(lambda: len(_keys(fresh)) == 8, 10, "the mapped blocks written back")
         hit = ask()
         assert hit.stats.cached_blocks == 4
-        for (k, v), (hk, hv), (sk, sv) in zip(miss.layers(), hit.layers(), kv):
+        for (k, v), (hk, hv), (sk, _sv) in zip(miss.layers(), hit.layers(), kv):
             assert torch.equal(k, hk) and torch.equal(v, hv)
             torch.testing.assert_close(hk, sk, rtol=1e-5, atol=1e-5)
         with pytest.raises(grpc.RpcError) as e:
@@ -92,7 +101,9 @@ def test_keys_are_those_of_one_node(family, fresh):
     ids = list(range(48))
     one = MemoryStore()
     a = publish_source(kv, ids, family["S"].identity, store=one, secret=SECRET, tenant="acme", block_size=BS)
-    b = publish_source(kv, ids, family["S"].identity, store=RedisStore(fresh.url), secret=SECRET, tenant="acme", block_size=BS)
+    b = publish_source(
+        kv, ids, family["S"].identity, store=RedisStore(fresh.url), secret=SECRET, tenant="acme", block_size=BS
+    )
     assert a == b and {k.decode() for k in _keys(fresh)} == set(one._data)
 
 
@@ -100,8 +111,13 @@ def test_a_master_killed_mid_load(sidecar_factory, maps_dir, family, fresh):
     """With one master down, key-only requests whose blocks live there get UNAVAILABLE (nothing wrong is served),
     streamed requests are still served, and once the master is back (empty: a cache without persistence) the prefix is
     published again and served."""
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, redis_url=fresh.url, prefix_secret=SECRET.decode(),
-                         prefix_block_size=BS)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir),
+        force_maps=True,
+        redis_url=fresh.url,
+        prefix_secret=SECRET.decode(),
+        prefix_block_size=BS,
+    )
     kv, ids, key = _published(family, fresh.url, tokens=128, seed=5, first=300)  # 8 blocks: on every master
     fresh.kill(1)
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=30)) as c:
@@ -117,10 +133,14 @@ def test_a_master_killed_mid_load(sidecar_factory, maps_dir, family, fresh):
 
 def _served(c, kv, ids, key, family, url) -> bool:
     try:
-        publish_source(kv, ids, family["S"].identity, store=RedisStore(url), secret=SECRET, tenant="acme", block_size=BS)
+        publish_source(
+            kv, ids, family["S"].identity, store=RedisStore(url), secret=SECRET, tenant="acme", block_size=BS
+        )
         res = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
     except (grpc.RpcError, StoreUnavailable) as e:
-        assert not isinstance(e, grpc.RpcError) or e.code() == grpc.StatusCode.UNAVAILABLE, e  # reconnecting: never wrong
+        assert not isinstance(e, grpc.RpcError) or e.code() == grpc.StatusCode.UNAVAILABLE, (
+            e
+        )  # reconnecting: never wrong
         return False
     torch.testing.assert_close(res.layers()[2][0], kv[2][0], rtol=1e-5, atol=1e-5)
     return True
@@ -129,7 +149,7 @@ def _served(c, kv, ids, key, family, url) -> bool:
 def test_moved_and_ask_during_a_slot_migration(family, fresh):
     """A slot holding published blocks is migrated to another master key by key: reads during the migration (ASK)
     and after it (MOVED) return the same blocks."""
-    kv, ids, key = _published(family, fresh.url, tokens=96, seed=7, first=700)
+    _kv, _ids, _key = _published(family, fresh.url, tokens=96, seed=7, first=700)
     store = RedisStore(fresh.url)
     keys = sorted(k.decode() for k in _keys(fresh))
     want = store.get_many(keys)

@@ -9,12 +9,11 @@ import subprocess
 
 import pytest
 import torch
+from conftest import ROOT
 
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.client.importers import PagedKVPool
 from kvferry.mappings.capture import capture_kv
-
-from conftest import ROOT
 
 NODE_MODULES = ROOT / ".tools" / "node-contract" / "node_modules"
 PROTO = ROOT / "proto" / "kvferry" / "v1" / "translate.proto"
@@ -37,7 +36,9 @@ def test_a_node_client_from_the_proto_gets_the_python_answer(sidecar_factory, s_
     unpages the answer; the Python client's own paged answer, read back from a paged pool, must match it too."""
     node = shutil.which("node")
     assert node, "node is not installed (make test needs node and npm for the contract test)"
-    assert (NODE_MODULES / "@grpc" / "grpc-js").is_dir(), "run `make test` (it installs @grpc/grpc-js into .tools/node-contract)"
+    assert (NODE_MODULES / "@grpc" / "grpc-js").is_dir(), (
+        "run `make test` (it installs @grpc/grpc-js into .tools/node-contract)"
+    )
     s = family["S"]
     ids = torch.arange(5, 5 + 37)[None]
     kv = capture_kv(s.model, ids)
@@ -52,18 +53,39 @@ def test_a_node_client_from_the_proto_gets_the_python_answer(sidecar_factory, s_
             for (k, v), (pk, pv) in zip(py.layers(), pool.gather(list(range(5)), 37)):
                 assert torch.equal(k, pk) and torch.equal(v, pv)
     g = s.identity.geometry
-    header = {"map": {"name": "S__T", "version": "1.0.0"}, "source_geometry_fingerprint": fingerprints["source_geometry"],
-              "tokenizer_fingerprint": fingerprints["tokenizer"], "num_tokens": 37, "source_dtype": "DTYPE_FLOAT32",
-              "layout": "LAYOUT_CONTIGUOUS"}
+    header = {
+        "map": {"name": "S__T", "version": "1.0.0"},
+        "source_geometry_fingerprint": fingerprints["source_geometry"],
+        "tokenizer_fingerprint": fingerprints["tokenizer"],
+        "num_tokens": 37,
+        "source_dtype": "DTYPE_FLOAT32",
+        "layout": "LAYOUT_CONTIGUOUS",
+    }
     if paged is not None:
         header.update(layout="LAYOUT_PAGED", block_size=8, pages_per_block=paged)
-    request = {"header": header, "chunk_tokens": 16,  # the same ranges as the Python client: the same arithmetic
-               "tokens": 37, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
-               "layers": [{"k": _b64(k[0]), "v": _b64(v[0])} for k, v in kv]}
+    request = {
+        "header": header,
+        "chunk_tokens": 16,  # the same ranges as the Python client: the same arithmetic
+        "tokens": 37,
+        "kv_heads": g.kv_heads,
+        "head_dim": g.head_dim,
+        "layers": [{"k": _b64(k[0]), "v": _b64(v[0])} for k, v in kv],
+    }
     (tmp_path / "in.json").write_text(json.dumps(request))
-    r = subprocess.run([node, str(ROOT / "tests" / "contract" / "translate.js"), sc.address, str(PROTO), str(tmp_path / "in.json"),
-                        str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120,
-                       env={"NODE_PATH": str(NODE_MODULES), "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [
+            node,
+            str(ROOT / "tests" / "contract" / "translate.js"),
+            sc.address,
+            str(PROTO),
+            str(tmp_path / "in.json"),
+            str(tmp_path / "out.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"NODE_PATH": str(NODE_MODULES), "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out.json").read_text())
     assert "code" not in out, out

@@ -1,24 +1,25 @@
 """The long-range copy probe and the gate that reads it."""
 
 import pytest
+from conftest import DATA
 
-from kvferry.mappings.copy_probe import CopySettings, copy_probe, format_copy_table, make_examples
 from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import read_corpus
+from kvferry.mappings.copy_probe import CopySettings, copy_probe, format_copy_table, make_examples
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.evaluate import EvalSettings, evaluate
 from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
-
-from conftest import DATA
 
 HELDOUT = [str(DATA / "heldout.jsonl")]
 
 
 def _evidence(full: float, refresh: float, truncate: float = 0.4, arms=None) -> dict:
     arms = arms or {"mapped_refresh": {"top1": 0.95, "top10": 0.97, "kl": 0.01, "attn_cos": 0.99}}
-    return {"arms": arms, "copy": {"gaps": {"1000": {"full": full, "truncate": truncate, "mapped": refresh,
-                                                     "mapped_refresh": refresh}}}}
+    return {
+        "arms": arms,
+        "copy": {"gaps": {"1000": {"full": full, "truncate": truncate, "mapped": refresh, "mapped_refresh": refresh}}},
+    }
 
 
 def test_examples_repeat_the_passage_after_a_disjoint_gap():
@@ -85,8 +86,15 @@ def test_evaluate_records_copy_and_prose_evidence(family):
     s = family["S"]
     ms = identity_mapset(s.identity)
     ms.target = s.identity
-    settings = EvalSettings(prompts=2, greedy_prompts=0, recall_prompts=0, min_len=64, max_len=128, prose_prompts=3,
-                            copy=CopySettings(gaps=(200,), prompts=1))
+    settings = EvalSettings(
+        prompts=2,
+        greedy_prompts=0,
+        recall_prompts=0,
+        min_len=64,
+        max_len=128,
+        prose_prompts=3,
+        copy=CopySettings(gaps=(200,), prompts=1),
+    )
     ev = evaluate(ms, s, s, HELDOUT, settings, progress=False, prose=[str(DATA / "prose_heldout.jsonl")])
     assert ev["copy"]["gaps"]["200"]["mapped_refresh"] == ev["copy"]["gaps"]["200"]["full"]
     assert ev["prose"]["arms"]["mapped_refresh"]["top1"] == 1.0
@@ -106,9 +114,26 @@ def test_the_mapped_arms_read_the_maps_cache_not_the_targets(family):
 
     s = family["S"]
     ident = identity_mapset(s.identity)
-    zero = MapSet(s.identity, s.identity, {k: LayerMap(m.target_layer, m.kind, m.source_layers, torch.zeros_like(m.weight),
-                                                       m.bias, m.lam, m.heldout_r2, m.inputs) for k, m in ident.maps.items()},
-                  "0.0.2", {"kind": "test"}, {})
+    zero = MapSet(
+        s.identity,
+        s.identity,
+        {
+            k: LayerMap(
+                m.target_layer,
+                m.kind,
+                m.source_layers,
+                torch.zeros_like(m.weight),
+                m.bias,
+                m.lam,
+                m.heldout_r2,
+                m.inputs,
+            )
+            for k, m in ident.maps.items()
+        },
+        "0.0.2",
+        {"kind": "test"},
+        {},
+    )
     cs = CopySettings(gaps=(100,), prompts=3, refresh=8)
     texts = list(read_corpus(HELDOUT))
     ev = copy_probe(zero, s, s, texts, cs)
@@ -117,5 +142,6 @@ def test_the_mapped_arms_read_the_maps_cache_not_the_targets(family):
         n = len(ex.prompt)
         mapped = apply(zero, capture_kv(s.model, torch.tensor([ex.prompt[:-1]])), 0)
         assert row["mapped_refresh"] == pytest.approx(
-            continuation_accuracy(s.model, kv_slice(mapped, 0, n - 8), ex.prompt[n - 8:], ex.answer), abs=1e-6)
+            continuation_accuracy(s.model, kv_slice(mapped, 0, n - 8), ex.prompt[n - 8 :], ex.answer), abs=1e-6
+        )
     assert any(row["mapped"] != row["full"] for row in per)

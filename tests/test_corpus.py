@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import DATA, ROOT
 
 MANIFEST = json.loads((DATA / "distill_corpus.json").read_text())
@@ -30,6 +29,8 @@ def test_the_distillation_corpus_is_what_its_manifest_says(part, tmp_path):
     splits = json.loads((DATA / "corpus.json").read_text())["splits"]
     assert not set(splits["train"]["paths"]) & (set(splits["heldout"]["paths"]) | set(splits["calib"]["paths"]))
     if part == "prose":  # nor is the evaluation's prose, the Language Reference, in it
-        evaluated = "".join(json.loads(line)["text"] for line in (DATA / "prose_heldout.jsonl").read_text().splitlines())
+        evaluated = "".join(
+            json.loads(line)["text"] for line in (DATA / "prose_heldout.jsonl").read_text().splitlines()
+        )
         probes = [r[i : i + 200] for r in rows for i in range(0, max(len(r) - 200, 1), 997)]
         assert sum(p in evaluated for p in probes) <= 0.01 * len(probes)

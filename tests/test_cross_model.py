@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import ROOT, make_kv
 
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.client.direct import DirectReader
@@ -15,8 +16,6 @@ from kvferry.common.stores import RedisStore
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import capture_kv
-
-from conftest import ROOT, make_kv
 
 PAIRS = ["S__T", "S__T64"]
 SECRET, BS = b"cross-model-secret", 16
@@ -82,17 +81,20 @@ def test_chunks_in_token_or_layer_order_equal_apply(sidecar_factory, maps_dir, s
     translate alike through a real cross-model map, and a chunk sent twice is refused."""
     import grpc
 
-    from kvferry.client.client import TRANSLATE_METHOD, encode_requests, make_spec
+    from kvferry.client.client import TRANSLATE_METHOD, contiguous_layers, encode_requests, make_spec
     from kvferry.common import wire
     from kvferry.common.messages import Block
-    from kvferry.client.client import contiguous_layers
 
     s, ids, kv = source
     ms, want = _expected(maps_dir, "S__T", kv)
     sc = sidecar_factory(maps_dir=str(maps_dir))
-    reqs = list(encode_requests(make_spec(kv, "S__T", "1.0.0", **_kw(s)), kv, chunk_tokens=8, order=order, encoded=True))
+    reqs = list(
+        encode_requests(make_spec(kv, "S__T", "1.0.0", **_kw(s)), kv, chunk_tokens=8, order=order, encoded=True)
+    )
     with grpc.insecure_channel(sc.address) as ch:
-        call = ch.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.decode_response)
+        call = ch.stream_stream(
+            TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.decode_response
+        )
         blocks = [m for m in call(iter(reqs), timeout=30) if isinstance(m, Block)]
         _same(contiguous_layers(blocks, ms.target.geometry.layers, len(ids)), want)
         with pytest.raises(grpc.RpcError) as err:
@@ -106,10 +108,15 @@ def test_key_only_and_direct_reads_equal_apply(sidecar_factory, maps_dir, source
     covered = len(ids) // BS * BS  # full prefix blocks only
     _, want = _expected(maps_dir, pair, kv, covered)
     key = publish_source(kv, ids, s.identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
-    sc = sidecar_factory(maps_dir=str(maps_dir), redis_url=redis_url, prefix_secret=SECRET.decode(), prefix_block_size=BS)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir), redis_url=redis_url, prefix_secret=SECRET.decode(), prefix_block_size=BS
+    )
     direct = DirectReader(RedisStore(redis_url), SECRET, BS)
     with TranslateClient(ClientOptions(target=sc.address, retries=0), direct=direct) as c:
-        ask = lambda: c.translate(None, pair, "1.0.0", token_ids=ids, tenant="acme", prefix_key=key, **_kw(s))  # noqa: E731
+
+        def ask():
+            return c.translate(None, pair, "1.0.0", token_ids=ids, tenant="acme", prefix_key=key, **_kw(s))
+
         mapped = ask()  # the sidecar maps the stored source blocks and writes the target blocks back
         assert mapped.attempts == 1 and mapped.info.num_tokens == covered
         _same(mapped.layers(), want)
@@ -119,19 +126,31 @@ def test_key_only_and_direct_reads_equal_apply(sidecar_factory, maps_dir, source
 
 
 @pytest.mark.parametrize("pair", PAIRS)
-def test_a_sidecar_hit_sends_the_stored_bytes_cut_to_the_message_limit(sidecar_factory, maps_dir, source, redis_url, pair):
+def test_a_sidecar_hit_sends_the_stored_bytes_cut_to_the_message_limit(
+    sidecar_factory, maps_dir, source, redis_url, pair
+):
     """A hit through the sidecar sends the stored blobs' bytes as they are (no tensors): at the smallest message limit,
     its blocks cut the 16-token stored blocks mid-way, and still carry exactly what the miss mapped and stored."""
     s = source[0]
     g = s.identity.geometry
     n = 2600
-    kv = [(k * 0.1, v * 0.1) for k, v in make_kv(layers=g.layers, tokens=n, heads=g.kv_heads, head_dim=g.head_dim, seed=3)]
+    kv = [
+        (k * 0.1, v * 0.1) for k, v in make_kv(layers=g.layers, tokens=n, heads=g.kv_heads, head_dim=g.head_dim, seed=3)
+    ]
     ids = [(7 * i) % 500 + 1 for i in range(n)]
     key = publish_source(kv, ids, s.identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
-    sc = sidecar_factory(maps_dir=str(maps_dir), redis_url=redis_url, prefix_secret=SECRET.decode(), prefix_block_size=BS,
-                         max_message_bytes=1 << 20)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir),
+        redis_url=redis_url,
+        prefix_secret=SECRET.decode(),
+        prefix_block_size=BS,
+        max_message_bytes=1 << 20,
+    )
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        ask = lambda: c.translate(None, pair, "1.0.0", token_ids=ids, tenant="acme", prefix_key=key, **_kw(s))  # noqa: E731
+
+        def ask():
+            return c.translate(None, pair, "1.0.0", token_ids=ids, tenant="acme", prefix_key=key, **_kw(s))
+
         mapped = ask()  # maps the stored source blocks, sends tensors, writes the target blocks back
         hit = ask()
     assert hit.stats.cached_blocks == n // BS and hit.stats.compute_seconds == 0

@@ -7,14 +7,13 @@ import sys
 
 import pytest
 import torch
+from conftest import DATA, MODELS, ROOT, make_kv
 
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import LayerMap, MapSet, load
 from kvferry.mappings.capture import read_corpus, token_windows
 from kvferry.mappings.distill import DistillSettings, TrainableMaps, capture_tails, distill, tail_kl, with_repeat
 from kvferry.mappings.errors import InvalidInput
-
-from conftest import DATA, MODELS, ROOT, make_kv
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +28,10 @@ def _mixed(ms: MapSet, from_layer: int) -> MapSet:
     for (t, kind), m in ms.maps.items():
         if t >= from_layer:
             rows = m.weight.shape[0]
-            w = torch.randn(2 * rows, m.weight.shape[1], generator=g) / rows ** 0.5
-            maps[(t, kind)] = LayerMap(t, kind, m.source_layers, w, torch.randn(m.weight.shape[1], generator=g), 0.0,
-                                       m.heldout_r2, m.inputs, 2)
+            w = torch.randn(2 * rows, m.weight.shape[1], generator=g) / rows**0.5
+            maps[(t, kind)] = LayerMap(
+                t, kind, m.source_layers, w, torch.randn(m.weight.shape[1], generator=g), 0.0, m.heldout_r2, m.inputs, 2
+            )
     return MapSet(ms.source, ms.target, maps, "9.0.0", dict(ms.fit), dict(ms.calibration))
 
 
@@ -53,8 +53,14 @@ def test_the_trainable_cache_is_what_apply_gives(s_t):
 
 def _degraded(ms: MapSet, from_layer: int) -> MapSet:
     """``ms`` with the weights of layers >= from_layer shrunk to 0.6: a map the target's tail KL can repair."""
-    maps = {k: LayerMap(m.target_layer, m.kind, m.source_layers, m.weight * 0.6, m.bias, m.lam, m.heldout_r2, m.inputs,
-                        m.window) if k[0] >= from_layer else m for k, m in ms.maps.items()}
+    maps = {
+        k: LayerMap(
+            m.target_layer, m.kind, m.source_layers, m.weight * 0.6, m.bias, m.lam, m.heldout_r2, m.inputs, m.window
+        )
+        if k[0] >= from_layer
+        else m
+        for k, m in ms.maps.items()
+    }
     return MapSet(ms.source, ms.target, maps, "1.0.0", dict(ms.fit), dict(ms.calibration))
 
 
@@ -66,8 +72,16 @@ def test_distillation_lowers_the_heldout_tail_kl_and_trains_only_its_layers(s_t,
     windows = token_windows(target.tokenizer, read_corpus([DATA / "calib.jsonl"]), 256, 256 * 14)
     s = DistillSettings(from_layer=3, tail=16, repeat_span=48, epochs=2, lr=3e-4, seed=0)
     rng = random.Random(0)
-    train, held = capture_tails(start, source, target, windows[:11], s, rng), capture_tails(start, source, target, windows[11:], s, rng)
-    assert len(train) == 11 and len(held) == 3 and train[0].ids.shape == (16,) and train[0].inputs()[1][0][0].shape[2] == 240
+    train, held = (
+        capture_tails(start, source, target, windows[:11], s, rng),
+        capture_tails(start, source, target, windows[11:], s, rng),
+    )
+    assert (
+        len(train) == 11
+        and len(held) == 3
+        and train[0].ids.shape == (16,)
+        and train[0].inputs()[1][0][0].shape[2] == 240
+    )
     maps, log = distill(start, source, target, train, held, s)
     assert [e["epoch"] for e in log[:-1]] == [0, 1, 2] and log[-1]["kept_epoch"] > 0
     kept = log[log[-1]["kept_epoch"]]["held_kl"]
@@ -76,20 +90,23 @@ def test_distillation_lowers_the_heldout_tail_kl_and_trains_only_its_layers(s_t,
     for key, m in start.maps.items():
         same = torch.equal(out.maps[key].weight, m.weight)
         assert same == (key[0] < 3), key  # layers below from_layer untouched, every trained one moved
-        assert (out.maps[key].heldout_r2 != out.maps[key].heldout_r2) == (key[0] >= 3)  # a trained map's fit R² is unknown
+        assert (out.maps[key].heldout_r2 != out.maps[key].heldout_r2) == (
+            key[0] >= 3
+        )  # a trained map's fit R² is unknown
     assert out.fit["distilled"]["base_version"] == "1.0.0" and out.maps[(3, "k")].weight.dtype == s_t.dtype
 
 
 def test_a_temperature_softens_both_distributions(s_t, family):
-    """tail_kl at temperature T is T² × KL(softmax(full / T) ‖ softmax(mapped / T)) on the reference's outcomes (its
+    """tail_kl at temperature T is T² * KL(softmax(full / T) ‖ softmax(mapped / T)) on the reference's outcomes (its
     top tokens and "any other"), computed here by hand from both models' logits; T = 1 is the plain KL the held-out
     epochs are chosen by."""
     from kvferry.mappings.capture import to_dynamic_cache
 
     source, target = family["S"], family["T"]
     windows = token_windows(target.tokenizer, read_corpus([DATA / "calib.jsonl"]), 256, 256)
-    sample = capture_tails(s_t, source, target, windows[:1], DistillSettings(from_layer=3, tail=16, repeat_span=0),
-                           random.Random(0))[0]
+    sample = capture_tails(
+        s_t, source, target, windows[:1], DistillSettings(from_layer=3, tail=16, repeat_span=0), random.Random(0)
+    )[0]
     maps = TrainableMaps(s_t, 3)
     with torch.no_grad():
         skv, fixed = sample.inputs()
@@ -108,7 +125,9 @@ def test_a_temperature_softens_both_distributions(s_t, family):
             want = float((p.exp() * (p - q)).sum(-1).mean()) * t * t
             assert float(tail_kl(target.model, maps, sample, t)) == pytest.approx(want, rel=1e-4), t
     with torch.no_grad():
-        assert float(tail_kl(target.model, maps, sample, 2.0)) != pytest.approx(float(tail_kl(target.model, maps, sample)), rel=1e-3)
+        assert float(tail_kl(target.model, maps, sample, 2.0)) != pytest.approx(
+            float(tail_kl(target.model, maps, sample)), rel=1e-3
+        )
     with pytest.raises(InvalidInput, match="temperature"):
         DistillSettings(temperature=0.0)
 
@@ -126,15 +145,49 @@ def test_settings_and_windows_are_checked():
     ids = torch.arange(400)
     rep = with_repeat(ids, 100, random.Random(1))
     start = int(rep[300])
-    assert torch.equal(rep[:300], ids[:300]) and torch.equal(rep[300:], ids[start : start + 100]) and start + 100 + 64 <= 300
+    assert (
+        torch.equal(rep[:300], ids[:300])
+        and torch.equal(rep[300:], ids[start : start + 100])
+        and start + 100 + 64 <= 300
+    )
 
 
 def test_kvferry_distill_writes_an_artifact_without_evidence(tmp_path, s_t):
-    run = subprocess.run([sys.executable, "-m", "kvferry", "distill", str(ROOT / "maps" / "S__T" / "1.0.0"),
-                          "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--out", str(tmp_path),
-                          "--version", "1.0.1", "--seq-len", "256", "--max-tokens", str(256 * 6), "--from-layer", "4",
-                          "--tail", "16", "--repeat-span", "48", "--epochs", "1", "--train-precision", "bfloat16", "--quiet"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "distill",
+            str(ROOT / "maps" / "S__T" / "1.0.0"),
+            "--source",
+            str(MODELS / "S"),
+            "--target",
+            str(MODELS / "T"),
+            "--out",
+            str(tmp_path),
+            "--version",
+            "1.0.1",
+            "--seq-len",
+            "256",
+            "--max-tokens",
+            str(256 * 6),
+            "--from-layer",
+            "4",
+            "--tail",
+            "16",
+            "--repeat-span",
+            "48",
+            "--epochs",
+            "1",
+            "--train-precision",
+            "bfloat16",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "no evidence yet" in run.stdout
     out = load(tmp_path / "S__T" / "1.0.1")
@@ -162,7 +215,9 @@ def test_a_stopped_distillation_resumes_where_it_stopped(s_t, family, tmp_path, 
     monkeypatch.setattr(d, "capture_kv", lambda *a: calls.append(1))  # kept windows need no prefill
     monkeypatch.setattr(target, "model", None)  # nor the target's forward
     again = capture_tails(start, source, target, windows[:10], s, random.Random(0), tails)
-    assert not calls and all(torch.equal(a.ids, b.ids) and torch.equal(a.ref.logp, b.ref.logp) for a, b in zip(again, train))
+    assert not calls and all(
+        torch.equal(a.ids, b.ids) and torch.equal(a.ref.logp, b.ref.logp) for a, b in zip(again, train)
+    )
     monkeypatch.undo()
 
     want, want_log = distill(start, source, target, train, held, s)
@@ -211,18 +266,42 @@ def test_a_compact_reference_keeps_the_top_tokens_and_the_rest_mass():
 def test_capture_only_keeps_the_references_for_a_later_run(tmp_path):
     """--capture-only runs both prefills per window and stops: the references (small, committable) and the source's
     caches are kept, no artifact is written; a later run with the same windows reads them instead of the models."""
-    args = [sys.executable, "-m", "kvferry", "distill", str(ROOT / "maps" / "S__T" / "1.0.0"), "--source", str(MODELS / "S"),
-            "--target", str(MODELS / "T"), "--out", str(tmp_path / "maps"), "--seq-len", "256",
-            "--max-tokens", str(256 * 6), "--tail", "16", "--repeat-span", "48", "--refs", str(tmp_path / "refs"),
-            "--tails-cache", str(tmp_path / "kv"), "--quiet"]
-    run = subprocess.run(args + ["--capture-only"], capture_output=True, text=True, timeout=300)
+    args = [
+        sys.executable,
+        "-m",
+        "kvferry",
+        "distill",
+        str(ROOT / "maps" / "S__T" / "1.0.0"),
+        "--source",
+        str(MODELS / "S"),
+        "--target",
+        str(MODELS / "T"),
+        "--out",
+        str(tmp_path / "maps"),
+        "--seq-len",
+        "256",
+        "--max-tokens",
+        str(256 * 6),
+        "--tail",
+        "16",
+        "--repeat-span",
+        "48",
+        "--refs",
+        str(tmp_path / "refs"),
+        "--tails-cache",
+        str(tmp_path / "kv"),
+        "--quiet",
+    ]
+    run = subprocess.run([*args, "--capture-only"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "no training with --capture-only" in run.stdout and not (tmp_path / "maps").exists()
     refs = list((tmp_path / "refs").rglob("*.safetensors"))
     assert len(refs) == 6 and len(list((tmp_path / "kv").rglob("*.safetensors"))) == 6
-    assert all(p.stat().st_size < 20_000 for p in refs)  # a 16-token tail's top-64: far below a vocabulary row per token
+    assert all(
+        p.stat().st_size < 20_000 for p in refs
+    )  # a 16-token tail's top-64: far below a vocabulary row per token
     stamp = {p: p.stat().st_mtime_ns for p in refs}
-    run = subprocess.run(args + ["--version", "1.0.1", "--epochs", "1"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([*args, "--version", "1.0.1", "--epochs", "1"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert {p: p.stat().st_mtime_ns for p in refs} == stamp  # read, not recomputed
     missing = subprocess.run(args, capture_output=True, text=True, timeout=120)
@@ -242,8 +321,16 @@ def test_bfloat16_capture_and_training_stay_close_to_float32(s_t, family, tmp_pa
     got = {}
     for precision in ("float32", "bfloat16"):
         s = DistillSettings(from_layer=3, tail=16, repeat_span=0, capture_precision=precision)
-        got[precision] = capture_tails(s_t, source, target, windows, s, random.Random(0), tmp_path / "kv" / precision,
-                                       tmp_path / "refs" / precision)
+        got[precision] = capture_tails(
+            s_t,
+            source,
+            target,
+            windows,
+            s,
+            random.Random(0),
+            tmp_path / "kv" / precision,
+            tmp_path / "refs" / precision,
+        )
         files = list((tmp_path / "refs" / precision).rglob("*.safetensors"))
         assert len(files) == 2
         for f in files:

@@ -3,15 +3,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import DATA, MODELS, ROOT
 
 from kvferry.mappings.artifact import load, save
-from kvferry.mappings.errors import GateFailed, InvalidInput
 from kvferry.mappings.copy_probe import CopySettings
+from kvferry.mappings.errors import GateFailed, InvalidInput
 from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
 from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
-
-from conftest import DATA, MODELS, ROOT
 
 HELDOUT = [str(DATA / "heldout.jsonl")]
 
@@ -20,8 +19,21 @@ def test_exact_map_scores_like_gold(family):
     s = family["S"]
     ms = identity_mapset(s.identity)
     ms.target = s.identity
-    ev = evaluate(ms, s, s, HELDOUT, EvalSettings(prompts=6, greedy_prompts=2, recall_prompts=4, min_len=64, max_len=256,
-                                                     copy=CopySettings(gaps=(300,), prompts=2)), progress=False)
+    ev = evaluate(
+        ms,
+        s,
+        s,
+        HELDOUT,
+        EvalSettings(
+            prompts=6,
+            greedy_prompts=2,
+            recall_prompts=4,
+            min_len=64,
+            max_len=256,
+            copy=CopySettings(gaps=(300,), prompts=2),
+        ),
+        progress=False,
+    )
     for arm in ("mapped", "mapped_refresh", "mapped_sinks"):
         row = ev["arms"][arm]
         assert row["top1"] == 1.0 and row["top10"] == 1.0 and abs(row["kl"]) < 1e-4 and row["attn_cos"] > 0.9999
@@ -54,20 +66,61 @@ def test_gate_check_refuses_unless_forced(family):
 
 
 def test_cli_fit_then_eval_writes_evidence(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvferry", "--threads", "2", *a], capture_output=True, text=True, timeout=600)  # noqa: E731
-    fit = run("fit", "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--out", str(tmp_path),
-              "--seq-len", "256", "--max-tokens", "20000", "--k", "2", "--quiet")
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "kvferry", "--threads", "2", *a], capture_output=True, text=True, timeout=600
+        )
+
+    fit = run(
+        "fit",
+        "--source",
+        str(MODELS / "S"),
+        "--target",
+        str(MODELS / "T"),
+        "--out",
+        str(tmp_path),
+        "--seq-len",
+        "256",
+        "--max-tokens",
+        "20000",
+        "--k",
+        "2",
+        "--quiet",
+    )
     assert fit.returncode == 0, fit.stderr
     art = tmp_path / "S__T" / "1.0.0"
-    ev = run("eval", str(art), "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--prompts", "5",
-             "--copy-gaps", "200,400", "--copy-prompts", "1", "--recall-prompts", "3", "--greedy-prompts", "1", "--json", str(tmp_path / "ev.json"), "--write", "--quiet",
-             "--precision", "bfloat16")
+    ev = run(
+        "eval",
+        str(art),
+        "--source",
+        str(MODELS / "S"),
+        "--target",
+        str(MODELS / "T"),
+        "--prompts",
+        "5",
+        "--copy-gaps",
+        "200,400",
+        "--copy-prompts",
+        "1",
+        "--recall-prompts",
+        "3",
+        "--greedy-prompts",
+        "1",
+        "--json",
+        str(tmp_path / "ev.json"),
+        "--write",
+        "--quiet",
+        "--precision",
+        "bfloat16",
+    )
     assert ev.returncode == 0, ev.stderr
     assert json.loads((tmp_path / "ev.json").read_text())["precision"] == "bfloat16"
     assert "mapped_refresh" in ev.stdout
     assert load(art).evidence == json.loads((tmp_path / "ev.json").read_text())
     # a map used with the wrong model is refused with a clear error, not a crash
-    wrong = run("eval", str(art), "--source", str(MODELS / "T"), "--target", str(MODELS / "T"), "--prompts", "2", "--quiet")
+    wrong = run(
+        "eval", str(art), "--source", str(MODELS / "T"), "--target", str(MODELS / "T"), "--prompts", "2", "--quiet"
+    )
     assert wrong.returncode == 2 and "geometry fingerprint" in wrong.stderr
 
 
@@ -81,9 +134,12 @@ def test_load_for_serving_checks_evidence(family, tmp_path):
         load_for_serving(dest)
     assert load_for_serving(dest, force=True).name == ms.name
     write_evidence(dest, {"arms": {"mapped_refresh": {"top1": 0.5, "top10": 0.7, "kl": 0.3, "attn_cos": 0.9}}})
-    with pytest.raises(GateFailed, match="top10=0.700 fails the gate"):
+    with pytest.raises(GateFailed, match=r"top10=0.700 fails the gate"):
         load_for_serving(dest)
-    assert load_for_serving(dest, Gates(min_top10=0.6, min_copy_retention=0)).evidence["arms"]["mapped_refresh"]["top10"] == 0.7
+    assert (
+        load_for_serving(dest, Gates(min_top10=0.6, min_copy_retention=0)).evidence["arms"]["mapped_refresh"]["top10"]
+        == 0.7
+    )
     with pytest.raises(GateFailed, match="no long-range"):  # the long-range gate is on by default
         load_for_serving(dest, Gates(min_top10=0.6))
 
@@ -99,8 +155,14 @@ def test_several_positions_per_prompt_past_the_refresh_window(family):
     s = family["S"]
     ms = identity_mapset(s.identity)
     ms.target = s.identity
-    ev = evaluate(ms, s, s, HELDOUT, EvalSettings(prompts=4, positions=4, greedy_prompts=0, recall_prompts=0, min_len=64,
-                                                     max_len=128, copy=None), progress=False)
+    ev = evaluate(
+        ms,
+        s,
+        s,
+        HELDOUT,
+        EvalSettings(prompts=4, positions=4, greedy_prompts=0, recall_prompts=0, min_len=64, max_len=128, copy=None),
+        progress=False,
+    )
     for arm in ("mapped", "mapped_refresh", "mapped_sinks"):
         row = ev["arms"][arm]
         assert row["top1"] == 1.0 and row["top10"] == 1.0 and abs(row["kl"]) < 1e-4
@@ -141,11 +203,38 @@ def test_eval_builds_references_once_then_runs_only_the_arms_under_test(tmp_path
     evidence records its precision."""
     refs = tmp_path / "refs.jsonl"
     art = ROOT / "maps" / "S__T" / "1.0.0"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvferry", "--threads", "2", "eval", str(art), "--source",  # noqa: E731
-                                     str(MODELS / "S"), "--target", str(MODELS / "T"), "--only-copy",
-                                     "--copy-gaps", "200", "--copy-prompts", "2", "--references", str(refs),
-                                     "--json", str(tmp_path / "ev.json"), "--quiet", *a],
-                                    capture_output=True, text=True, timeout=600)
+
+    def run(*a):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvferry",
+                "--threads",
+                "2",
+                "eval",
+                str(art),
+                "--source",
+                str(MODELS / "S"),
+                "--target",
+                str(MODELS / "T"),
+                "--only-copy",
+                "--copy-gaps",
+                "200",
+                "--copy-prompts",
+                "2",
+                "--references",
+                str(refs),
+                "--json",
+                str(tmp_path / "ev.json"),
+                "--quiet",
+                *a,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
     first = run("--update-references")
     assert first.returncode == 0, first.stderr
     lines = refs.read_text().splitlines()

@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import DATA, MODELS, ROOT
 
 from kvferry.mappings.capture import read_corpus, token_windows
 from kvferry.mappings.gates import Gates, load_for_serving
-
-from conftest import DATA, MODELS, ROOT
 
 
 def test_family_geometry(family):
@@ -41,7 +40,9 @@ def test_target_beats_source_on_heldout_perplexity(family):
 @pytest.mark.parametrize("pair", ["S__T", "S__T64"])
 def test_shipped_maps_verify_and_pass_their_gates(family, pair):
     (path,) = sorted((ROOT / "maps" / pair).iterdir())[-1:]
-    ms = load_for_serving(path, Gates(), expect_source=family["S"].identity, expect_target=family[pair.split("__")[1]].identity)
+    ms = load_for_serving(
+        path, Gates(), expect_source=family["S"].identity, expect_target=family[pair.split("__")[1]].identity
+    )
     assert ms.evidence and "mapped_refresh" in ms.evidence["arms"]
     assert ms.calibration["corpus_sha256"] and ms.calibration["tokens"] > 0
 
@@ -56,18 +57,43 @@ def test_inspect_prints_the_manifest_r2_and_the_gate_verdict():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", str(ROOT / "maps" / "S__T" / "1.1.0")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvferry", "maps", "inspect", str(ROOT / "maps" / "S__T" / "1.1.0")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     manifest = json.loads((ROOT / "maps" / "S__T" / "1.1.0" / "manifest.json").read_text())
     k = [m["heldout_r2"] for m in sorted(manifest["maps"], key=lambda m: m["target_layer"]) if m["kind"] == "k"]
     assert "held-out R² of K by target layer: " + ", ".join(f"{x:.2f}" for x in k) in r.stdout
     assert "serving gates (defaults): pass" in r.stdout
     refresh = manifest["evidence"]["arms"]["mapped_refresh"]  # the evidence's own tables, as the demo prints them
-    assert f"| mapped_refresh   | {refresh['top1']:12.3f} | {refresh['top10']:12.3f} | {refresh['kl']:12.3f} |" in r.stdout
-    brief = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", "--brief", str(ROOT / "maps" / "S__T" / "1.1.0")],
-                           capture_output=True, text=True, timeout=120)
+    assert (
+        f"| mapped_refresh   | {refresh['top1']:12.3f} | {refresh['top10']:12.3f} | {refresh['kl']:12.3f} |" in r.stdout
+    )
+    brief = subprocess.run(
+        [sys.executable, "-m", "kvferry", "maps", "inspect", "--brief", str(ROOT / "maps" / "S__T" / "1.1.0")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "mapped_refresh" not in brief.stdout and "serving gates (defaults): pass" in brief.stdout
-    gated = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", str(ROOT / "maps" / "smollm2-135m-l10__smollm2-135m" / "0.1.0")],
-                           capture_output=True, text=True, timeout=120)
-    assert gated.returncode == 0 and "serving gates (defaults): fail: " in gated.stdout and "long-range copy" in gated.stdout
+    gated = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "maps",
+            "inspect",
+            str(ROOT / "maps" / "smollm2-135m-l10__smollm2-135m" / "0.1.0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        gated.returncode == 0
+        and "serving gates (defaults): fail: " in gated.stdout
+        and "long-range copy" in gated.stdout
+    )

@@ -3,14 +3,13 @@ import sys
 
 import pytest
 import torch
+from conftest import DATA, MODELS
 
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load, save
 from kvferry.mappings.capture import capture_kv, load_model, to_dynamic_cache
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import FitSettings, fit_pair
-
-from conftest import DATA, MODELS
 
 CALIB = [str(DATA / "calib.jsonl")]
 
@@ -19,7 +18,7 @@ CALIB = [str(DATA / "calib.jsonl")]
 def test_self_map_gives_the_models_own_logits(family, min_gain):
     s = family["S"]
     ms = fit_pair(s, s, CALIB, FitSettings(k=2, seq_len=256, max_tokens=16384, min_gain=min_gain), progress=False)
-    for (t, kind), m in ms.maps.items():
+    for (t, _kind), m in ms.maps.items():
         assert t in m.source_layers and m.heldout_r2 > 0.9999
         # with a minimum gain, a layer the source shares is read alone: a second layer adds nothing
         assert len(m.source_layers) == (1 if min_gain else 2)
@@ -78,13 +77,47 @@ def test_subsampling_and_too_little_text(family, tmp_path):
 
 def test_torchrun_two_processes_match_one(tmp_path):
     """Gram sums add: a 2-process gloo fit writes the same maps as a single process."""
-    common = ["fit", "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--k", "2", "--seq-len", "128",
-              "--max-tokens", "6400", "--quiet"]
-    one = subprocess.run([sys.executable, "-m", "kvferry", "--threads", "1", *common, "--out", str(tmp_path / "one")],
-                         capture_output=True, text=True, timeout=300)
+    common = [
+        "fit",
+        "--source",
+        str(MODELS / "S"),
+        "--target",
+        str(MODELS / "T"),
+        "--k",
+        "2",
+        "--seq-len",
+        "128",
+        "--max-tokens",
+        "6400",
+        "--quiet",
+    ]
+    one = subprocess.run(
+        [sys.executable, "-m", "kvferry", "--threads", "1", *common, "--out", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "kvferry", "--threads", "1", *common, "--out", str(tmp_path / "two")], capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kvferry",
+            "--threads",
+            "1",
+            *common,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = load(tmp_path / "one" / "S__T" / "1.0.0"), load(tmp_path / "two" / "S__T" / "1.0.0")
     assert b.calibration["processes"] == 2 and a.calibration["tokens"] == b.calibration["tokens"]
@@ -97,7 +130,9 @@ def test_torchrun_two_processes_match_one(tmp_path):
 @pytest.mark.parametrize("inputs,per_head", [("kv", False), ("same", True), ("kv", True)])
 def test_joint_inputs_and_per_head_variants(family, tmp_path, inputs, per_head):
     s, t = family["S"], family["T"]
-    ms = fit_pair(s, t, CALIB, FitSettings(k=2, seq_len=128, max_tokens=8192, inputs=inputs, per_head=per_head), progress=False)
+    ms = fit_pair(
+        s, t, CALIB, FitSettings(k=2, seq_len=128, max_tokens=8192, inputs=inputs, per_head=per_head), progress=False
+    )
     sg, tg = s.identity.geometry, t.identity.geometry
     m = ms.maps[(1, "k")]
     assert m.inputs == (("k", "v") if inputs == "kv" else ("k",))
@@ -229,25 +264,60 @@ def test_window_settings_that_cannot_work_are_refused_before_capture(family):
     s, t = family["S"], family["T"]
     with pytest.raises(InvalidInput, match="run past the target's 6 layers"):
         fit_pair(s, t, CALIB, FitSettings(**(WINDOWED | {"window_layers": (4, 6)})), progress=False)
-    for bad, match in [({"window": 0}, "window must be"), ({"window": 65}, "window must be"),
-                       ({"window_layers": (3, 2)}, "first <= last"), ({"window_kinds": "v"}, "window_kinds"),
-                       ({"window_sources": 0}, "window_sources"), ({"per_head": True}, "per_head maps cannot be windowed"),
-                       ({"window": 1}, "window is 1")]:
+    for bad, match in [
+        ({"window": 0}, "window must be"),
+        ({"window": 65}, "window must be"),
+        ({"window_layers": (3, 2)}, "first <= last"),
+        ({"window_kinds": "v"}, "window_kinds"),
+        ({"window_sources": 0}, "window_sources"),
+        ({"per_head": True}, "per_head maps cannot be windowed"),
+        ({"window": 1}, "window is 1"),
+    ]:
         with pytest.raises(InvalidInput, match=match):
             FitSettings(**(WINDOWED | bad))
 
 
 def test_fit_command_writes_a_windowed_set(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "kvferry", "--threads", "1", "fit", "--source", str(MODELS / "S"),
-                          "--target", str(MODELS / "T"), "--k", "1", "--seq-len", "128", "--max-tokens", "2048",
-                          "--window", "2", "--window-layers", "4-5", "--out", str(tmp_path), "--quiet"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "--threads",
+            "1",
+            "fit",
+            "--source",
+            str(MODELS / "S"),
+            "--target",
+            str(MODELS / "T"),
+            "--k",
+            "1",
+            "--seq-len",
+            "128",
+            "--max-tokens",
+            "2048",
+            "--window",
+            "2",
+            "--window-layers",
+            "4-5",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "layer 5 K: sources [0, 1, 2, 3] x 2 tokens" in run.stdout
     ms = load(tmp_path / "S__T" / "1.0.0")
     assert {key: m.window for key, m in ms.maps.items() if m.window > 1} == {(4, "k"): 2, (5, "k"): 2}
-    bad = subprocess.run([sys.executable, "-m", "kvferry", "fit", "--window", "2", "--window-layers", "four"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvferry", "fit", "--window", "2", "--window-layers", "four"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "FIRST-LAST" in bad.stderr
 
 

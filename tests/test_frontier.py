@@ -8,16 +8,23 @@ import sys
 
 import pytest
 import torch
+from conftest import DATA, MODELS, ROOT
 
 from kvferry.cli import _int_list
 from kvferry.mappings.capture import capture_first_layers, capture_kv, read_corpus
 from kvferry.mappings.copy_probe import CopySettings
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
-from kvferry.mappings.frontier import (FrontierSettings, copy_points, format_frontier, operating_points, plot, share,
-                                       summarize, top10_points)
-
-from conftest import DATA, MODELS, ROOT
+from kvferry.mappings.frontier import (
+    FrontierSettings,
+    copy_points,
+    format_frontier,
+    operating_points,
+    plot,
+    share,
+    summarize,
+    top10_points,
+)
 
 CODE = list(read_corpus([DATA / "heldout.jsonl"]))
 
@@ -30,8 +37,13 @@ def test_shares_and_points():
     points = operating_points(["1.0.0"], s, layers=6)
     assert [p for p in points if p[0] == "hybrid"] == [("hybrid", "1.0.0", 8, 2)]  # L = 6 is the full prefill
     assert len(points) == 2 + 2 + 1
-    for bad in (dict(refreshes=(32, 8)), dict(refreshes=(0,)), dict(hybrid_layers=(0,)), dict(next_token_prompts=-1),
-                dict(refreshes=(200,))):
+    for bad in (
+        dict(refreshes=(32, 8)),
+        dict(refreshes=(0,)),
+        dict(hybrid_layers=(0,)),
+        dict(next_token_prompts=-1),
+        dict(refreshes=(200,)),
+    ):
         with pytest.raises(InvalidInput):
             FrontierSettings(**bad)
     assert _int_list("16, 64,256") == (16, 64, 256) and _int_list("") == ()
@@ -55,9 +67,20 @@ def test_an_exact_map_keeps_everything_at_every_point_and_truncation_pays_for_le
     s = family["S"]
     ms = identity_mapset(s.identity)
     ms.target = s.identity
-    fs = FrontierSettings(refreshes=(8, 64), hybrid_layers=(2,), copy=CopySettings(gaps=(150,), prompts=2),
-                          next_token_prompts=2, min_len=40, max_len=80)
-    raw = {"code": {"copy": copy_points({"1.0.0": ms}, s, s, CODE, fs), "top10": top10_points({"1.0.0": ms}, s, s, CODE, fs)}}
+    fs = FrontierSettings(
+        refreshes=(8, 64),
+        hybrid_layers=(2,),
+        copy=CopySettings(gaps=(150,), prompts=2),
+        next_token_prompts=2,
+        min_len=40,
+        max_len=80,
+    )
+    raw = {
+        "code": {
+            "copy": copy_points({"1.0.0": ms}, s, s, CODE, fs),
+            "top10": top10_points({"1.0.0": ms}, s, s, CODE, fs),
+        }
+    }
     row = raw["code"]["copy"]["150"]
     for name in ("1.0.0 refresh r=8", "1.0.0 refresh r=64", "1.0.0 hybrid L=2"):
         assert row["points"][name] == pytest.approx(row["full"], abs=0.03)
@@ -73,15 +96,61 @@ def test_an_exact_map_keeps_everything_at_every_point_and_truncation_pays_for_le
 
 def test_kvferry_frontier_writes_json_and_a_plot(tmp_path):
     out = tmp_path / "front"
-    run = subprocess.run([sys.executable, "-m", "kvferry", "--threads", "2", "frontier", str(ROOT / "maps" / "S__T" / "1.0.0"),
-                          "--source", str(MODELS / "S"), "--target", str(MODELS / "T"), "--copy-gaps", "120",
-                          "--copy-prompts", "2", "--refreshes", "8,32", "--hybrid", "2", "--next-token-prompts", "0",
-                          "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "--threads",
+            "2",
+            "frontier",
+            str(ROOT / "maps" / "S__T" / "1.0.0"),
+            "--source",
+            str(MODELS / "S"),
+            "--target",
+            str(MODELS / "T"),
+            "--copy-gaps",
+            "120",
+            "--copy-prompts",
+            "2",
+            "--refreshes",
+            "8,32",
+            "--hybrid",
+            "2",
+            "--next-token-prompts",
+            "0",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     front = json.loads(out.with_suffix(".json").read_text())
-    assert [p["name"] for p in front["points"]] == ["truncate r=8", "truncate r=32", "1.0.0 refresh r=8",
-                                                    "1.0.0 refresh r=32", "1.0.0 hybrid L=2"]
+    assert [p["name"] for p in front["points"]] == [
+        "truncate r=8",
+        "truncate r=32",
+        "1.0.0 refresh r=8",
+        "1.0.0 refresh r=32",
+        "1.0.0 hybrid L=2",
+    ]
     assert front["precision"] == "float32" and out.with_suffix(".png").is_file()
-    bad = subprocess.run([sys.executable, "-m", "kvferry", "frontier", str(ROOT / "maps" / "S__T" / "1.0.0"),
-                          "--refreshes", "8,0", "--out", str(out)], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "frontier",
+            str(ROOT / "maps" / "S__T" / "1.0.0"),
+            "--refreshes",
+            "8,0",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "positive whole number" in bad.stderr

@@ -1,12 +1,11 @@
 import pytest
 import torch
+from conftest import save_tiny, tiny_config
 
 from kvferry.mappings.capture import load_model
 from kvferry.mappings.errors import Incompatible
 from kvferry.mappings.geometry import ModelIdentity, check_pair, geometry_of
 from kvferry.mappings.rope import cos_sin, rotate, unrotate
-
-from conftest import save_tiny, tiny_config
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
@@ -29,17 +28,27 @@ def test_rope_matches_model_rotary_embedding(tiny_models, arch):
     torch.testing.assert_close(sin, sin_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0},
-                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 1024},
-                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+    ],
+)
 def test_scaled_rope_matches_and_inverts(tmp_path, rope):
     m = load_model(save_tiny(tmp_path / "m", tiny_config("llama", **rope)))
     spec = m.identity.geometry.rope
     assert spec.rope_type == rope["rope_type"]
     pos = torch.arange(0, 5000, 50)[None]
-    cos_ref, sin_ref = m.model.model.rotary_emb(torch.zeros(1), position_ids=pos)
-    cos, sin = cos_sin(spec, pos)
+    cos_ref, _sin_ref = m.model.model.rotary_emb(torch.zeros(1), position_ids=pos)
+    cos, _sin = cos_sin(spec, pos)
     torch.testing.assert_close(cos, cos_ref, rtol=1e-5, atol=1e-5)
     k = torch.randn(1, 2, pos.shape[1], 16)
     torch.testing.assert_close(unrotate(rotate(k, spec, pos[0]), spec, pos[0]), k, rtol=1e-4, atol=1e-4)
@@ -74,7 +83,8 @@ def test_unsupported_architecture_is_refused():
 
 
 def test_tokenizer_mismatch_is_refused(tiny_models, tmp_path):
-    import shutil, json
+    import json
+    import shutil
 
     a = load_model(tiny_models["llama"])
     other = tmp_path / "other"
@@ -125,7 +135,7 @@ def test_a_different_chat_template_is_not_a_different_tokenizer(tiny_models, tmp
     vocab = tmp_path / "vocab"
     shutil.copytree(chat, vocab)
     spec = json.loads((vocab / "tokenizer.json").read_text())
-    token, idx = next(iter(spec["model"]["vocab"].items()))
+    token, _idx = next(iter(spec["model"]["vocab"].items()))
     spec["model"]["vocab"][token + "x"] = spec["model"]["vocab"].pop(token)  # one token's text changed
     (vocab / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(Incompatible, match="tokenizers differ"):

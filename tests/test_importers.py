@@ -1,5 +1,7 @@
 """Engine importers: contiguous blocks written into a paged cache (what the vLLM connector does with a translation)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ def test_blocks_cut_anywhere_land_in_their_pages_and_slots():
     table = [7, 2, 9, 0, 4, 11, 5, 1, 3, 10]  # physical pages in logical order (ten pages of four hold 37 tokens)
     k_pages, v_pages = _vllm_like_views(12, heads, page, dim)
     cuts = [0, 5, 6, 20, 37]  # blocks that start and end mid-page, as a sidecar cuts them to its message limit
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         write_pages(Block(0, a, b, 0, k[:, a:b], v[:, a:b]), k_pages, v_pages, table, from_token)
     for t in range(n):
         got_k, got_v = k_pages[table[t // page], :, t % page], v_pages[table[t // page], :, t % page]
@@ -46,17 +48,19 @@ def test_the_flash_attention_layout_holds_what_the_contiguous_import_holds(famil
     """A real cross-model translation (S -> T64: a wider target, so shapes cannot be confused) written into the paged
     layout of vLLM's GPU backends ([2, blocks, block_size, kv_heads, head_size], CPU tensors here) and into vLLM's
     CPU layout: read back token by token, both hold exactly the contiguous import's bytes."""
+    from conftest import ROOT, make_kv
+
     from kvferry.client.importers import contiguous_layers, flash_attention_views
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
-
-    from conftest import ROOT, make_kv
 
     ms = load(ROOT / "maps" / "S__T64" / "1.0.0")
     sg, tg = ms.source.geometry, ms.target.geometry
     n, page, table = 45, 16, [5, 0, 3]
     mapped = apply(ms, make_kv(layers=sg.layers, tokens=n, heads=sg.kv_heads, head_dim=sg.head_dim, seed=4), 0)
-    blocks = [Block(l, a, b, 0, k[0, :, a:b], v[0, :, a:b]) for l, (k, v) in enumerate(mapped) for a, b in ((0, 20), (20, n))]
+    blocks = [
+        Block(l, a, b, 0, k[0, :, a:b], v[0, :, a:b]) for l, (k, v) in enumerate(mapped) for a, b in ((0, 20), (20, n))
+    ]
     want = contiguous_layers(blocks, tg.layers, n)
     for layout in ("flash", "vllm_cpu"):
         for l in range(tg.layers):
@@ -72,6 +76,10 @@ def test_the_flash_attention_layout_holds_what_the_contiguous_import_holds(famil
                 p, s = table[t // page], t % page
                 got_k = cache[0, p, s] if layout == "flash" else k_pages[p, :, s]
                 got_v = cache[1, p, s] if layout == "flash" else v_pages[p, :, s]
-                assert torch.equal(got_k, want[l][0][0, :, t]) and torch.equal(got_v, want[l][1][0, :, t]), (layout, l, t)
+                assert torch.equal(got_k, want[l][0][0, :, t]) and torch.equal(got_v, want[l][1][0, :, t]), (
+                    layout,
+                    l,
+                    t,
+                )
     with pytest.raises(InvalidInput, match="num_kv_heads"):
         flash_attention_views(torch.zeros(6, page, 2, 8))

@@ -57,13 +57,16 @@ def test_intervals_refuse_what_they_cannot_measure():
 def _copy_evidence(full: list[float], served: list[float]) -> dict:
     per = [{"full": f, "truncate": 0.3, "mapped": s, "mapped_refresh": s} for f, s in zip(full, served)]
     row = {arm: sum(p[arm] for p in per) / len(per) for arm in ("full", "truncate", "mapped", "mapped_refresh")}
-    return {"arms": {"mapped_refresh": {"top10": 0.9, "top1": 0.9, "kl": 0.1, "attn_cos": 0.9}},
-            "copy": {"gaps": {"500": row | {"per_prompt": per}}}}
+    return {
+        "arms": {"mapped_refresh": {"top10": 0.9, "top1": 0.9, "kl": 0.1, "attn_cos": 0.9}},
+        "copy": {"gaps": {"500": row | {"per_prompt": per}}},
+    }
 
 
 def test_the_gate_names_a_measure_whose_bar_lies_inside_its_interval_marginal():
     """Copy kept 0.87 on prompts that scatter widely: the 0.85 bar lies inside its interval. The default policy refuses
-    it, "serve" lets it pass; the same 0.87 on prompts that agree passes either way, and 0.70 on them fails either way."""
+    it, "serve" lets it pass; the same 0.87 on prompts that agree passes either way, and 0.70 on them fails either
+    way."""
     wide = _copy_evidence([1.0] * 12, [1.0, 0.5, 1.0, 0.95, 0.6, 1.0, 0.9, 1.0, 0.75, 1.0, 0.8, 0.94])
     assert sum(p["mapped_refresh"] for p in wide["copy"]["gaps"]["500"]["per_prompt"]) / 12 == pytest.approx(0.87)
     refuse, serve = Gates(), Gates(marginal="serve")

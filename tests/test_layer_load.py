@@ -4,19 +4,19 @@ cross-model map (S -> T64: a wider target, so shapes cannot be confused)."""
 
 import asyncio
 import dataclasses
+import itertools
 import shutil
 import threading
 
 import pytest
 import torch
+from conftest import ROOT, make_kv, sample, spec_kw, wait_until
 
 from kvferry.client import AsyncTranslateClient, ClientOptions, TranslateClient
 from kvferry.client.importers import contiguous_layers, vllm_cpu_views
 from kvferry.client.layer_load import LayerLoad, write_stream
 from kvferry.common.errors import InvalidInput, Unavailable
 from kvferry.mappings.artifact import load
-
-from conftest import ROOT, make_kv, sample, spec_kw, wait_until
 
 MAP = "S__T64"
 PAGE = 16
@@ -105,7 +105,7 @@ def test_each_layer_is_released_as_soon_as_its_pages_are_written(sidecar_factory
         t.join(30)
     assert held == [True] and order == list(range(tg.layers)) and progress.error is None
     ready = progress.ready_at
-    assert all(a <= b for a, b in zip(ready, ready[1:]))
+    assert all(a <= b for a, b in itertools.pairwise(ready))
     for layer, (wk, wv) in enumerate(whole.layers()):
         k_pages, v_pages = views[layer]
         for t_ in range(n):
@@ -150,7 +150,10 @@ def test_a_load_that_ends_short_or_breaks_releases_every_waiter(sidecar_factory,
 
 def test_a_stream_closed_early_cancels_its_call(sidecar_factory, maps_dir, geometry, family):
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
-    cancelled = lambda: sample(sc, "kvferry_requests_total", method="Translate", code="CANCELLED")  # noqa: E731
+
+    def cancelled():
+        return sample(sc, "kvferry_requests_total", method="Translate", code="CANCELLED")
+
     with TranslateClient(ClientOptions(sc.address, chunk_tokens=64)) as c:
         stream = c.stream(_source_kv(geometry, 4096), MAP, **spec_kw(family["S"]))
         with stream:
@@ -166,7 +169,10 @@ def test_a_stream_is_retried_until_its_first_block_and_never_after(sidecar_facto
     mid-answer leaves its caller with blocks it cannot take back, so that failure is raised, not retried."""
     a = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     b = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
-    served = lambda sc: sample(sc, "kvferry_requests_total", method="Translate", code="OK")  # noqa: E731
+
+    def served(sc):
+        return sample(sc, "kvferry_requests_total", method="Translate", code="OK")
+
     kv = _source_kv(geometry, 8192)
     with TranslateClient(ClientOptions(a.address, endpoints=(b.address,), retries=3, chunk_tokens=64)) as c:
         stream = c.stream(kv, MAP, **spec_kw(family["S"]))
@@ -184,7 +190,9 @@ def test_a_stream_is_retried_until_its_first_block_and_never_after(sidecar_facto
 def test_the_asyncio_client_streams_alike(sidecar_factory, maps_dir, geometry, family):
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     kv = _source_kv(geometry, 300)
-    cancelled = lambda: sample(sc, "kvferry_requests_total", method="Translate", code="CANCELLED")  # noqa: E731
+
+    def cancelled():
+        return sample(sc, "kvferry_requests_total", method="Translate", code="CANCELLED")
 
     async def go():
         async with AsyncTranslateClient(ClientOptions(sc.address, chunk_tokens=64)) as c:

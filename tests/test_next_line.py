@@ -5,24 +5,32 @@ import hashlib
 import json
 
 import pytest
+from conftest import DATA, ROOT
 
 from kvferry.mappings.artifact import load
 from kvferry.mappings.capture import read_corpus
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.next_line import (NextLineSettings, edit_similarity, library_files, make_tasks, next_line_task,
-                                        score)
+from kvferry.mappings.next_line import (
+    NextLineSettings,
+    edit_similarity,
+    library_files,
+    make_tasks,
+    next_line_task,
+    score,
+)
 
-from conftest import DATA, ROOT
 
-
-@pytest.mark.parametrize("got, want, sim", [
-    ("x = foo(a, b)", "x = foo(a, b)", 1.0),
-    ("  x = foo(a, b)  ", "x = foo(a, b)", 1.0),  # surrounding whitespace ignored
-    ("abcd", "abce", 0.75),  # 2 * 3 matching characters / 8
-    ("", "", 1.0),
-    (None, "return x", 0.0),  # an unfinished line
-    ("zzzz", "return", 0.0),
-])
+@pytest.mark.parametrize(
+    "got, want, sim",
+    [
+        ("x = foo(a, b)", "x = foo(a, b)", 1.0),
+        ("  x = foo(a, b)  ", "x = foo(a, b)", 1.0),  # surrounding whitespace ignored
+        ("abcd", "abce", 0.75),  # 2 * 3 matching characters / 8
+        ("", "", 1.0),
+        (None, "return x", 0.0),  # an unfinished line
+        ("zzzz", "return", 0.0),
+    ],
+)
 def test_edit_similarity_on_hand_made_lines(got, want, sim):
     assert edit_similarity(got, want) == pytest.approx(sim)
 
@@ -31,7 +39,9 @@ def test_scores_keep_every_task_and_average_them():
     s = NextLineSettings(tasks=3)
     ev = score({"full": ["a = 1", "b = 2", None], "truncate": ["a = 1", "c", "q"]}, ["a = 1", "b = 2", "c = 3"], s)
     assert ev["per_task"]["full"] == {"edit_sim": [1.0, 1.0, 0.0], "exact": [1, 1, 0]}
-    assert ev["arms"]["full"]["exact"] == pytest.approx(2 / 3) and ev["arms"]["full"]["edit_sim"] == pytest.approx(2 / 3)
+    assert ev["arms"]["full"]["exact"] == pytest.approx(2 / 3) and ev["arms"]["full"]["edit_sim"] == pytest.approx(
+        2 / 3
+    )
     assert ev["arms"]["truncate"]["exact"] == pytest.approx(1 / 3)
     assert ev["per_task"]["truncate"]["edit_sim"][1] == pytest.approx(0.0)
     assert ev["per_task"]["truncate"]["edit_sim"][2] == pytest.approx(edit_similarity("q", "c = 3"))
@@ -70,8 +80,11 @@ def test_tasks_cut_a_scrambled_file_at_a_code_line_past_the_context():
 def test_the_file_list_is_pinned_by_content(tmp_path):
     """Files are read from the installed package the manifest names; one whose bytes differ is refused."""
     blob = (ROOT / "mappings" / "gates.py").read_bytes()
-    man = {"package": "kvferry.mappings", "version": "test",
-           "files": [{"path": "gates.py", "sha256": hashlib.sha256(blob).hexdigest()}]}
+    man = {
+        "package": "kvferry.mappings",
+        "version": "test",
+        "files": [{"path": "gates.py", "sha256": hashlib.sha256(blob).hexdigest()}],
+    }
     good = tmp_path / "good.json"
     good.write_text(json.dumps(man))
     assert library_files(good) == [blob.decode()]
@@ -104,8 +117,13 @@ def test_the_gates_downstream_bar_reads_the_next_line_task():
 
     s = NextLineSettings(tasks=40)
     answers = [f"line_{i} = value" for i in range(40)]
-    close = score({"full": answers, "truncate": ["x"] * 40, "mapped_refresh": answers[:39] + ["line_39 = valu"]}, answers, s)
-    base = {"arms": {"mapped_refresh": {"top10": 0.9, "top1": 0.9, "kl": 0.1, "attn_cos": 0.9}}, "completion": {"arms": {"full": 0.5, "truncate": 0.0, "mapped_refresh": 0.0}}}
+    close = score(
+        {"full": answers, "truncate": ["x"] * 40, "mapped_refresh": [*answers[:39], "line_39 = valu"]}, answers, s
+    )
+    base = {
+        "arms": {"mapped_refresh": {"top10": 0.9, "top1": 0.9, "kl": 0.1, "attn_cos": 0.9}},
+        "completion": {"arms": {"full": 0.5, "truncate": 0.0, "mapped_refresh": 0.0}},
+    }
     assert Gates(min_copy_retention=0).failures(base | {"next_line": close}) == []
     far = score({"full": answers, "truncate": ["x"] * 40, "mapped_refresh": answers[:30] + ["x"] * 10}, answers, s)
     (problem,) = Gates(min_copy_retention=0).failures(base | {"next_line": far})

@@ -32,14 +32,22 @@ def test_a_range_names_itself_and_refuses_infinities():
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "1e9"])
 def test_the_connectors_timeout_is_a_finite_positive_number_of_seconds(value):
-    with pytest.raises(InvalidInput, match="kvferry connector: .*timeout"):
+    with pytest.raises(InvalidInput, match=r"kvferry connector: .*timeout"):
         ConnectorConfig.from_extra(CONNECTOR | {"timeout": value})
     assert ConnectorConfig.from_extra(CONNECTOR | {"timeout": "2.5"}).timeout == 2.5
 
 
-@pytest.mark.parametrize("name,value", [("PREFIX_TTL_SECONDS", "nan"), ("PREFIX_TTL_SECONDS", "inf"),
-                                        ("PREFIX_TTL_SECONDS", "0"), ("MAX_STREAM_SECONDS", "inf"),
-                                        ("RELOAD_SECONDS", "-1"), ("DRAIN_SECONDS", "1e12")])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("PREFIX_TTL_SECONDS", "nan"),
+        ("PREFIX_TTL_SECONDS", "inf"),
+        ("PREFIX_TTL_SECONDS", "0"),
+        ("MAX_STREAM_SECONDS", "inf"),
+        ("RELOAD_SECONDS", "-1"),
+        ("DRAIN_SECONDS", "1e12"),
+    ],
+)
 def test_the_sidecars_durations_are_finite_and_in_range(name, value):
     with pytest.raises(InvalidInput, match=f"{name.lower()}"):
         from_sources(None, env={f"KVFERRY_{name}": value})
@@ -55,11 +63,11 @@ def test_a_fifo_or_a_device_is_refused_as_a_secret_file_at_once(tmp_path):
     """Neither is waited on nor read without end: the refusal names the setting."""
     fifo = _fifo(tmp_path)
     for path in (fifo, "/dev/zero", str(tmp_path)):
-        with pytest.raises(InvalidInput, match="prefix_secret_file .* is not a regular file"):
+        with pytest.raises(InvalidInput, match=r"prefix_secret_file .* is not a regular file"):
             SidecarConfig(prefix_secret_file=path).secret("prefix_secret")
         with pytest.raises(InvalidInput, match="is not a regular file"):
             ConnectorConfig.from_extra({"redis_url": CONNECTOR["redis_url"], "prefix_secret_file": path}).secret()
-        with pytest.raises(InvalidInput, match="auth_tokens_file .* is not a regular file"):
+        with pytest.raises(InvalidInput, match=r"auth_tokens_file .* is not a regular file"):
             Authenticator.from_file(path)
 
 

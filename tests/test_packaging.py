@@ -1,24 +1,33 @@
 import subprocess
 import sys
 import zipfile
-
-import pytest
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 
 def test_wheel_maps_folders_to_kvferry_subpackages(tmp_path):
     """A regular (non-editable) build puts everything under kvferry/: nothing generic lands top-level."""
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("kvferry-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"kvferry", next(t for t in top if t.endswith(".dist-info"))}
-    for module in ("kvferry/mappings/fit.py", "kvferry/common/wire.py", "kvferry/sidecar/server.py", "kvferry/client/client.py",
-                   "kvferry/v1/translate_pb2.py", "kvferry/cli.py"):
+    for module in (
+        "kvferry/mappings/fit.py",
+        "kvferry/common/wire.py",
+        "kvferry/sidecar/server.py",
+        "kvferry/client/client.py",
+        "kvferry/v1/translate_pb2.py",
+        "kvferry/cli.py",
+    ):
         assert module in names
 
 
@@ -53,11 +62,17 @@ def test_the_client_installs_and_imports_without_the_server_stack(tmp_path):
     import os
     import venv
 
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "wheel"), str(ROOT)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "wheel"), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (wheel,) = (tmp_path / "wheel").glob("kvferry-*.whl")
-    meta = next(zipfile.ZipFile(wheel).read(n).decode() for n in zipfile.ZipFile(wheel).namelist() if n.endswith("METADATA"))
+    meta = next(
+        zipfile.ZipFile(wheel).read(n).decode() for n in zipfile.ZipFile(wheel).namelist() if n.endswith("METADATA")
+    )
     base = [line for line in meta.splitlines() if line.startswith("Requires-Dist:") and "extra ==" not in line]
     for pkg in ("grpcio-health-checking", "grpcio-reflection", "redis", "tqdm"):
         assert not any(line.split()[1].startswith(pkg) for line in base), f"{pkg} is a base requirement: {base}"
@@ -91,10 +106,17 @@ print('ok')
 """
     work = tmp_path / "work"
     (work / "models" / "tokenizer").mkdir(parents=True)  # a decoy checkout in the working directory
-    r = subprocess.run([str(python), "-c", probe, str(tmp_path / "data")], capture_output=True, text=True, timeout=180,
-                       cwd=work, env={**{k: v for k, v in os.environ.items()
-                                             if k not in ("PYTHONPATH", "VIRTUAL_ENV", "KVFERRY_HOME")},
-                                          "XDG_DATA_HOME": str(tmp_path / "data")})
+    r = subprocess.run(
+        [str(python), "-c", probe, str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=work,
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "KVFERRY_HOME")},
+            "XDG_DATA_HOME": str(tmp_path / "data"),
+        },
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
@@ -104,8 +126,10 @@ def test_the_command_line_parser_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, kvferry.cli as c; c.build_parser(); "
-            "print(sorted(m for m in ('torch', 'grpc', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, kvferry.cli as c; c.build_parser(); "
+        "print(sorted(m for m in ('torch', 'grpc', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -122,10 +146,12 @@ def test_public_names_import_from_the_packages():
             obj = getattr(mod, name)
             assert getattr(obj, "__name__", name) == name or callable(obj), (package, name)
         with pytest.raises(AttributeError):
-            getattr(mod, "no_such_name")
-    from kvferry.client import Cascade, TranslateClient  # noqa: F401
-    from kvferry.mappings import Gates, fit_pair  # noqa: F401
-    from kvferry.sidecar import BackgroundSidecar, SidecarConfig  # noqa: F401
+            _ = mod.no_such_name
+    from kvferry.client import Cascade, TranslateClient
+    from kvferry.mappings import Gates, fit_pair
+    from kvferry.sidecar import BackgroundSidecar, SidecarConfig
+
+    assert all(callable(c) for c in (Cascade, TranslateClient, Gates, fit_pair, BackgroundSidecar, SidecarConfig))
 
 
 def test_every_command_prints_its_help():

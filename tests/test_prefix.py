@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from conftest import ROOT, make_kv, sample, wait_until
 
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.common.prefix import CorruptBlock, Namespace, block_hashes, decode_block, encode_block, map_namespaces
@@ -17,8 +18,6 @@ from kvferry.common.stores import MemoryStore, RedisStore, StoreUnavailable
 from kvferry.mappings.artifact import save
 from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
-
-from conftest import ROOT, make_kv, sample, wait_until
 
 SECRET = b"test-secret"
 BS = 16
@@ -29,7 +28,7 @@ def test_chained_hashes_share_prefixes_and_isolate_tenants():
     ids = list(range(100))
     short, long = block_hashes(SECRET, ns, ids[:40], BS), block_hashes(SECRET, ns, ids, BS)
     assert len(short) == 2 and len(long) == 6 and long[:2] == short
-    assert block_hashes(SECRET, ns, [1] + ids[1:], BS)[0] != long[0]  # any token changes the chain
+    assert block_hashes(SECRET, ns, [1, *ids[1:]], BS)[0] != long[0]  # any token changes the chain
     assert block_hashes(SECRET, Namespace("b", "model"), ids, BS)[0] != long[0]  # tenants never share keys
     assert block_hashes(SECRET, Namespace("a", "model", "map@1"), ids, BS)[0] != long[0]  # nor do map versions
     assert block_hashes(b"other", ns, ids, BS)[0] != long[0]  # the key depends on the deployment secret
@@ -74,8 +73,18 @@ def test_stored_bytes_are_the_bytes_the_tensor_path_would_send(dtype):
         for start, stop in [(0, n), (0, BS), (5, 21), (BS, 2 * BS + 1), (n - 1, n)]:
             k, v = joined[layer][0][0, :, start:stop], joined[layer][1][0, :, start:stop]
             want = wire.encode_block_response(Block(layer, start, stop, 7, k, v))
-            got = wire.encode_block_response(BlockBytes(layer, start, stop, 7, dtype, (heads, stop - start, dim),
-                                                        look.pieces(layer, 0, start, stop), look.pieces(layer, 1, start, stop)))
+            got = wire.encode_block_response(
+                BlockBytes(
+                    layer,
+                    start,
+                    stop,
+                    7,
+                    dtype,
+                    (heads, stop - start, dim),
+                    look.pieces(layer, 0, start, stop),
+                    look.pieces(layer, 1, start, stop),
+                )
+            )
             assert got == want, (layer, start, stop)
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32
     converted = pc.lookup(ns, ids, 2, heads, dim, dtype=other)
@@ -84,11 +93,15 @@ def test_stored_bytes_are_the_bytes_the_tensor_path_would_send(dtype):
     # Blocks stored in different dtypes (writers that asked for different ones) are converted block by block.
     pc2 = PrefixCache(MemoryStore(), SECRET, BS)
     pc2.publish(ns, ids[:BS], [(k[..., :BS, :], v[..., :BS, :]) for k, v in kv])
-    pc2.publish(ns, ids, [(k.to(other), v.to(other)) for k, v in kv])  # the first block is kept (writes never overwrite)
+    pc2.publish(
+        ns, ids, [(k.to(other), v.to(other)) for k, v in kv]
+    )  # the first block is kept (writes never overwrite)
     mixed = pc2.lookup(ns, ids, 2, heads, dim, dtype=dtype)
     assert [b.dtype for b in mixed.blocks] == [dtype, other, other] and not mixed.as_stored
     torch.testing.assert_close(mixed.layers()[0][0][..., :BS, :], kv[0][0][..., :BS, :], rtol=0, atol=0)
-    torch.testing.assert_close(mixed.layers()[0][0][..., BS:, :], kv[0][0][..., BS:, :].to(other).to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(
+        mixed.layers()[0][0][..., BS:, :], kv[0][0][..., BS:, :].to(other).to(dtype), rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -106,7 +119,9 @@ def test_join_of_blocks_laid_out_alike_or_not_gives_the_layers_back(dtype):
     pc, ns = PrefixCache(MemoryStore(), SECRET, BS), Namespace("acme", "m")
     pc.publish(ns, ids, kv)
     look = pc.lookup(ns, ids, layers, heads, dim)
-    assert [off for pair in look.blocks[0].offsets for off in pair] != sorted(off for pair in look.blocks[0].offsets for off in pair)
+    assert [off for pair in look.blocks[0].offsets for off in pair] != sorted(
+        off for pair in look.blocks[0].offsets for off in pair
+    )
     for got, want in zip(look.layers(), kv):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     # The middle block's layer 0 with K and V swapped in its bytes (and its offsets saying so): another layout.
@@ -146,8 +161,11 @@ def test_a_stored_block_gives_every_layer_as_views_of_its_bytes_laid_out_alike_o
     pc.publish(ns, ids, kv)
     block = pc.lookup(ns, ids, layers, heads, dim).blocks[0]
     size = block.nbytes
-    gapped = dataclasses.replace(block, data=memoryview(bytes(size) + bytes(block.data)),  # every tensor moved on by one
-                                 offsets=tuple((k + size, v + size) for k, v in block.offsets))
+    gapped = dataclasses.replace(
+        block,
+        data=memoryview(bytes(size) + bytes(block.data)),  # every tensor moved on by one
+        offsets=tuple((k + size, v + size) for k, v in block.offsets),
+    )
     assert block.tiled and not gapped.tiled
     for b in (block, gapped):
         base = torch.frombuffer(b.data, dtype=torch.uint8).data_ptr()
@@ -173,9 +191,12 @@ def test_format_1_blobs_stay_readable_and_lying_headers_are_refused():
     n = int.from_bytes(payload[:8], "little")
     header = json.loads(payload[8 : 8 + n])
     good = header["layer.0.k"]["data_offsets"]
-    lies = {"past the blob": [0, 10 ** 9], "float offsets": [float(good[0]), float(good[1])],
-            "wrong size": [good[0], good[1] - 2]}
-    for what, offsets in lies.items():
+    lies = {
+        "past the blob": [0, 10**9],
+        "float offsets": [float(good[0]), float(good[1])],
+        "wrong size": [good[0], good[1] - 2],
+    }
+    for _what, offsets in lies.items():
         header["layer.0.k"]["data_offsets"] = offsets
         text = json.dumps(header).encode()
         text += b" " * (n - len(text)) if len(text) <= n else b""
@@ -277,7 +298,7 @@ def test_prefix_reuse_across_lengths_and_tenants(sidecar_factory, maps_dir, fami
         _wait_for_writes(sc, 3)
         longer = c.translate(kv, "S__S-self", token_ids=ids, tenant="acme", **_kw(family))
         assert longer.stats.cached_blocks == 3  # the shared 48-token prefix came from Redis
-        for (k, v), (tk, tv) in zip(kv, longer.layers()):
+        for (k, _v), (tk, _tv) in zip(kv, longer.layers()):
             torch.testing.assert_close(tk, k, rtol=1e-5, atol=1e-5)
         other = c.translate(kv, "S__S-self", token_ids=ids, tenant="globex", **_kw(family))
         assert other.stats.cached_blocks == 0  # another tenant never sees acme's blocks
@@ -306,13 +327,15 @@ def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, f
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
     kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=4)
     ids = list(range(7, 77))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    key = publish_source(
+        kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS
+    )
     assert key
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         res = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
         assert res.info.num_tokens == 64 and res.stats.cached_blocks == 0  # 4 full blocks, mapped from Redis
         assert threads and all(t.startswith("kvferry-compute") for t in threads), threads  # not the default executor
-        for (k, v), (tk, tv) in zip(kv, res.layers()):
+        for (k, _v), (tk, _tv) in zip(kv, res.layers()):
             torch.testing.assert_close(tk, k[:, :, :64], rtol=1e-5, atol=1e-5)
         again = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
         assert again.stats.cached_blocks == 4 and again.stats.compute_seconds == 0  # pure hits on the second pod's ask
@@ -327,7 +350,9 @@ def test_a_key_only_hit_starts_no_thread_per_call(sidecar_factory, maps_dir, fam
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
     kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=6)
     ids = list(range(5, 75))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    key = publish_source(
+        kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS
+    )
     started = []
     real_start = threading.Thread.start
 
@@ -336,9 +361,14 @@ def test_a_key_only_hit_starts_no_thread_per_call(sidecar_factory, maps_dir, fam
         real_start(self)
 
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        first = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))  # maps, stores
+        first = c.translate(
+            None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family)
+        )  # maps, stores
         monkeypatch.setattr(threading.Thread, "start", noting_start)
-        hits = [c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family)) for _ in range(3)]
+        hits = [
+            c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+            for _ in range(3)
+        ]
         monkeypatch.undo()
     assert started == []
     for hit in hits:
@@ -357,8 +387,12 @@ def test_translate_by_key_answers_exactly_what_translate_answers(sidecar_factory
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
     kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=5)
     ids = list(range(9, 79))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
-    header = wire.spec_to_pb(make_spec([], "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))).header
+    key = publish_source(
+        kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS
+    )
+    header = wire.spec_to_pb(
+        make_spec([], "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+    ).header
     as_stream = pb.TranslateRequest(header=header).SerializeToString()
     as_one = pb.TranslateByKeyRequest(header=header).SerializeToString()
     assert as_one == as_stream
@@ -374,14 +408,23 @@ def test_translate_by_key_answers_exactly_what_translate_answers(sidecar_factory
         first = next(b for b in blocks if b.layer == 0 and b.start == 0)
         torch.testing.assert_close(first.key, kv[0][0][0, :, : first.end], rtol=1e-5, atol=1e-5)  # the identity map
         codes = []
-        for req in (pb.TranslateByKeyRequest(header=_with_fields(header, tenant="globex")).SerializeToString(),  # another tenant
-                    pb.TranslateByKeyRequest(header=_with_fields(header, prefix_key="")).SerializeToString(),  # no key
-                    b"\xff\xff\xff"):  # no message at all
+        for req in (
+            pb.TranslateByKeyRequest(
+                header=_with_fields(header, tenant="globex")
+            ).SerializeToString(),  # another tenant
+            pb.TranslateByKeyRequest(header=_with_fields(header, prefix_key="")).SerializeToString(),  # no key
+            b"\xff\xff\xff",
+        ):  # no message at all
             with pytest.raises(grpc.RpcError) as e:
                 list(by_key(req, timeout=30))
             codes.append((e.value.code(), e.value.details()))
         with pytest.raises(grpc.RpcError) as e:
-            list(stream(iter([pb.TranslateRequest(header=_with_fields(header, tenant="globex")).SerializeToString()]), timeout=30))
+            list(
+                stream(
+                    iter([pb.TranslateRequest(header=_with_fields(header, tenant="globex")).SerializeToString()]),
+                    timeout=30,
+                )
+            )
     assert codes[0] == (e.value.code(), e.value.details()) and codes[0][0] == grpc.StatusCode.NOT_FOUND
     assert codes[1][0] == grpc.StatusCode.INVALID_ARGUMENT and "prefix_key" in codes[1][1]
     assert codes[2][0] == grpc.StatusCode.INVALID_ARGUMENT and "TranslateByKeyRequest" in codes[2][1]
@@ -396,8 +439,9 @@ def _with_fields(header, **fields):
     return out
 
 
-def test_the_client_falls_back_to_translate_on_a_sidecar_without_translate_by_key(sidecar_factory, maps_dir, family,
-                                                                                    redis_url, monkeypatch):
+def test_the_client_falls_back_to_translate_on_a_sidecar_without_translate_by_key(
+    sidecar_factory, maps_dir, family, redis_url, monkeypatch
+):
     """A sidecar from before TranslateByKey answers UNIMPLEMENTED: the client sends the same header through Translate,
     without spending a retry, and remembers it for that endpoint."""
     import kvferry.sidecar.server as server
@@ -438,15 +482,27 @@ def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, f
     from kvferry.sidecar.registry import MapRegistry
 
     seen: list[tuple[str, str]] = []
-    watched = [(MapRegistry, "scan"), (TranslateSession, "__init__"), (TranslateSession, "initial_blocks"),
-               (TranslateSession, "add"), (TranslateSession, "output_layers"), (PrefixCache, "encode_blocks"),
-               (Lookup, "layers"), (flow, "apply")]
-    for owner, name in watched:
-        def watch(*a, _real=getattr(owner, name), _name=name, **kw):
+    watched = [
+        (MapRegistry, "scan"),
+        (TranslateSession, "__init__"),
+        (TranslateSession, "initial_blocks"),
+        (TranslateSession, "add"),
+        (TranslateSession, "output_layers"),
+        (PrefixCache, "encode_blocks"),
+        (Lookup, "layers"),
+        (flow, "apply"),
+    ]
+
+    def watching(real, name):
+        def watch(*a, **kw):
             if threading.current_thread() is not threading.main_thread():  # the test's own calls are the client's
-                seen.append((_name, threading.current_thread().name))
-            return _real(*a, **kw)
-        monkeypatch.setattr(owner, name, watch)
+                seen.append((name, threading.current_thread().name))
+            return real(*a, **kw)
+
+        return watch
+
+    for owner, name in watched:
+        monkeypatch.setattr(owner, name, watching(getattr(owner, name), name))
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)
     kv = make_kv(layers=4, tokens=48, heads=2, head_dim=32, seed=9)
     ids = list(range(300, 348))
@@ -454,7 +510,10 @@ def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, f
         c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # a miss, written back
         _wait_for_writes(sc, 3)
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 3  # sent as stored
-        assert c.translate(kv, "S__S-self", token_ids=ids, layout="paged", block_size=8, **_kw(family)).stats.cached_blocks == 3
+        assert (
+            c.translate(kv, "S__S-self", token_ids=ids, layout="paged", block_size=8, **_kw(family)).stats.cached_blocks
+            == 3
+        )
         cast = c.translate(kv, "S__S-self", token_ids=ids, target_dtype=torch.bfloat16, **_kw(family))
         assert cast.stats.cached_blocks == 3 and cast.layers()[0][0].dtype == torch.bfloat16
         more = list(range(400, 448))
@@ -483,7 +542,9 @@ def test_corrupt_blob_is_a_miss(sidecar_factory, maps_dir, family, redis_url, re
 
 
 def test_redis_down_then_back(sidecar_factory, maps_dir, family, redis_url, redis_server):
-    sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_store_cooldown_seconds=0)  # every call tries it
+    sc = _sidecar(
+        sidecar_factory, maps_dir, redis_url=redis_url, prefix_store_cooldown_seconds=0
+    )  # every call tries it
     kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6)
     ids = list(range(32))
     key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
@@ -504,20 +565,27 @@ def test_redis_down_then_back(sidecar_factory, maps_dir, family, redis_url, redi
 
 
 def test_in_memory_default(sidecar_factory, maps_dir, family):
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS, prefix_write_back=True)  # no redis_url
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS, prefix_write_back=True
+    )  # no redis_url
     kv = make_kv(layers=4, tokens=40, heads=2, head_dim=32, seed=7)
     ids = list(range(40))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0
         _wait_for_writes(sc, 2)
-        assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family), layout="paged", block_size=8).stats.cached_blocks == 2
+        assert (
+            c.translate(kv, "S__S-self", token_ids=ids, **_kw(family), layout="paged", block_size=8).stats.cached_blocks
+            == 2
+        )
 
 
 def _published(family, redis_url, tokens, seed, first_id):
     """A source cache of ``tokens`` tokens published for tenant acme: (kv, token ids, prefix key)."""
     kv = make_kv(layers=4, tokens=tokens, heads=2, head_dim=32, seed=seed)
     ids = list(range(first_id, first_id + tokens))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    key = publish_source(
+        kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS
+    )
     return kv, ids, key
 
 
@@ -529,15 +597,20 @@ def _flip_a_byte(client, key):
 
 def test_a_corrupt_blob_is_replaced_by_a_good_copy(sidecar_factory, maps_dir, family, redis_url, redis_server):
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
-    kv, ids, key = _published(family, redis_url, 64, 9, 500)
+    _kv, ids, key = _published(family, redis_url, 64, 9, 500)
     before = set(redis_server.client.keys("kvf:*"))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        ask = lambda: c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))  # noqa: E731
+
+        def ask():
+            return c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+
         mapped = ask()
         target_keys = sorted(set(redis_server.client.keys("kvf:*")) - before)
         assert len(target_keys) == 4
         assert ask().stats.cached_blocks == 4
-        _flip_a_byte(redis_server.client, target_keys[1])  # writes never overwrite: without healing it would stay corrupt
+        _flip_a_byte(
+            redis_server.client, target_keys[1]
+        )  # writes never overwrite: without healing it would stay corrupt
         res = ask()
         assert res.stats.cached_blocks < 4  # the corrupt block and the rest were mapped again
         for (k, v), (hk, hv) in zip(mapped.layers(), res.layers()):
@@ -550,28 +623,45 @@ def test_direct_reads_serve_full_hits_without_the_sidecar(sidecar_factory, maps_
     from kvferry.client.direct import DirectReader
 
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
-    kv, ids, key = _published(family, redis_url, 72, 10, 900)
+    _kv, ids, key = _published(family, redis_url, 72, 10, 900)
     source_keys = set(redis_server.client.keys("kvf:acme:*"))
     direct = DirectReader(RedisStore(redis_url), SECRET, BS)
-    served = lambda: sample(sc, "kvferry_tokens_total", map="S__S-self@1.0.0")  # noqa: E731
+
+    def served():
+        return sample(sc, "kvferry_tokens_total", map="S__S-self@1.0.0")
+
     with TranslateClient(ClientOptions(target=sc.address, retries=0), direct=direct) as c:
-        ask = lambda **kw: c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family), **kw)  # noqa: E731
+
+        def ask(**kw):
+            return c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family), **kw)
+
         first = ask()  # nothing mapped yet: the sidecar maps the stored source blocks and writes them back
         assert first.attempts == 1 and first.stats.cached_blocks == 0 and first.info.num_tokens == 64
         before = served()
         hit = ask()
         assert hit.attempts == 0 and hit.stats.extra["path"] == "direct" and hit.stats.cached_blocks == 4
         assert served() == before  # the sidecar did not see it
-        assert (hit.info.num_tokens, hit.info.layers, hit.info.dtype) == (first.info.num_tokens, first.info.layers, first.info.dtype)
+        assert (hit.info.num_tokens, hit.info.layers, hit.info.dtype) == (
+            first.info.num_tokens,
+            first.info.layers,
+            first.info.dtype,
+        )
         for (k, v), (hk, hv) in zip(first.layers(), hit.layers()):
             assert torch.equal(k, hk) and torch.equal(v, hv)
         # Nothing joined: a block per stored block and layer, layer by layer, viewing that block's fetched bytes.
         assert [(b.layer, b.start, b.end, b.index) for b in hit.blocks] == [
-            (layer, j * BS, (j + 1) * BS, j) for layer in range(4) for j in range(4)]
-        storage = lambda b: b.key.untyped_storage().data_ptr()  # noqa: E731
+            (layer, j * BS, (j + 1) * BS, j) for layer in range(4) for j in range(4)
+        ]
+
+        def storage(b):
+            return b.key.untyped_storage().data_ptr()
+
         assert len({storage(b) for b in hit.blocks}) == 4 and all(
             storage(b) == storage(b2) and b.value.untyped_storage().data_ptr() == storage(b)
-            for b in hit.blocks for b2 in hit.blocks if b.index == b2.index)
+            for b in hit.blocks
+            for b2 in hit.blocks
+            if b.index == b2.index
+        )
         cast = ask(target_dtype=torch.bfloat16)  # another dtype: converted, joined per layer
         assert cast.attempts == 0 and [(b.layer, b.start, b.end) for b in cast.blocks] == [(l, 0, 64) for l in range(4)]
         for (k, v), (ck, cv) in zip(first.layers(), cast.layers()):
@@ -600,8 +690,9 @@ def test_async_client_reads_direct_hits_too(sidecar_factory, maps_dir, family, r
     key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
 
     async def main():
-        async with AsyncTranslateClient(ClientOptions(target=sc.address, retries=0),
-                                        direct=DirectReader(RedisStore(redis_url), SECRET, BS)) as c:
+        async with AsyncTranslateClient(
+            ClientOptions(target=sc.address, retries=0), direct=DirectReader(RedisStore(redis_url), SECRET, BS)
+        ) as c:
             first = await c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
             second = await c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
             return first, second
@@ -611,7 +702,9 @@ def test_async_client_reads_direct_hits_too(sidecar_factory, maps_dir, family, r
     assert torch.equal(first.layers()[1][1], second.layers()[1][1])
 
 
-def test_a_full_or_denying_redis_is_a_clean_status_never_internal(sidecar_factory, maps_dir, family, redis_url, redis_server):
+def test_a_full_or_denying_redis_is_a_clean_status_never_internal(
+    sidecar_factory, maps_dir, family, redis_url, redis_server
+):
     """A full Redis (maxmemory, noeviction) used to fail key-only requests with INTERNAL and send the Redis key and
     raw blob bytes to the caller; an ACL denial failed even streamed requests with INTERNAL."""
     kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=8)
@@ -639,7 +732,11 @@ def test_a_full_or_denying_redis_is_a_clean_status_never_internal(sidecar_factor
             with pytest.raises(grpc.RpcError) as e:
                 c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "NoPermissionError" in e.value.details() and "kvf:" not in e.value.details() and "\\x" not in e.value.details()
+        assert (
+            "NoPermissionError" in e.value.details()
+            and "kvf:" not in e.value.details()
+            and "\\x" not in e.value.details()
+        )
     finally:
         r.acl_deluser("deny")
 
@@ -653,7 +750,9 @@ def test_a_callers_claim_never_becomes_another_callers_answer(sidecar_factory, m
     real = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=21)
     fake = [(k * 0 + 7.0, v * 0 - 7.0) for k, v in real]
     for write_back, poisoned in ((False, False), (True, True)):
-        sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS, prefix_write_back=write_back)
+        sc = sidecar_factory(
+            maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS, prefix_write_back=write_back
+        )
         with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
             c.translate(fake, "S__S-self", token_ids=ids, **_kw(family))  # caller X
             if write_back:
@@ -670,11 +769,12 @@ def test_key_only_requests_are_sized_before_any_store_work(sidecar_factory, maps
     """Key-only requests used to read, map and write every block before --max-tokens was checked."""
     kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=4)
     ids = list(range(7, 77))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
+    key = publish_source(
+        kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS
+    )
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, max_tokens=48)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        with pytest.raises(grpc.RpcError) as e:
-            c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
+    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c, pytest.raises(grpc.RpcError) as e:
+        c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 48" in e.value.details()
     assert sample(sc, "kvferry_prefix_writes_total") == 0
 
@@ -694,8 +794,13 @@ def test_golden_key_derivation():
 
 
 def _golden_layers():
-    return [(torch.arange(64, dtype=torch.float32).reshape(2, 4, 8) / 7 + l,
-             -torch.arange(64, dtype=torch.float32).reshape(2, 4, 8) / 3 - l) for l in range(2)]
+    return [
+        (
+            torch.arange(64, dtype=torch.float32).reshape(2, 4, 8) / 7 + l,
+            -torch.arange(64, dtype=torch.float32).reshape(2, 4, 8) / 3 - l,
+        )
+        for l in range(2)
+    ]
 
 
 def test_golden_block_bytes():
@@ -713,22 +818,27 @@ def test_golden_block_bytes():
     assert len(fresh) == len(v3) and fresh[:6] == v3[:6] == MAGIC and v2[:6] == MAGIC_V2
 
     def parts(b: bytes, skip: int):
-        p = b[len(MAGIC) + skip:]
+        p = b[len(MAGIC) + skip :]
         n = int.from_bytes(p[:8], "little")
-        return json.loads(p[8 : 8 + n]), p[8 + n:]
+        return json.loads(p[8 : 8 + n]), p[8 + n :]
 
     assert parts(fresh, 8) == parts(v3, 8) == parts(v2, 4)
     for blob in (v3, v2):
         for want, got in zip(_golden_layers(), decode_block(blob, h, 2, (2, 4, 8))):
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    payload = v2[len(MAGIC_V2) + 4:]
+    payload = v2[len(MAGIC_V2) + 4 :]
     v1 = MAGIC_V1 + hashlib.sha256(payload).digest() + payload
     assert torch.equal(decode_block(v1, h, 2, (2, 4, 8))[1][1], _golden_layers()[1][1])
 
 
-@pytest.mark.parametrize("secret_url", ["redis://default:pa@ss-Word-1@127.0.0.1:{port}/0",
-                                        "redis://127.0.0.1:{port}/0?password=pa@ss-Word-1&db=0",
-                                        "redis://127.0.0.1:{port}/0?username=default&password=pa@ss-Word-1"])
+@pytest.mark.parametrize(
+    "secret_url",
+    [
+        "redis://default:pa@ss-Word-1@127.0.0.1:{port}/0",
+        "redis://127.0.0.1:{port}/0?password=pa@ss-Word-1&db=0",
+        "redis://127.0.0.1:{port}/0?username=default&password=pa@ss-Word-1",
+    ],
+)
 def test_credentials_in_the_url_never_reach_a_caller_or_the_log(sidecar_factory, maps_dir, family, secret_url, caplog):
     """Redis down, a key-only caller gets UNAVAILABLE naming "the prefix store", without its address; the sidecar's
     log names the store's address for the operator, without the password, whichever form the URL gave it in (userinfo
@@ -745,9 +855,11 @@ def test_credentials_in_the_url_never_reach_a_caller_or_the_log(sidecar_factory,
     kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6), list(range(32))
     key = publish_source(kv, ids, family["S"].identity, store=MemoryStore(), secret=SECRET, block_size=BS)
     caplog.set_level(logging.DEBUG)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
-        with pytest.raises(grpc.RpcError) as e:
-            c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
+    with (
+        TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c,
+        pytest.raises(grpc.RpcError) as e,
+    ):
+        c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "the prefix store is unreachable" in e.value.details()
     assert f"127.0.0.1:{port}" not in e.value.details() and f"127.0.0.1:{port}" in caplog.text
     for text in (e.value.details(), caplog.text):
@@ -758,16 +870,30 @@ def test_redact_url():
     from kvferry.common.urls import redact_url
 
     assert redact_url("redis://u:p@ss@h:1/0") == "redis://***@h:1/0"
-    assert redact_url("rediss://h:1/0?password=x&db=2&ssl_cert_reqs=none") == "rediss://h:1/0?password=***&db=2&ssl_cert_reqs=none"
-    assert redact_url("unix:///run/redis.sock?Username=a&PASSWORD=b") == "unix:///run/redis.sock?Username=***&PASSWORD=***"
+    assert (
+        redact_url("rediss://h:1/0?password=x&db=2&ssl_cert_reqs=none")
+        == "rediss://h:1/0?password=***&db=2&ssl_cert_reqs=none"
+    )
+    assert (
+        redact_url("unix:///run/redis.sock?Username=a&PASSWORD=b") == "unix:///run/redis.sock?Username=***&PASSWORD=***"
+    )
     assert redact_url("redis://h:6379") == "redis://h:6379"
     assert redact_url("redis://[::1") == "<unparseable URL>"
     with pytest.raises(ValueError, match=r"Password=\*\*\*' has a parameter redis-py does not accept \('Password'\)"):
         RedisStore("redis://h:1/0?Password=secret-1")
 
 
-@pytest.mark.parametrize("url", ["redis://kvf:6379/pw-secret@h", "redis://:pa#secret@h:6379/0", "redis://:pa/secret@h:6379/0",
-                                 "redis://:pa?secret@h:6379/0", "redis://h:port-secret/0", "redis+cluster://a:1,b:secret"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://kvf:6379/pw-secret@h",
+        "redis://:pa#secret@h:6379/0",
+        "redis://:pa/secret@h:6379/0",
+        "redis://:pa?secret@h:6379/0",
+        "redis://h:port-secret/0",
+        "redis+cluster://a:1,b:secret",
+    ],
+)
 def test_a_store_url_read_otherwise_than_it_looks_is_refused_without_echo(url):
     """One parser decides: a '#', a path that is no database number, a port that is no number or a parameter
     without a value is refused wherever a store URL is read, and no message or log line shows any of it."""
@@ -806,17 +932,28 @@ def test_stored_blocks_do_not_depend_on_who_asked_first(sidecar_factory, family,
     from kvferry.mappings.artifact import load
 
     ms = load(ROOT / "maps" / "S__T" / "1.0.0")  # a real cross-model map (float32): its outputs are not bf16-exact
-    sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True, prefix_secret=SECRET.decode(), prefix_block_size=BS,
-                         redis_url=redis_url)
+    sc = sidecar_factory(
+        maps_dir=str(ROOT / "maps"),
+        force_maps=True,
+        prefix_secret=SECRET.decode(),
+        prefix_block_size=BS,
+        redis_url=redis_url,
+    )
     g = ms.source.geometry
     kv = make_kv(layers=g.layers, tokens=64, heads=g.kv_heads, head_dim=g.head_dim, seed=11)
     ids = list(range(500, 564))
     key = publish_source(kv, ids, ms.source, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS)
     want = apply(ms, kv, 0)
-    kw = dict(token_ids=ids, tenant="acme", prefix_key=key, source_geometry=g.fingerprint, tokenizer=ms.source.tokenizer)
+    kw = dict(
+        token_ids=ids, tenant="acme", prefix_key=key, source_geometry=g.fingerprint, tokenizer=ms.source.tokenizer
+    )
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        for dt, src_dt in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, None),
-                           (torch.bfloat16, None)):  # the first callers also claim a lower source precision
+        for dt, src_dt in (
+            (torch.bfloat16, torch.bfloat16),
+            (torch.float16, torch.float16),
+            (torch.float32, None),
+            (torch.bfloat16, None),
+        ):  # the first callers also claim a lower source precision
             res = c.translate(None, "S__T", "1.0.0", target_dtype=dt, source_dtype=src_dt, **kw)
             for (k, v), (wk, wv) in zip(res.layers(), want):
                 assert k.dtype == dt and torch.equal(k, wk.to(dt)) and torch.equal(v, wv.to(dt)), dt
@@ -851,8 +988,9 @@ def hung_store():
     srv.close()
 
 
-def test_a_hung_store_is_skipped_and_streamed_translations_do_not_queue_behind_it(sidecar_factory, maps_dir, family,
-                                                                                 hung_store):
+def test_a_hung_store_is_skipped_and_streamed_translations_do_not_queue_behind_it(
+    sidecar_factory, maps_dir, family, hung_store
+):
     """16 concurrent streamed requests against a store that never answers: each is served (the store a miss), the
     store's circuit opens after its first timeouts, so most requests never call it; metrics and the health service
     say so; a key-only request is refused at once while the circuit is open."""
@@ -861,8 +999,13 @@ def test_a_hung_store_is_skipped_and_streamed_translations_do_not_queue_behind_i
     from kvferry.client.health import check
     from kvferry.sidecar.server import PREFIX_STORE_SERVICE
 
-    sc = _sidecar(sidecar_factory, maps_dir, redis_url=hung_store, prefix_store_timeout_seconds=0.2,
-                  prefix_store_cooldown_seconds=60)
+    sc = _sidecar(
+        sidecar_factory,
+        maps_dir,
+        redis_url=hung_store,
+        prefix_store_timeout_seconds=0.2,
+        prefix_store_cooldown_seconds=60,
+    )
     assert check(sc.address, PREFIX_STORE_SERVICE) == "SERVING"
     kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6), list(range(32))
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=30)) as c:

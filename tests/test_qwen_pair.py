@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from conftest import DATA, ROOT
 
 from kvferry import pretrained
 from kvferry.client.cascade import Cascade
@@ -23,8 +24,6 @@ from kvferry.mappings.capture import capture_kv, load_model, read_corpus
 from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, examples_for
 from kvferry.mappings.gates import Gates
 from kvferry.mappings.versions import version_key
-
-from conftest import DATA, ROOT
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
 
@@ -57,8 +56,15 @@ def _translated(client, ms, source, prompt: list[int], r: int, layout: str):
     """The mapped cache of ``prompt[:-r]`` through the sidecar, imported as an engine would (paged: via a pool)."""
     n = len(prompt)
     src = capture_kv(source.model, torch.tensor([prompt[: n - r]]))
-    res = client.translate(src, ms.name, ms.version, layout=layout, block_size=64,
-                           source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+    res = client.translate(
+        src,
+        ms.name,
+        ms.version,
+        layout=layout,
+        block_size=64,
+        source_geometry=source.identity.geometry.fingerprint,
+        tokenizer=source.identity.tokenizer,
+    )
     if layout == "contiguous":
         return res.layers(), src
     i = res.info
@@ -76,7 +82,7 @@ def _same_map_output(ms, got: torch.Tensor, want: torch.Tensor) -> None:
     zeroed or swapped layer exceeds by orders of magnitude."""
     got, want = got.float(), want.float()
     if ms.dtype == torch.bfloat16:
-        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=float(want.abs().amax()) * 2 ** -7)
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=float(want.abs().amax()) * 2**-7)
     else:
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
@@ -90,8 +96,10 @@ def test_the_1_5b_continues_through_the_sidecar_as_its_evidence_says(pair, sidec
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True)
     checked = 0
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=300)) as c:
-        for domain, evidence, data in (("code", ms.evidence["copy"], "heldout.jsonl"),
-                                       ("prose", ms.evidence["prose"]["copy"], "prose_heldout.jsonl")):
+        for domain, evidence, data in (
+            ("code", ms.evidence["copy"], "heldout.jsonl"),
+            ("prose", ms.evidence["prose"]["copy"], "prose_heldout.jsonl"),
+        ):
             s = CopySettings.from_dict(evidence["settings"])
             gap = s.gaps[0]
             recorded = evidence["gaps"][str(gap)]["per_prompt"]
@@ -103,7 +111,7 @@ def test_the_1_5b_continues_through_the_sidecar_as_its_evidence_says(pair, sidec
                     _same_map_output(ms, k, rk)
                     _same_map_output(ms, v, rv)
                 n = len(ex.prompt)
-                got = continuation_accuracy(target.model, layers, ex.prompt[n - s.refresh:], ex.answer)
+                got = continuation_accuracy(target.model, layers, ex.prompt[n - s.refresh :], ex.answer)
                 assert abs(got - want["mapped_refresh"]) <= 1 / s.score + 1e-9, (domain, i, got, want)
                 checked += 1
     assert checked == 4
@@ -132,4 +140,6 @@ def test_the_gate_the_sidecar_and_the_cascade_agree(pair, sidecar_factory):
     if serves:
         assert res.path == "mapped"
     else:
-        assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible") and res.tokens == gold.tokens
+        assert (
+            res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible") and res.tokens == gold.tokens
+        )

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from conftest import DATA, ROOT
 
 from kvferry import pretrained
 from kvferry.client.cascade import Cascade
@@ -19,12 +20,9 @@ from kvferry.client.importers import PagedKVPool
 from kvferry.client.rollout import MapRollout
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import capture_kv, load_model, read_corpus
-from kvferry.mappings.capture import token_stream
+from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_stream
 from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
 from kvferry.mappings.gates import Gates
-
-from conftest import DATA, ROOT
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
 
@@ -70,7 +68,9 @@ def test_the_converted_model_is_the_real_one(real):
     target, sources = real
     g = target.identity.geometry
     assert (g.layers, g.kv_heads, g.head_dim) == (30, 3, 64)
-    assert pretrained.known_answer(pretrained.local_dir("smollm2-135m"), pretrained.spec("smollm2-135m")).startswith(" Paris")
+    assert pretrained.known_answer(pretrained.local_dir("smollm2-135m"), pretrained.spec("smollm2-135m")).startswith(
+        " Paris"
+    )
     assert sources[LOSES].identity.tokenizer == target.identity.tokenizer
     assert sources[LOSES].identity.geometry.layers == LOSES
 
@@ -79,10 +79,17 @@ def _sidecar_copy_accuracy(client, ms, source, target, ex, r: int, layout: str) 
     """Copy-probe accuracy (mapped + refresh r) with the prefix translated by the sidecar."""
     n = len(ex.prompt)
     src = capture_kv(source.model, torch.tensor([ex.prompt[: n - r]]))
-    res = client.translate(src, ms.name, ms.version, layout=layout, block_size=64,
-                           source_geometry=source.identity.geometry.fingerprint, tokenizer=source.identity.tokenizer)
+    res = client.translate(
+        src,
+        ms.name,
+        ms.version,
+        layout=layout,
+        block_size=64,
+        source_geometry=source.identity.geometry.fingerprint,
+        tokenizer=source.identity.tokenizer,
+    )
     layers = res.layers() if layout == "contiguous" else _unpage(res, n - r)
-    return continuation_accuracy(target.model, layers, ex.prompt[n - r:], ex.answer), layers
+    return continuation_accuracy(target.model, layers, ex.prompt[n - r :], ex.answer), layers
 
 
 def _unpage(res, tokens: int):
@@ -101,7 +108,9 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
     assert any("long-range copy" in p for p in problems), problems
     assert Gates().copy_failures(_map(KEEPS).evidence) == []
     short = Gates().failures(_map(DEEP, SHORT_TOP10).evidence)  # every reason is the next-token top-10 criterion
-    assert short and all("top10" in p for p in short) and Gates().copy_failures(_map(DEEP, SHORT_TOP10).evidence) == [], short
+    assert (
+        short and all("top10" in p for p in short) and Gates().copy_failures(_map(DEEP, SHORT_TOP10).evidence) == []
+    ), short
     for version in (None, "0.2.0"):  # keep copying, pass on code; refused on prose next-token top-10 alone
         prose = Gates().failures(_map(DEEP, version).evidence)
         assert prose and all(p.startswith("prose: mapped_refresh top10") for p in prose), prose
@@ -117,11 +126,15 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
         assert not listed[deep].servable and "top10" in listed[deep].gate_reason
         latest_deep = listed[(_map(DEEP).name, _map(DEEP).version)]
         assert not latest_deep.servable and "prose: mapped_refresh top10" in latest_deep.gate_reason
-        cascade = Cascade(target.model, c, ms.name, MapRollout(refresh=s.refresh, min_tokens=64), sources[LOSES].identity)
+        cascade = Cascade(
+            target.model, c, ms.name, MapRollout(refresh=s.refresh, min_tokens=64), sources[LOSES].identity
+        )
         res = cascade.generate(ids, capture_kv(sources[LOSES].model, ids), 8)
         gold = cascade.full_prefill(ids, 8)
         cascade.close()
-        served = Cascade(target.model, c, _map(KEEPS).name, MapRollout(refresh=s.refresh, min_tokens=64), sources[KEEPS].identity)
+        served = Cascade(
+            target.model, c, _map(KEEPS).name, MapRollout(refresh=s.refresh, min_tokens=64), sources[KEEPS].identity
+        )
         keeps_res = served.generate(ids, capture_kv(sources[KEEPS].model, ids), 8)
         served.close()
     assert res.path == "fallback" and res.reason.startswith("map_gated_or_incompatible") and res.tokens == gold.tokens
@@ -138,7 +151,9 @@ def test_copy_probe_through_the_sidecar_matches_the_evidence(real, stream, sidec
     ms, source = _map(cut), sources[cut]
     s, exs = _examples(ms, stream)
     rows = ms.evidence["copy"]["gaps"]
-    gap = min(s.gaps, key=lambda g: rows[str(g)]["mapped_refresh"] / rows[str(g)]["full"]) if cut == LOSES else s.gaps[0]
+    gap = (
+        min(s.gaps, key=lambda g: rows[str(g)]["mapped_refresh"] / rows[str(g)]["full"]) if cut == LOSES else s.gaps[0]
+    )
     row = rows[str(gap)]
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True)
     accs = []

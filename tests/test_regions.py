@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import ROOT, make_kv, sample
 
 from kvferry.client.client import TRANSLATE_METHOD, ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.client.importers import PagedKVPool
@@ -22,8 +23,6 @@ from kvferry.mappings.artifact import load
 from kvferry.mappings.errors import InvalidInput
 from kvferry.sidecar.regions import ResponseRegion as SidecarRegion
 from kvferry.v1 import translate_pb2 as pb
-
-from conftest import ROOT, make_kv, sample
 
 MAP = ROOT / "maps" / "S__T64" / "1.0.0"  # S (2 heads x 32) -> T64 (a wider target): shapes that cannot be confused
 
@@ -78,14 +77,18 @@ def test_an_answer_in_a_region_is_the_answer_in_the_messages(sidecar_factory, sh
     sc = _sidecar(sidecar_factory, shm)
     kv = _kv(ms, 300, seed=1)
     want = apply(ms, kv, 0)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=128)) as inline, \
-            TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=128, shm_dir=str(shm))) as shared:
+    with (
+        TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=128)) as inline,
+        TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=128, shm_dir=str(shm))) as shared,
+    ):
         a, b = inline.translate(kv, "S__T64", "1.0.0", **_kw(ms)), shared.translate(kv, "S__T64", "1.0.0", **_kw(ms))
         assert not a.info.response_region and b.info.response_region
         assert a.stats.bytes_out == b.stats.bytes_out  # (where lanes cut a layer into blocks may differ call to call)
         _same(a, b)
         _check(b, want)
-        assert all(x.key.data_ptr() % 64 == 0 and x.value.data_ptr() % 64 == 0 for x in b.blocks)  # aligned, in the mapping
+        assert all(
+            x.key.data_ptr() % 64 == 0 and x.value.data_ptr() % 64 == 0 for x in b.blocks
+        )  # aligned, in the mapping
         paged = shared.translate(kv, "S__T64", "1.0.0", layout="paged", block_size=16, **_kw(ms))
         assert paged.info.response_region
         g = ms.target.geometry
@@ -107,15 +110,22 @@ def test_what_does_not_fit_the_region_comes_in_the_messages(sidecar_factory, shm
     g = ms.target.geometry
     one = 2 * 200 * g.kv_heads * g.head_dim * 4  # a target layer's K and V, fp32: 64-byte multiples
     want = apply(ms, kv, 0)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm), shm_region_bytes=one + 164)) as c:
+    with TranslateClient(
+        ClientOptions(target=sc.address, retries=0, shm_dir=str(shm), shm_region_bytes=one + 164)
+    ) as c:
         res = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
     assert res.info.response_region
     for (k, v), (wk, wv) in zip(res.layers(), want):
         torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
     region = RegionPool(str(shm), one + 164).lease()
     out = _raw_call(sc, kv, ms, (region.name, region.size, region.key), chunk=200)
-    placed = [(m.block.layer, m.block.key.HasField("region_offset"), m.block.value.HasField("region_offset")) for m in out[1:-1]]
-    assert placed == [(layer, layer == 0, layer == 0) for layer in range(g.layers)]  # layer 0 filled it; the rest inline
+    placed = [
+        (m.block.layer, m.block.key.HasField("region_offset"), m.block.value.HasField("region_offset"))
+        for m in out[1:-1]
+    ]
+    assert placed == [
+        (layer, layer == 0, layer == 0) for layer in range(g.layers)
+    ]  # layer 0 filled it; the rest inline
     assert (out[1].block.key.region_offset, out[1].block.value.region_offset) == (64, 64 + one // 2)  # after the header
     for m, (wk, wv) in zip(out[1:-1], want):
         block = wire.block_from_pb(m.block, region)
@@ -217,15 +227,25 @@ def test_a_key_only_hit_in_a_region(sidecar_factory, shm, ms, redis_url, family)
     sc = _sidecar(sidecar_factory, shm, redis_url=redis_url, prefix_secret="s", prefix_block_size=16)
     kv = _kv(ms, 70, seed=3)
     ids = list(range(30, 100))
-    key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=b"s", tenant="acme", block_size=16)
+    key = publish_source(
+        kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=b"s", tenant="acme", block_size=16
+    )
     opts = dict(target=sc.address, retries=0)
-    with TranslateClient(ClientOptions(**opts)) as inline, TranslateClient(ClientOptions(**opts, shm_dir=str(shm))) as shared:
+    with (
+        TranslateClient(ClientOptions(**opts)) as inline,
+        TranslateClient(ClientOptions(**opts, shm_dir=str(shm))) as shared,
+    ):
         ask = dict(token_ids=ids, tenant="acme", prefix_key=key, **_kw(ms))
         mapped = shared.translate(None, "S__T64", "1.0.0", **ask)  # maps the stored source, writes the target's back
-        hit, hit_inline = shared.translate(None, "S__T64", "1.0.0", **ask), inline.translate(None, "S__T64", "1.0.0", **ask)
+        hit, hit_inline = (
+            shared.translate(None, "S__T64", "1.0.0", **ask),
+            inline.translate(None, "S__T64", "1.0.0", **ask),
+        )
     assert mapped.info.response_region and hit.info.response_region and hit.stats.cached_blocks == 4
-    assert all(torch.equal(k, ik) and torch.equal(v, iv) and torch.equal(k, mk) and torch.equal(v, mv)
-               for (k, v), (mk, mv), (ik, iv) in zip(hit.layers(), mapped.layers(), hit_inline.layers()))
+    assert all(
+        torch.equal(k, ik) and torch.equal(v, iv) and torch.equal(k, mk) and torch.equal(v, mv)
+        for (k, v), (mk, mv), (ik, iv) in zip(hit.layers(), mapped.layers(), hit_inline.layers())
+    )
     del mapped, hit
     assert os.listdir(shm) == []
 
@@ -257,8 +277,12 @@ def test_region_offsets_on_the_wire(base):
     data = wire.encode_block_response(Block(3, 10, 15, 2, k, v), region=sink)
     m = pb.TranslateResponse.FromString(data)
     tensors = [pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, 5, 8], region_offset=off) for off in (base, base + 320)]
-    assert data == pb.TranslateResponse(block=pb.TargetBlock(layer=3, token_start=10, token_end=15, block_index=2,
-                                                             key=tensors[0], value=tensors[1])).SerializeToString()
+    assert (
+        data
+        == pb.TranslateResponse(
+            block=pb.TargetBlock(layer=3, token_start=10, token_end=15, block_index=2, key=tensors[0], value=tensors[1])
+        ).SerializeToString()
+    )
     for block in (wire.decode_response(data, sink), wire.block_from_pb(m.block, sink)):
         assert torch.equal(block.key, k) and torch.equal(block.value, v)
     assert isinstance(wire.decode_response(data), pb.TranslateResponse)  # left to protobuf without a region, then:
@@ -286,7 +310,10 @@ def test_stored_pieces_go_to_the_region_in_one_write(tmp_path):
     assert data[:64] == region_header(key) and data[64:184] == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
     assert data[192:312] == bytes([9]) * 120
     again = pb.TranslateResponse.FromString(wire.encode_block_response(b, region=region))
-    assert not again.block.key.HasField("region_offset") and again.block.key.data == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
+    assert (
+        not again.block.key.HasField("region_offset")
+        and again.block.key.data == bytes(40) + bytes([1]) * 40 + bytes([2]) * 40
+    )
     region.close()
     assert region.put(pieces, 40) is None  # closed: never writes through a descriptor number reused since
 
@@ -469,10 +496,16 @@ def test_a_new_pool_removes_the_files_of_clients_that_died(shm):
     import subprocess
     import sys
 
-    code = ("import sys; from kvferry.client.regions import RegionPool; p = RegionPool(sys.argv[1], 1 << 20); "
-            "leases = [p.lease() for _ in range(3)]; print('ready', flush=True); sys.stdin.readline()")
-    dead = subprocess.Popen([sys.executable, "-c", code, str(shm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    alive = subprocess.Popen([sys.executable, "-c", code, str(shm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys; from kvferry.client.regions import RegionPool; p = RegionPool(sys.argv[1], 1 << 20); "
+        "leases = [p.lease() for _ in range(3)]; print('ready', flush=True); sys.stdin.readline()"
+    )
+    dead = subprocess.Popen(
+        [sys.executable, "-c", code, str(shm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    alive = subprocess.Popen(
+        [sys.executable, "-c", code, str(shm)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert dead.stdout.readline().strip() == "ready" and alive.stdout.readline().strip() == "ready"
     (shm / "unrelated").write_bytes(b"x")
     assert len(os.listdir(shm)) == 7

@@ -6,11 +6,10 @@ import threading
 import grpc
 import pytest
 import torch
+from conftest import make_kv, sample, spec_kw, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvferry.client.client import ClientOptions, TranslateClient
-
-from conftest import make_kv, sample, spec_kw, wait_until
 
 WORKERS, PER_WORKER = 4, 12
 
@@ -38,9 +37,11 @@ def _load(options: ClientOptions, family, during, token_ids: bool = False):
                 ids = list(range(w * 1000 + i * 64, w * 1000 + i * 64 + 64)) if token_ids else ()
                 try:
                     res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
-                    torch.testing.assert_close(res.layers()[2][0], kv[2][0], rtol=1e-5, atol=1e-5)  # nothing lost or mixed up
+                    torch.testing.assert_close(
+                        res.layers()[2][0], kv[2][0], rtol=1e-5, atol=1e-5
+                    )  # nothing lost or mixed up
                     ok.append(res)
-                except (grpc.RpcError, AssertionError) as e:  # noqa: PERF203
+                except (grpc.RpcError, AssertionError) as e:
                     errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(WORKERS)]
@@ -55,9 +56,12 @@ def _load(options: ClientOptions, family, during, token_ids: bool = False):
 
 
 def test_redis_killed_mid_load_fails_no_streamed_request(sidecar_factory, maps_dir, family, redis_url, redis_server):
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret="s" * 32,
-                         prefix_block_size=16)
-    ok, errors = _load(ClientOptions(target=sc.address, retries=0, timeout=30), family, redis_server.stop, token_ids=True)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret="s" * 32, prefix_block_size=16
+    )
+    ok, errors = _load(
+        ClientOptions(target=sc.address, retries=0, timeout=30), family, redis_server.stop, token_ids=True
+    )
     assert not errors, errors[:3]
     assert len(ok) == WORKERS * PER_WORKER
     assert sample(sc, "kvferry_prefix_store_errors_total") >= 1  # the outage was noticed, and served through
@@ -72,8 +76,14 @@ def test_sigterm_under_load_drains_and_clients_fail_over(sidecar_factory, maps_d
         done = threading.Thread(target=lambda: a.call(a.sidecar.drain()))
         done.start()
         with grpc.insecure_channel(a.address) as ch:
-            check = lambda: health_pb2_grpc.HealthStub(ch).Check(  # noqa: E731
-                health_pb2.HealthCheckRequest(service="kvferry.v1.TranslateService"), timeout=5).status
+
+            def check():
+                return (
+                    health_pb2_grpc.HealthStub(ch)
+                    .Check(health_pb2.HealthCheckRequest(service="kvferry.v1.TranslateService"), timeout=5)
+                    .status
+                )
+
             wait_until(lambda: check() != health_pb2.HealthCheckResponse.SERVING, 10, "the drain's health change")
             health["a"] = check()
         done.join(30)
@@ -83,7 +93,10 @@ def test_sigterm_under_load_drains_and_clients_fail_over(sidecar_factory, maps_d
     assert not errors, errors[:3]
     assert len(ok) == WORKERS * PER_WORKER
     assert health["a"] == health_pb2.HealthCheckResponse.NOT_SERVING
-    served = lambda sc: sample(sc, "kvferry_requests_total", method="Translate", code="OK")  # noqa: E731
+
+    def served(sc):
+        return sample(sc, "kvferry_requests_total", method="Translate", code="OK")
+
     assert served(a) > 0 and served(b) > 0  # both took load: a until it drained, b after
     assert served(a) + served(b) == WORKERS * PER_WORKER  # every in-flight stream on a finished
     refused = sample(a, "kvferry_requests_total", method="Translate", code="UNAVAILABLE")

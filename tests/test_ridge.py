@@ -49,7 +49,7 @@ def test_heldout_r2_path_matches_explicit_residuals():
     for lam, r2 in zip(lambdas, path):
         w, b = solve(tr, torch.arange(7), torch.arange(3), lam)
         resid = y[600:] - (x[600:] @ w + b)
-        ref = 1 - (resid ** 2).sum() / ((y[600:] - y[600:].mean(0)) ** 2).sum()
+        ref = 1 - (resid**2).sum() / ((y[600:] - y[600:].mean(0)) ** 2).sum()
         torch.testing.assert_close(r2, ref)
 
 
@@ -58,12 +58,16 @@ def test_greedy_selection_finds_the_informative_layers():
     n, w = 1500, 4
     layers = [torch.randn(n, w, generator=g, dtype=torch.float64) for _ in range(5)]
     x = torch.cat(layers, 1)
-    y = layers[1] @ torch.randn(w, w, generator=g, dtype=torch.float64) + layers[3] @ torch.randn(w, w, generator=g, dtype=torch.float64)
+    y = layers[1] @ torch.randn(w, w, generator=g, dtype=torch.float64) + layers[3] @ torch.randn(
+        w, w, generator=g, dtype=torch.float64
+    )
     tr, ho = GramStats(5 * w, w), GramStats(5 * w, w)
     tr.add(x[:1200], y[:1200])
     ho.add(x[1200:], y[1200:])
     for selection in ("greedy", "ranked"):
-        chosen, fit = select_and_fit(tr, ho, torch.arange(w), {l: cols([l], w) for l in range(5)}, k=2, selection=selection)
+        chosen, fit = select_and_fit(
+            tr, ho, torch.arange(w), {l: cols([l], w) for l in range(5)}, k=2, selection=selection
+        )
         assert chosen == [1, 3], selection
         assert fit.heldout_r2 > 0.999
     assert cols([1, 3], w).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
@@ -96,8 +100,12 @@ def test_rounding_aware_path_matches_rounded_weights_and_prefers_smaller_weights
     g = torch.Generator().manual_seed(5)
     n, dx, dy = 4000, 24, 6
     base = torch.randn(n, 4, generator=g, dtype=torch.float64)
-    x = base @ torch.randn(4, dx, generator=g, dtype=torch.float64) + 1e-3 * torch.randn(n, dx, generator=g, dtype=torch.float64)
-    y = x @ torch.randn(dx, dy, generator=g, dtype=torch.float64) + 0.01 * torch.randn(n, dy, generator=g, dtype=torch.float64)
+    x = base @ torch.randn(4, dx, generator=g, dtype=torch.float64) + 1e-3 * torch.randn(
+        n, dx, generator=g, dtype=torch.float64
+    )
+    y = x @ torch.randn(dx, dy, generator=g, dtype=torch.float64) + 0.01 * torch.randn(
+        n, dy, generator=g, dtype=torch.float64
+    )
     tr, ho = GramStats(dx, dy), GramStats(dx, dy)
     tr.add(x[:3000], y[:3000])
     ho.add(x[3000:], y[3000:])
@@ -112,6 +120,6 @@ def test_rounding_aware_path_matches_rounded_weights_and_prefers_smaller_weights
     sst = ((yh - yh.mean(0)) ** 2).sum()
     for lam, predicted in zip(lambdas, noisy):  # the prediction is an expectation: check it on the real rounding
         w, b = solve(tr, xi, yi, lam)
-        got = (xh.bfloat16().double() @ w.bfloat16().double() + b)
+        got = xh.bfloat16().double() @ w.bfloat16().double() + b
         r2 = 1 - ((yh - got) ** 2).sum() / sst
         assert abs(float(r2) - float(predicted)) < 0.5 * (1 - float(predicted)) + 1e-3

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from conftest import DATA, PASSING_COPY
 
 from kvferry.client.cascade import Cascade
 from kvferry.client.client import ClientOptions, TranslateClient
@@ -17,11 +18,20 @@ from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.geometry import geometry_of
 
-from conftest import DATA, PASSING_COPY
-
-EVIDENCE = {"arms": {"mapped_refresh": {"top1": 1.0, "top10": 1.0, "kl": 0.0, "attn_cos": 1.0,
-                                        "drift_attn_cos": 1.0, "drift_rel_err": 0.0}}, "recommended_refresh": 8,
-            "copy": PASSING_COPY}
+EVIDENCE = {
+    "arms": {
+        "mapped_refresh": {
+            "top1": 1.0,
+            "top10": 1.0,
+            "kl": 0.0,
+            "attn_cos": 1.0,
+            "drift_attn_cos": 1.0,
+            "drift_rel_err": 0.0,
+        }
+    },
+    "recommended_refresh": 8,
+    "copy": PASSING_COPY,
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +56,26 @@ def prompts(family):
 
 
 def _policy_file(path, **entry) -> None:
-    body = "\n".join(f"{k} = {v!r}".replace("'", '"').replace("True", "true").replace("False", "false") for k, v in entry.items())
+    body = "\n".join(
+        f"{k} = {v!r}".replace("'", '"').replace("True", "true").replace("False", "false") for k, v in entry.items()
+    )
     path.write_text(f"[maps.S__S-self]\n{body}\n")
     time.sleep(0.01)
 
 
 def test_policy_file_parsing_and_validation(tmp_path):
-    p = RolloutPolicy.from_toml('[default]\nrefresh = 8\nmin_tokens = 32\n[maps.a__b]\ncanary_percent = 10\nversion = "1.2.0"\n')
+    p = RolloutPolicy.from_toml(
+        '[default]\nrefresh = 8\nmin_tokens = 32\n[maps.a__b]\ncanary_percent = 10\nversion = "1.2.0"\n'
+    )
     assert p.get("a__b") == MapRollout(refresh=8, min_tokens=32, canary_percent=10, version="1.2.0")
     assert p.get("other").refresh == 8 and p.get("other").canary_percent == 100
-    for text, needle in (("[maps.x]\ncanary = 5\n", "unknown keys"), ("[maps.x]\ncanary_percent = 150\n", "0-100"),
-                         ('[maps.x]\nversion = "../1"\n', "semantic version"), ("[mapz.x]\n", "unknown sections"),
-                         ("[maps.x\n", "TOML")):
+    for text, needle in (
+        ("[maps.x]\ncanary = 5\n", "unknown keys"),
+        ("[maps.x]\ncanary_percent = 150\n", "0-100"),
+        ('[maps.x]\nversion = "../1"\n', "semantic version"),
+        ("[mapz.x]\n", "unknown sections"),
+        ("[maps.x\n", "TOML"),
+    ):
         with pytest.raises(InvalidInput, match=needle):
             RolloutPolicy.from_toml(text)
 
@@ -91,8 +109,10 @@ def test_query_tap_sees_the_queries_the_attention_used(tiny_models, arch):
     m = load_model(tiny_models[arch])
     ids = torch.randint(2, 4096, (1, 12))
     seen = []
-    hooks = [l.self_attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0][0].detach()))
-             for l in m.model.model.layers]
+    hooks = [
+        l.self_attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0][0].detach()))
+        for l in m.model.model.layers
+    ]
     tap = QueryTap(m.model, geometry_of(m.model.config).rope)
     with torch.no_grad():
         out = m.model(input_ids=ids, use_cache=True)
@@ -101,7 +121,9 @@ def test_query_tap_sees_the_queries_the_attention_used(tiny_models, arch):
         h.remove()
     from kvferry.mappings.drift import _attend
 
-    for layer, (q, (k, v)) in enumerate(zip(tap.queries(range(12)), [(l.keys, l.values) for l in out.past_key_values.layers])):
+    for layer, (q, (k, v)) in enumerate(
+        zip(tap.queries(range(12)), [(l.keys, l.values) for l in out.past_key_values.layers])
+    ):
         mine = _attend(q, k[0].float(), v[0].float())  # [H, T, d]
         torch.testing.assert_close(mine.transpose(0, 1).reshape(12, -1), seen[layer].float(), rtol=1e-4, atol=1e-4)
 
@@ -131,21 +153,27 @@ def test_a_degraded_map_is_caught_live_and_switched_off(sidecar_factory, maps_di
         assert all(r.shadow.result()[1] == 1.0 for r in ok)
 
         only_shadow = {"min_drift_attn_cos": -1.0} if signal == "shadow" else {}  # let the shadow checks do it
-        _policy_file(f, version="2.0.0", refresh=8, min_tokens=32, shadow_percent=100.0, window=4, min_samples=3, **only_shadow)
+        _policy_file(
+            f, version="2.0.0", refresh=8, min_tokens=32, shadow_percent=100.0, window=4, min_samples=3, **only_shadow
+        )
         store = PolicyStore(path=f, reload_seconds=0)
         bad = Cascade(s.model, c, "S__S-self", store, s.identity, seed=0)
         runs = _run(bad, family, prompts, 8)
         mapped = [r for r in runs if r.path == "mapped"]
         assert mapped and mapped[0].translate.info.map_version == "2.0.0"
-        assert all(r.drift.mean_attn_cos < 0.99 and r.drift.mean_rel_err > 0.05 for r in mapped)  # the drift signal rises
+        assert all(
+            r.drift.mean_attn_cos < 0.99 and r.drift.mean_rel_err > 0.05 for r in mapped
+        )  # the drift signal rises
         shadows = [r.shadow.result() for r in mapped]
         top10, kl = sum(x[1] for x in shadows) / len(shadows), sum(x[2] for x in shadows) / len(shadows)
-        assert top10 < 0.9 or kl > 0.02  # shadow agreement falls below the gate (evidence top-10 1.0 - 0.1; KL 3 x 0 + 0.02)
+        assert (
+            top10 < 0.9 or kl > 0.02
+        )  # shadow agreement falls below the gate (evidence top-10 1.0 - 0.1; KL 3 x 0 + 0.02)
         assert len(mapped) <= 4  # switched off within the window
         assert store.off_reason("S__S-self").startswith(f"auto_disabled: {signal}")
-        later = runs[len(mapped):]
+        later = runs[len(mapped) :]
         assert later and all(r.path == "fallback" and r.reason.startswith("auto_disabled") for r in later)
-        for r, ids in zip(later, prompts[len(mapped):]):  # and the fallback answers are the target's own
+        for r, ids in zip(later, prompts[len(mapped) :]):  # and the fallback answers are the target's own
             assert r.tokens == bad.full_prefill(ids, 4).tokens
         assert store.off_reason("S__S-self").startswith("auto_disabled")
         store.reenable("S__S-self")
@@ -172,7 +200,7 @@ def test_canary_share_and_kill_switch_under_load(sidecar_factory, maps_dir, fami
             while len(results) < 60:
                 try:
                     results.append((flipped.is_set(), local.generate(prompts[0], kv, max_new_tokens=6)))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     errors.append(e)
 
         threads = [threading.Thread(target=worker) for _ in range(3)]
@@ -197,8 +225,12 @@ def test_rollback_is_one_command_and_the_file_round_trips(tmp_path):
     import sys
 
     f = tmp_path / "policy.toml"
-    run = lambda *args: subprocess.run([sys.executable, "-m", "kvferry", "rollout", str(f), "S__T", *args],  # noqa: E731
-                                       capture_output=True, text=True)
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "kvferry", "rollout", str(f), "S__T", *args], capture_output=True, text=True
+        )
+
     assert run("--version", "1.1.0", "--canary", "10", "--shadow", "5").returncode == 0
     store = PolicyStore(path=f, reload_seconds=0)
     assert store.get("S__T") == MapRollout(version="1.1.0", canary_percent=10, shadow_percent=5)
@@ -214,7 +246,9 @@ def test_a_map_for_another_target_model_is_never_used(sidecar_factory, maps_dir,
     t = family["T"]
     sc = sidecar_factory(maps_dir=str(maps_dir))
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
-        cascade = Cascade(t.model, c, "S__S-self", MapRollout(version="1.0.0", refresh=8, min_tokens=32), family["S"].identity)
+        cascade = Cascade(
+            t.model, c, "S__S-self", MapRollout(version="1.0.0", refresh=8, min_tokens=32), family["S"].identity
+        )
         res = cascade.generate(prompts[0], capture_kv(family["S"].model, prompts[0]), max_new_tokens=2)
     assert res.path == "fallback" and res.reason.startswith("map_incompatible")
 
@@ -233,7 +267,9 @@ def test_the_refresh_never_falls_below_the_one_the_evidence_measured(sidecar_fac
         assert res.tokens == cascade.full_prefill(ids, 4).tokens
         short = cascade.generate(ids[:, :8], capture_kv(s.model, ids[:, :8]), max_new_tokens=2)
         assert short.path == "fallback" and short.reason.startswith("short_prompt: 8 tokens <= refresh r=8")
-        unmeasured = Cascade(s.model, c, "S__S-self", MapRollout(refresh=16, min_tokens=17, version="1.0.0"), s.identity)
+        unmeasured = Cascade(
+            s.model, c, "S__S-self", MapRollout(refresh=16, min_tokens=17, version="1.0.0"), s.identity
+        )
         assert unmeasured.generate(ids, capture_kv(s.model, ids), max_new_tokens=2).reason.endswith("refresh r=16")
 
 

@@ -6,7 +6,6 @@ import re
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 SCRIPTS = sorted(p for p in (ROOT / "scripts").rglob("*.py"))
@@ -23,8 +22,12 @@ def test_a_script_imports(path, monkeypatch):
 
 def test_every_cited_script_exists():
     cited = set()
-    for doc in [*(ROOT / "maps").rglob("manifest.json"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md",
-                *(ROOT / "scripts").rglob("README.md")]:
+    for doc in [
+        *(ROOT / "maps").rglob("manifest.json"),
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "README.md",
+        *(ROOT / "scripts").rglob("README.md"),
+    ]:
         cited |= set(re.findall(r"scripts/[\w/]+\.(?:py|sh)", doc.read_text()))
     assert cited
     missing = sorted(c for c in cited if not (ROOT / c).is_file())

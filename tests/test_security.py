@@ -8,15 +8,14 @@ import time
 
 import grpc
 import pytest
+from conftest import ROOT, make_certs, make_kv, sample, spec_kw, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
-from kvferry.mappings.errors import InvalidInput
 from kvferry.common.errors import PermissionDenied, Unauthenticated
+from kvferry.mappings.errors import InvalidInput
 from kvferry.sidecar.auth import Authenticator
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
-
-from conftest import ROOT, make_certs, make_kv, sample, spec_kw, wait_until
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef00"
 
@@ -58,7 +57,10 @@ def test_bearer_tokens_gate_every_kvferry_call_but_not_health(sidecar_factory, m
         assert c.translate(kv, "S__S-self", **_kw(family)).stats.tokens == 8
         assert [m.name for m in c.list_mappings()] == ["S__S-self"]
         # a caller cannot pick another tenant's namespace
-        assert _code(lambda: c.translate(kv, "S__S-self", tenant="bob", **_kw(family))) == grpc.StatusCode.PERMISSION_DENIED
+        assert (
+            _code(lambda: c.translate(kv, "S__S-self", tenant="bob", **_kw(family)))
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
         assert c.translate(kv, "S__S-self", tenant="alice", **_kw(family)).stats.tokens == 8
     with grpc.insecure_channel(sc.address) as ch:  # kubelet probes carry no token
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
@@ -68,8 +70,15 @@ def test_bearer_tokens_gate_every_kvferry_call_but_not_health(sidecar_factory, m
 def test_the_token_picks_the_prefix_namespace(sidecar_factory, maps_dir, tokens_file, family, redis_url):
     import redis
 
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, auth_tokens_file=str(tokens_file), redis_url=redis_url,
-                         prefix_secret="s" * 32, prefix_block_size=16, prefix_write_back=True)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir),
+        force_maps=True,
+        auth_tokens_file=str(tokens_file),
+        redis_url=redis_url,
+        prefix_secret="s" * 32,
+        prefix_block_size=16,
+        prefix_write_back=True,
+    )
     kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32), list(range(100, 132))
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
         c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
@@ -81,7 +90,9 @@ def test_the_token_picks_the_prefix_namespace(sidecar_factory, maps_dir, tokens_
     tenants = {k.decode().split(":")[1] for k in r.keys("kvf:*")}
     assert tenants == {"alice"}
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=BOB)) as c:
-        assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0  # bob sees none of alice's
+        assert (
+            c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0
+        )  # bob sees none of alice's
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 2
 
@@ -90,15 +101,33 @@ def test_mtls_identity_is_the_tenant(sidecar_factory, maps_dir, tmp_path, family
     import redis
 
     d = make_certs(tmp_path)
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, tls_cert=str(d / "server.pem"), tls_key=str(d / "server.key"),
-                         tls_client_ca=str(d / "ca.pem"), auth_mtls_tenant=True, redis_url=redis_url, prefix_secret="s" * 32,
-                         prefix_block_size=16, prefix_write_back=True)
-    opts = ClientOptions(target=sc.address, tls_root_certs=str(d / "ca.pem"), tls_client_cert=str(d / "client.pem"),
-                         tls_client_key=str(d / "client.key"), retries=0, timeout=10)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir),
+        force_maps=True,
+        tls_cert=str(d / "server.pem"),
+        tls_key=str(d / "server.key"),
+        tls_client_ca=str(d / "ca.pem"),
+        auth_mtls_tenant=True,
+        redis_url=redis_url,
+        prefix_secret="s" * 32,
+        prefix_block_size=16,
+        prefix_write_back=True,
+    )
+    opts = ClientOptions(
+        target=sc.address,
+        tls_root_certs=str(d / "ca.pem"),
+        tls_client_cert=str(d / "client.pem"),
+        tls_client_key=str(d / "client.key"),
+        retries=0,
+        timeout=10,
+    )
     kv, ids = make_kv(layers=4, tokens=16, heads=2, head_dim=32), list(range(16))
     with TranslateClient(opts) as c:
         c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
-        assert _code(lambda: c.translate(kv, "S__S-self", tenant="other", **_kw(family))) == grpc.StatusCode.PERMISSION_DENIED
+        assert (
+            _code(lambda: c.translate(kv, "S__S-self", tenant="other", **_kw(family)))
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
     r = redis.Redis.from_url(redis_url)
     for _ in range(100):
         if r.keys("kvf:*"):
@@ -111,13 +140,22 @@ def test_authenticator_compares_digests_and_reads_its_file(tmp_path):
     auth = Authenticator({ALICE: "alice", BOB: "bob"})
     assert auth.identify([("authorization", f"Bearer {BOB}")], {}).tenant == "bob"
     assert auth.identify([("authorization", f"bearer {ALICE}")], {}).tenant == "alice"
-    for md in ([], [("authorization", ALICE)], [("authorization", "Bearer " + ALICE[:-1])], [("authorization", "Basic x")]):
+    for md in (
+        [],
+        [("authorization", ALICE)],
+        [("authorization", "Bearer " + ALICE[:-1])],
+        [("authorization", "Basic x")],
+    ):
         with pytest.raises(Unauthenticated):
             auth.identify(md, {})
     assert ALICE not in repr(auth.__dict__)  # only digests are kept
     bad = tmp_path / "bad"
-    for text, needle in (("alice short\n", "at least 16"), ("", "no '<tenant> <token>'"),
-                         (f"alice {ALICE}\nbob {ALICE}\n", "already given"), (f"a/b {ALICE}\n", "tenant")):
+    for text, needle in (
+        ("alice short\n", "at least 16"),
+        ("", "no '<tenant> <token>'"),
+        (f"alice {ALICE}\nbob {ALICE}\n", "already given"),
+        (f"a/b {ALICE}\n", "tenant"),
+    ):
         bad.write_text(text)
         with pytest.raises(InvalidInput, match=needle):
             Authenticator.from_file(str(bad))
@@ -151,8 +189,16 @@ def test_a_stalled_stream_is_cut_off_by_the_server_deadline(sidecar_factory, map
     assert sc.sidecar.servicer.active == 0
 
 
-@pytest.mark.parametrize("name,version", [("../../etc/passwd", ""), ("S__S-self", "../../1.0.0"), ("S__S-self/../x", "1.0.0"),
-                                          ("/abs", "1.0.0"), ("S__S-self", "1.0.0/../../x")])
+@pytest.mark.parametrize(
+    "name,version",
+    [
+        ("../../etc/passwd", ""),
+        ("S__S-self", "../../1.0.0"),
+        ("S__S-self/../x", "1.0.0"),
+        ("/abs", "1.0.0"),
+        ("S__S-self", "1.0.0/../../x"),
+    ],
+)
 def test_map_names_cannot_leave_the_registry(sidecar_factory, maps_dir, family, name, version):
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
@@ -162,7 +208,10 @@ def test_map_names_cannot_leave_the_registry(sidecar_factory, maps_dir, family, 
 
 def test_no_code_executing_formats_anywhere():
     """safetensors and protobuf only: no pickle, no torch.load, no eval of data."""
-    banned = re.compile(r"\bimport pickle\b|\bpickle\.|\btorch\.load\(|\bmarshal\.|\bshelve\b|(?<![.\w])eval\(|(?<![.\w])exec\(|yaml\.load\(")
+    banned = re.compile(
+        r"\bimport pickle\b|\bpickle\.|\btorch\.load\(|\bmarshal\.|\bshelve\b|"
+        r"(?<![.\w])eval\(|(?<![.\w])exec\(|yaml\.load\("
+    )
     offenders = []
     for folder in ("kvferry", "mappings", "sidecar", "client", "scripts"):
         for f in (ROOT / folder).rglob("*.py"):
@@ -183,9 +232,8 @@ def test_header_sizes_are_checked_before_allocation(sidecar_factory, maps_dir, f
     spec = make_spec(kv, "S__S-self", **_kw(family))
     huge = dataclasses.replace(spec, num_tokens=8000)  # 16 MB of source KV declared, within max_position_embeddings
     reqs = list(encode_requests(huge, [], 8))
-    with grpc.insecure_channel(sc.address) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=10))
+    with grpc.insecure_channel(sc.address) as ch, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=10))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max-request-bytes" in e.value.details()
 
@@ -200,7 +248,9 @@ def test_non_finite_source_kv_is_refused(sidecar_factory, maps_dir, family, bad)
         with pytest.raises(grpc.RpcError) as e:
             c.translate(kv, "S__S-self", **_kw(family))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN or infinite" in e.value.details()
-        assert c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family)).stats.tokens == 8
+        assert (
+            c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family)).stats.tokens == 8
+        )
 
 
 def test_tenant_names_are_matched_whole():
@@ -218,9 +268,11 @@ def test_long_identifiers_and_surplus_token_ids_are_refused_unechoed(sidecar_fac
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
     spec = make_spec(kv, "S__S-self", **_kw(family))
-    cases = [(dataclasses.replace(spec, map_name="m" * 20_000), "map.name is 20000 characters"),
-             (dataclasses.replace(spec, tenant="t" * 5_000), "tenant is 5000 characters"),
-             (dataclasses.replace(spec, num_tokens=1, token_ids=tuple(range(100_000))), "100000 token_ids for num_tokens=1")]
+    cases = [
+        (dataclasses.replace(spec, map_name="m" * 20_000), "map.name is 20000 characters"),
+        (dataclasses.replace(spec, tenant="t" * 5_000), "tenant is 5000 characters"),
+        (dataclasses.replace(spec, num_tokens=1, token_ids=tuple(range(100_000))), "100000 token_ids for num_tokens=1"),
+    ]
     with grpc.insecure_channel(sc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
         for bad, needle in cases:
             with pytest.raises(grpc.RpcError) as e:
@@ -240,8 +292,13 @@ def test_a_caller_that_stops_reading_loses_its_slot_at_the_deadline(sidecar_fact
         stalled = pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=60)  # never read from
         wait_until(lambda: sample(sc, "kvferry_active_streams") == 1, what="the stalled stream holding the slot")
         wait_until(lambda: sample(sc, "kvferry_active_streams") == 0, timeout=15, what="the slot freed at the deadline")
-        with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:  # the one slot is free again
-            assert c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family)).stats.tokens == 8
+        with TranslateClient(
+            ClientOptions(target=sc.address, retries=0, timeout=10)
+        ) as c:  # the one slot is free again
+            assert (
+                c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family)).stats.tokens
+                == 8
+            )
         with pytest.raises(grpc.RpcError) as e:
             list(stalled)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "did not read" in e.value.details()
@@ -257,8 +314,11 @@ def test_oversized_headers_are_refused_unparsed(sidecar_factory, maps_dir):
 
     limits = Limits(max_tokens=1000)
     n = 100_000
-    big = pb.TranslateRequest(header=pb.TranslateHeader(map=pb.MapRef(name="S__S-self", latest=True), num_tokens=n,
-                                                        token_ids=range(n), source_dtype=1)).SerializeToString()
+    big = pb.TranslateRequest(
+        header=pb.TranslateHeader(
+            map=pb.MapRef(name="S__S-self", latest=True), num_tokens=n, token_ids=range(n), source_dtype=1
+        )
+    ).SerializeToString()
 
     def never(data):
         raise AssertionError("the oversized header was parsed")
@@ -272,9 +332,8 @@ def test_oversized_headers_are_refused_unparsed(sidecar_factory, maps_dir):
     assert request_decoder(limits, wire.decode_request)(ok).header.num_tokens == 1000  # the widest legal one
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_tokens=1000)
-    with grpc.insecure_channel(sc.address) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            list(pb_grpc.TranslateServiceStub(ch).Translate(iter([pb.TranslateRequest.FromString(big)]), timeout=30))
+    with grpc.insecure_channel(sc.address) as ch, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.TranslateServiceStub(ch).Translate(iter([pb.TranslateRequest.FromString(big)]), timeout=30))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-tokens" in e.value.details()
     # TranslateByKey's one message: the same cap, refused before parsing too
     from kvferry.client.client import BY_KEY_METHOD
@@ -282,9 +341,8 @@ def test_oversized_headers_are_refused_unparsed(sidecar_factory, maps_dir):
 
     assert isinstance(by_key_decoder(limits, never)(big), OversizedHeader)
     assert by_key_decoder(limits, pb.TranslateByKeyRequest.FromString)(ok).header.num_tokens == 1000
-    with grpc.insecure_channel(sc.address) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            list(ch.unary_stream(BY_KEY_METHOD)(big, timeout=30))
+    with grpc.insecure_channel(sc.address) as ch, pytest.raises(grpc.RpcError) as e:
+        list(ch.unary_stream(BY_KEY_METHOD)(big, timeout=30))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-tokens" in e.value.details()
 
 
@@ -312,7 +370,10 @@ def test_callers_cut_off_at_the_deadline_leave_no_traceback(sidecar_factory, map
     kv = make_kv(layers=4, tokens=4096, heads=2, head_dim=32)
     reqs = list(encode_requests(make_spec(kv, "S__S-self", **_kw(family)), kv, 512))
     opts = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)]
-    counted = lambda: sample(sc, "kvferry_requests_total", method="Translate", code="DEADLINE_EXCEEDED")  # noqa: E731
+
+    def counted():
+        return sample(sc, "kvferry_requests_total", method="Translate", code="DEADLINE_EXCEEDED")
+
     caplog.set_level(logging.WARNING)
     cut_off = threading.Event()
 

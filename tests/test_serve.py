@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from conftest import make_kv, wait_until
 
 from kvferry.client.client import encode_requests, make_spec
 from kvferry.mappings.artifact import save
@@ -16,8 +17,6 @@ from kvferry.mappings.errors import InvalidInput
 from kvferry.mappings.fit import identity_mapset
 from kvferry.sidecar.config import SidecarConfig, from_sources
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
-
-from conftest import make_kv, wait_until
 
 
 def test_config_precedence_and_validation(tmp_path):
@@ -52,7 +51,7 @@ def test_settings_read_alike_in_the_sidecar_and_the_connector():
         assert from_sources(argparse.Namespace(config=None), env={"KVFERRY_FORCE_MAPS": text}).force_maps is want
         extra = {"redis_url": "redis://r", "prefix_secret": "x", "direct_reads": text}
         assert ConnectorConfig.from_extra(extra).direct_reads is want
-    with pytest.raises(InvalidInput, match="force_maps: expected true or false .*got 'flase'"):
+    with pytest.raises(InvalidInput, match=r"force_maps: expected true or false .*got 'flase'"):
         from_sources(argparse.Namespace(config=None), env={"KVFERRY_FORCE_MAPS": "flase"})
     with pytest.raises(InvalidInput, match="expected a number"):
         read_setting("port", "int", True)
@@ -61,8 +60,12 @@ def test_settings_read_alike_in_the_sidecar_and_the_connector():
 
 def _serve(maps_dir, *flags: str) -> tuple[subprocess.Popen, int, int | None]:
     """`kvferry serve` in its own process: (the process, its gRPC port, its metrics port if it has one)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--maps-dir", str(maps_dir), "--port", "0",
-                             "--force-maps", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvferry", "serve", "--maps-dir", str(maps_dir), "--port", "0", "--force-maps", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 60
     while time.time() < deadline:
         m = re.search(r"listening on [\d.]+:(\d+)(?:, metrics on :(\d+))?", proc.stdout.readline())
@@ -142,7 +145,10 @@ def test_cancels_are_counted_as_cancels(tmp_path, family):
 
         def counts() -> dict[str, float]:
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-            return {c: float(v) for c, v in re.findall(r'kvferry_requests_total\{code="(\w+)",method="Translate"\} ([\d.]+)', text)}
+            return {
+                c: float(v)
+                for c, v in re.findall(r'kvferry_requests_total\{code="(\w+)",method="Translate"\} ([\d.]+)', text)
+            }
 
         for i, (requests, reads) in enumerate([(stalls, 1)] * 4 + [(lambda: iter(big_reqs), 2)] * 4):
             with grpc.insecure_channel(f"127.0.0.1:{port}", [("grpc.http2.bdp_probe", 0)]) as ch:
@@ -171,8 +177,11 @@ def test_memory_comes_back_after_oversized_headers(tmp_path, family):
         return int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{proc.pid}/status").read()).group(1)) / 1024
 
     n = 7_000_000
-    big = pb.TranslateRequest(header=pb.TranslateHeader(map=pb.MapRef(name="S__S-self", latest=True), num_tokens=n,
-                                                        token_ids=range(n), source_dtype=1)).SerializeToString()
+    big = pb.TranslateRequest(
+        header=pb.TranslateHeader(
+            map=pb.MapRef(name="S__S-self", latest=True), num_tokens=n, token_ids=range(n), source_dtype=1
+        )
+    ).SerializeToString()
     codes = []
 
     def send():

@@ -3,6 +3,7 @@
 import grpc
 import pytest
 import torch
+from conftest import make_kv, wait_until
 
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.client.importers import PagedKVPool, to_dynamic_cache
@@ -11,8 +12,6 @@ from kvferry.common.messages import ALL_PAGES
 from kvferry.mappings.artifact import save
 from kvferry.mappings.capture import capture_kv
 from kvferry.mappings.fit import identity_mapset
-
-from conftest import make_kv, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +65,16 @@ def test_exact_map_end_to_end_matches_full_prefill(client, family, layout, pages
     s = family["S"]
     ids = torch.randint(2, 4096, (1, 181))
     src = capture_kv(s.model, ids[:, :-1])
-    res = client.translate(src, "S__S-self", "1.0.0", layout=layout, block_size=16, token_ids=ids[0, :-1].tolist(),
-                           pages_per_block=pages, **_spec_kw(s))
+    res = client.translate(
+        src,
+        "S__S-self",
+        "1.0.0",
+        layout=layout,
+        block_size=16,
+        token_ids=ids[0, :-1].tolist(),
+        pages_per_block=pages,
+        **_spec_kw(s),
+    )
     assert res.info.map_version == "1.0.0" and res.stats.tokens == 180
     if layout == "paged":
         pool = PagedKVPool(layers=4, num_blocks=32, block_size=16, kv_heads=2, head_dim=32)
@@ -77,7 +84,9 @@ def test_exact_map_end_to_end_matches_full_prefill(client, family, layout, pages
         assert sum(sizes) == 4 * len(table) and res.stats.blocks == len(res.blocks)
         # a 64 MiB message holds 8,191 pages of 16 fp32 tokens here (512 bytes a token); chunks cut the pages too
         assert res.info.pages_per_block == min(pages, 8191) and max(sizes) <= max(pages, 1)
-        assert (max(sizes) > 1) == (pages > 1) and len(res.blocks) < 4 * len(table) if pages > 1 else len(res.blocks) == 48
+        assert (
+            (max(sizes) > 1) == (pages > 1) and len(res.blocks) < 4 * len(table) if pages > 1 else len(res.blocks) == 48
+        )
         layers = pool.gather(table, 180)
     else:
         layers = res.layers()
@@ -133,11 +142,14 @@ def test_fingerprint_mismatch_is_failed_precondition(client, family):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "tokenizer" in msg
 
 
-@pytest.mark.parametrize("bad,needle", [
-    (dict(layers=3), "truncated stream"),
-    (dict(heads=3), "shape"),
-    (dict(head_dim=16), "shape"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (dict(layers=3), "truncated stream"),
+        (dict(heads=3), "shape"),
+        (dict(head_dim=16), "shape"),
+    ],
+)
 def test_bad_geometry_is_invalid_argument(client, bad, needle):
     kw = dict(layers=4, tokens=8, heads=2, head_dim=32) | bad
     code, msg = _code(client, make_kv(**kw), "S__S-self")
@@ -167,7 +179,9 @@ def test_chunks_in_any_protobuf_form_translate_alike(sidecar):
 
     def translated(stream):
         with grpc.insecure_channel(sidecar.address) as ch:
-            call = ch.stream_stream(TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.decode_response)
+            call = ch.stream_stream(
+                TRANSLATE_METHOD, request_serializer=wire.serialize, response_deserializer=wire.decode_response
+            )
             blocks = [m for m in call(iter(stream), timeout=20) if isinstance(m, Block)]
         return {(b.layer, b.start): (b.key.clone(), b.value.clone()) for b in blocks}
 
@@ -188,10 +202,16 @@ def test_paged_blocks_on_the_wire_one_page_or_several(sidecar):
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
     kv = make_kv(layers=4, tokens=40, heads=2, head_dim=32)  # 5 pages of 8; the identity map returns the source
-    for asked, cap, sizes in ((0, 0, [1] * 5), (3, 3, [3, 2]), (ALL_PAGES, 16383, [5])):  # 64 MiB: 16,383 pages of 8 tokens of 512 B
+    for asked, cap, sizes in (
+        (0, 0, [1] * 5),
+        (3, 3, [3, 2]),
+        (ALL_PAGES, 16383, [5]),
+    ):  # 64 MiB: 16,383 pages of 8 tokens of 512 B
         spec = make_spec(kv, "S__S-self", "1.0.0", layout="paged", block_size=8, pages_per_block=asked)
         with grpc.insecure_channel(sidecar.address) as ch:
-            answer = list(pb_grpc.TranslateServiceStub(ch).Translate(encode_requests(spec, kv, chunk_tokens=40), timeout=20))
+            answer = list(
+                pb_grpc.TranslateServiceStub(ch).Translate(encode_requests(spec, kv, chunk_tokens=40), timeout=20)
+            )
         assert answer[0].header.pages_per_block == cap and answer[0].header.block_size == 8
         blocks = [m.block for m in answer if m.WhichOneof("msg") == "block" and m.block.layer == 1]
         assert [b.block_index for b in blocks] == [sum(sizes[:i]) for i in range(len(sizes))]
@@ -314,8 +334,13 @@ def test_cancel_mid_stream_frees_the_session(sidecar, caplog):
             break
         time.sleep(0.05)
     assert servicer.active == 0 and len(servicer.sessions) == 0
-    counts = {s.labels["code"]: s.value for m in sidecar.sidecar.metrics.registry.collect()
-              if m.name == "kvferry_requests" for s in m.samples if s.labels.get("method") == "Translate" and s.name.endswith("_total")}
+    counts = {
+        s.labels["code"]: s.value
+        for m in sidecar.sidecar.metrics.registry.collect()
+        if m.name == "kvferry_requests"
+        for s in m.samples
+        if s.labels.get("method") == "Translate" and s.name.endswith("_total")
+    }
     assert "INTERNAL" not in counts, counts
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
@@ -339,9 +364,8 @@ def test_deadline_is_honoured(sidecar):
         time.sleep(2)
         yield from reqs[1:]
 
-    with grpc.insecure_channel(sidecar.address) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            list(pb_grpc.TranslateServiceStub(ch).Translate(slow(), timeout=0.5))
+    with grpc.insecure_channel(sidecar.address) as ch, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.TranslateServiceStub(ch).Translate(slow(), timeout=0.5))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -352,20 +376,34 @@ def test_health_reflection_and_metrics(sidecar_factory, maps_dir, family):
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, metrics_port=0)
     with grpc.insecure_channel(sc.address) as ch:
-        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvferry.v1.TranslateService"))
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="kvferry.v1.TranslateService")
+        )
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2
 
     for version in ("v1alpha", "v1"):  # v1 is what grpcurl and current tools ask first; only v1alpha answered
         with grpc.insecure_channel(sc.address) as ch:
-            call = ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            call = ch.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
             (resp,) = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
             names = {s.name for s in resp.list_services_response.service}
-            assert {"kvferry.v1.TranslateService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= names
-            (resp,) = list(call(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvferry.v1.TranslateService")]),
-                                timeout=10))
+            assert {
+                "kvferry.v1.TranslateService",
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
+            } <= names
+            (resp,) = list(
+                call(
+                    iter(
+                        [reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvferry.v1.TranslateService")]
+                    ),
+                    timeout=10,
+                )
+            )
             assert resp.file_descriptor_response.file_descriptor_proto, version
     s = family["S"]
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
@@ -383,12 +421,17 @@ def test_health_not_serving_without_maps_and_while_draining(sidecar_factory, tmp
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     empty = sidecar_factory(maps_dir=str(tmp_path))
-    check = lambda ch, svc: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc)).status  # noqa: E731
+
+    def check(ch, svc):
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc)).status
+
     with grpc.insecure_channel(empty.address) as ch:
         assert check(ch, "") == health_pb2.HealthCheckResponse.SERVING  # alive
         assert check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready
     full = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, drain_seconds=5, drain_notice_seconds=2)
-    import threading, time
+    import threading
+    import time
+
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
     hold = threading.Event()
@@ -397,14 +440,19 @@ def test_health_not_serving_without_maps_and_while_draining(sidecar_factory, tmp
     with grpc.insecure_channel(full.address) as ch:
         assert check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.SERVING
         out = {}
-        t = threading.Thread(target=lambda: out.setdefault("r", list(pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=20))))
+        t = threading.Thread(
+            target=lambda: out.setdefault("r", list(pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=20)))
+        )
         t.start()
         while full.sidecar.servicer.active == 0:
             time.sleep(0.01)
         drain = threading.Thread(target=lambda: full.call(full.sidecar.drain(5)))
         drain.start()
-        wait_until(lambda: check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.NOT_SERVING, 10,
-                   "the drain's health change")
+        wait_until(
+            lambda: check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.NOT_SERVING,
+            10,
+            "the drain's health change",
+        )
         assert check(ch, "") == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as e:  # new streams are turned away while draining
             list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=5))
@@ -445,13 +493,15 @@ def test_stream_cap_and_byte_limit_are_resource_exhausted(sidecar_factory, maps_
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_streams=1, max_request_bytes=40000)
     release = threading.Event()
-    kv, reqs, held = _held_stream(release)
+    kv, _reqs, held = _held_stream(release)
 
     done = {}
 
     def first():
         with grpc.insecure_channel(sc.address) as ch:
-            done["kinds"] = [m.WhichOneof("msg") for m in pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=30)]
+            done["kinds"] = [
+                m.WhichOneof("msg") for m in pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=30)
+            ]
 
     t = threading.Thread(target=first)
     t.start()
@@ -506,9 +556,8 @@ def test_size_limits_carry_no_retry_hint(sidecar_factory, maps_dir):
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_request_bytes=40000)
     big = make_kv(layers=4, tokens=40, heads=2, head_dim=32)
-    with TranslateClient(ClientOptions(target=sc.address, retries=3)) as c:
-        with pytest.raises(grpc.RpcError) as e:
-            c.translate(big, "S__S-self")
+    with TranslateClient(ClientOptions(target=sc.address, retries=3)) as c, pytest.raises(grpc.RpcError) as e:
+        c.translate(big, "S__S-self")
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_hint(e.value) is None
 
 
@@ -516,11 +565,12 @@ def test_maps_run_in_token_lanes_answer_as_the_whole_map_does(sidecar_factory, f
     """map_threads > 1 (the default on a multi-core CPU): a translation's tokens are mapped in lanes, each on a thread
     of its own running torch on one core, fed by the compute thread (one core too). Through a real cross-model map
     (4 -> 6 layers, 2 -> 3 kv heads) the answer is the whole-cache apply's, with three lanes or none."""
+    from conftest import ROOT
+
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
     from kvferry.mappings.errors import InvalidInput
     from kvferry.sidecar.config import SidecarConfig
-    from conftest import ROOT
 
     ms = load(ROOT / "maps" / "S__T" / "1.0.0")
     g = ms.source.geometry
@@ -536,7 +586,10 @@ def test_maps_run_in_token_lanes_answer_as_the_whole_map_does(sidecar_factory, f
             assert compute.submit(torch.get_num_threads).result() == 1  # the compute thread runs torch on one core
         with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:  # whole layers: 600-token steps
             for (k, v), (wk, wv) in zip(c.translate(kv, "S__T", "1.0.0", **kw).layers(), want):
-                torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4), torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4)
+                (
+                    torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4),
+                    torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4),
+                )
     assert SidecarConfig(map_threads=0, threads=3).resolved_map_threads() == 3
     assert SidecarConfig(map_threads=4, device="cuda").resolved_map_threads() == 1  # a GPU step is one kernel launch
     with pytest.raises(InvalidInput, match="map_threads must be >= 0"):
@@ -550,6 +603,9 @@ def test_a_layers_lane_pieces_leave_in_one_message(block_tokens):
     outgrow the message limit, and each message holds the bytes a Block of the joined tokens makes. Through a real
     cross-model map (4 -> 6 layers, 2 -> 3 kv heads) in three lanes, held until every chunk has been queued."""
     import threading
+
+    from conftest import ROOT
+
     from kvferry.common import wire
     from kvferry.common.messages import BlockParts, Chunk, TranslateSpec
     from kvferry.mappings.apply import apply
@@ -557,7 +613,6 @@ def test_a_layers_lane_pieces_leave_in_one_message(block_tokens):
     from kvferry.sidecar.lanes import Lanes
     from kvferry.sidecar.limits import Limits
     from kvferry.sidecar.pipeline import TranslateSession
-    from conftest import ROOT
 
     ms = load(ROOT / "maps" / "S__T" / "1.0.0")
     g, tg = ms.source.geometry, ms.target.geometry
@@ -579,8 +634,9 @@ def test_a_layers_lane_pieces_leave_in_one_message(block_tokens):
         hold.set()
         lanes.shutdown()
     cuts = [(0, 600)] if block_tokens is None else [(0, 250), (250, 500), (500, 600)]  # lanes: 0-200, 200-400, 400-600
-    assert [(b.layer, b.start, b.end, b.index) for b in blocks] == [(t, a, b, i) for t in range(tg.layers)
-                                                                     for i, (a, b) in enumerate(cuts)]
+    assert [(b.layer, b.start, b.end, b.index) for b in blocks] == [
+        (t, a, b, i) for t in range(tg.layers) for i, (a, b) in enumerate(cuts)
+    ]
     spans_pieces = [True] if block_tokens is None else [True, True, False]  # 500-600 lies in the last lane's piece
     assert [isinstance(b, BlockParts) for b in blocks[: len(cuts)]] == spans_pieces
     assert session.finish().bytes_out == 600 * per_token * tg.layers
@@ -600,8 +656,11 @@ def test_maps_are_warmed_on_the_compute_thread_before_readiness(sidecar_factory,
 
     seen = []
     real = server.warm
-    monkeypatch.setattr(server, "warm", lambda ms, lanes: (seen.append((ms.name, ms.version, threading.current_thread().name)),
-                                                            real(ms, lanes)))
+    monkeypatch.setattr(
+        server,
+        "warm",
+        lambda ms, lanes: (seen.append((ms.name, ms.version, threading.current_thread().name)), real(ms, lanes)),
+    )
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     assert [(n, v) for n, v, _ in seen] == [("S__S-self", "1.0.0")]
     assert seen[0][2].startswith("kvferry-compute")
@@ -676,9 +735,16 @@ def test_cancel_while_the_sidecar_is_sending_is_clean(sidecar, caplog):
     deadline = time.time() + 10
     while servicer.active and time.time() < deadline:
         time.sleep(0.05)
-    codes = lambda: {s.labels["code"]: s.value for m in sidecar.sidecar.metrics.registry.collect()  # noqa: E731
-                     if m.name == "kvferry_requests" for s in m.samples
-                     if s.labels.get("method") == "Translate" and s.name.endswith("_total")}
+
+    def codes():
+        return {
+            s.labels["code"]: s.value
+            for m in sidecar.sidecar.metrics.registry.collect()
+            if m.name == "kvferry_requests"
+            for s in m.samples
+            if s.labels.get("method") == "Translate" and s.name.endswith("_total")
+        }
+
     wait_until(lambda: sum(codes().values()) >= 3, 10, "every call counted")
     counts = codes()
     assert servicer.active == 0 and "INTERNAL" not in counts, counts
@@ -689,11 +755,12 @@ def test_responses_are_cut_to_the_message_limit(sidecar_factory, family):
     """A request chunk within --max-message-bytes could map to a target block over it (a wider target): the sidecar
     failed after the compute with RESOURCE_EXHAUSTED and a traceback. Blocks are now cut to fit; a page that cannot
     fit is refused up front; a limit gRPC cannot hold is refused at start-up (it crashed with OverflowError)."""
+    from conftest import ROOT
+
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
     from kvferry.mappings.errors import InvalidInput
     from kvferry.sidecar.config import SidecarConfig
-    from conftest import ROOT
 
     ms = load(ROOT / "maps" / "S__T64" / "1.0.0")  # S (64 wide per K or V) -> T64 (128 wide): blocks twice the chunks
     g = ms.source.geometry
@@ -726,12 +793,13 @@ def test_responses_are_cut_to_the_message_limit(sidecar_factory, family):
 def test_a_chunk_header_is_checked_once_and_add_alone_still_checks_it(monkeypatch):
     """The servicer checks a chunk's header before viewing its bytes; add() of that chunk does not check it again,
     and add() of a chunk whose header nobody checked still refuses it."""
+    from conftest import ROOT
+
     from kvferry.common.messages import Chunk, TranslateSpec
     from kvferry.mappings.artifact import load
     from kvferry.mappings.errors import InvalidInput
     from kvferry.sidecar.limits import Limits
     from kvferry.sidecar.pipeline import TranslateSession
-    from conftest import ROOT
 
     ms = load(ROOT / "maps" / "S__T" / "1.0.0")
     g = ms.source.geometry

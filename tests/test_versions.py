@@ -4,8 +4,8 @@
 import pytest
 
 from kvferry.client.client import serving_mapping
-from kvferry.common.listing import mapping_from_pb
 from kvferry.client.rollout import MapRollout
+from kvferry.common.listing import mapping_from_pb
 from kvferry.mappings.errors import ArtifactError, InvalidInput
 from kvferry.mappings.versions import is_version, serving_version, version_key
 from kvferry.v1 import translate_pb2 as pb
@@ -38,8 +38,10 @@ def test_serving_version():
 def test_clients_pick_what_the_sidecar_picks():
     """The direct reader, the cascade and the vLLM connector all read ListMappings through serving_mapping. Listed
     oldest-first, as ListMappings sorts them: the first servable one is not the one that serves."""
-    listed = [mapping_from_pb(pb.MappingInfo(name="S__T", version=v, servable=s))
-              for v, s in (("1.0.0", True), ("1.1.0", True), ("1.2.0", False))]
+    listed = [
+        mapping_from_pb(pb.MappingInfo(name="S__T", version=v, servable=s))
+        for v, s in (("1.0.0", True), ("1.1.0", True), ("1.2.0", False))
+    ]
     assert serving_mapping(listed, "S__T", "").version == "1.1.0"
     assert serving_mapping(listed, "S__T", "1.0.0").version == "1.0.0"
     assert serving_mapping(listed, "S__T", "1.2.0") is None

@@ -12,15 +12,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this in its own venv")
 
-from kvferry.client.rollout import update_policy_file  # noqa: E402
-from kvferry.mappings.artifact import save, write_evidence  # noqa: E402
-from kvferry.mappings.capture import read_corpus, token_windows  # noqa: E402
-from kvferry.mappings.fit import identity_mapset  # noqa: E402
-from kvferry.sidecar.background import BackgroundSidecar  # noqa: E402
-from kvferry.sidecar.config import SidecarConfig  # noqa: E402
-from kvferry.bench.vllm_driver import EngineProcess  # noqa: E402
+from conftest import DATA, MODELS, PASSING_COPY, sample
 
-from conftest import DATA, MODELS, PASSING_COPY, sample  # noqa: E402
+from kvferry.bench.vllm_driver import EngineProcess
+from kvferry.client.rollout import update_policy_file
+from kvferry.mappings.artifact import save, write_evidence
+from kvferry.mappings.capture import read_corpus, token_windows
+from kvferry.mappings.fit import identity_mapset
+from kvferry.sidecar.background import BackgroundSidecar
+from kvferry.sidecar.config import SidecarConfig
 
 SECRET, PREFIX_BLOCK, PROMPTS, LENGTH = "v" * 32, 128, 8, 400
 
@@ -50,22 +50,43 @@ def _published_kv_is_the_models_own(model, redis_url, ids):
 def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redis_url):
     s, t = family["S"], family["T"]
     maps = tmp_path / "maps"
-    good = {"arms": {"mapped_refresh": {"top1": 1.0, "top10": 1.0, "kl": 0.0, "attn_cos": 1.0}}, "recommended_refresh": 16,
-            "copy": PASSING_COPY}
+    good = {
+        "arms": {"mapped_refresh": {"top1": 1.0, "top10": 1.0, "kl": 0.0, "attn_cos": 1.0}},
+        "recommended_refresh": 16,
+        "copy": PASSING_COPY,
+    }
     self_map = save(identity_mapset(s.identity, version="1.0.0"), maps)
     write_evidence(self_map, good)
     shutil.copytree(MODELS.parent / "maps" / "S__T", maps / "S__T")  # the shipped map, with its evidence
-    prompts = [w.tolist() for w in token_windows(t.tokenizer, list(read_corpus([DATA / "heldout.jsonl"])), LENGTH)[:PROMPTS]]
+    prompts = [
+        w.tolist() for w in token_windows(t.tokenizer, list(read_corpus([DATA / "heldout.jsonl"])), LENGTH)[:PROMPTS]
+    ]
     common = {"redis_url": redis_url, "prefix_secret": SECRET, "prefix_block_size": PREFIX_BLOCK}
-    sidecar = BackgroundSidecar(SidecarConfig(maps_dir=str(maps), port=0, reload_seconds=0, redis_url=redis_url,
-                                              prefix_secret=SECRET, prefix_block_size=PREFIX_BLOCK))  # gates on
-    consumer = lambda model, name: {**common, "sidecar": sidecar.address, "map_name": name, "status_seconds": 0}  # noqa: E731
+    sidecar = BackgroundSidecar(
+        SidecarConfig(
+            maps_dir=str(maps),
+            port=0,
+            reload_seconds=0,
+            redis_url=redis_url,
+            prefix_secret=SECRET,
+            prefix_block_size=PREFIX_BLOCK,
+        )
+    )  # gates on
+
+    def consumer(model, name):
+        return {**common, "sidecar": sidecar.address, "map_name": name, "status_seconds": 0}
+
     log = tmp_path / "target.log"
     try:  # the target loads in its step, layer by layer: each attention layer waits for its own layer's pages
-        with EngineProcess(MODELS / "T", "kv_consumer", {**consumer(MODELS / "T", "S__T"), "async_loads": False,
-                                                                 "layer_by_layer": True},
-                           log=log) as target, \
-                EngineProcess(MODELS / "S", "kv_producer", common, max_num_batched_tokens=256) as source:  # chunked prefill
+        with (
+            EngineProcess(
+                MODELS / "T",
+                "kv_consumer",
+                {**consumer(MODELS / "T", "S__T"), "async_loads": False, "layer_by_layer": True},
+                log=log,
+            ) as target,
+            EngineProcess(MODELS / "S", "kv_producer", common, max_num_batched_tokens=256) as source,
+        ):  # chunked prefill
             bs = target.info["block_size"]
             covered = (LENGTH - 16) // PREFIX_BLOCK * PREFIX_BLOCK  # whole prefix blocks before the refreshed tail
             baseline = target.batch(prompts)  # nothing published yet: T's own prefill
@@ -76,8 +97,13 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
         _published_kv_is_the_models_own(s, redis_url, prompts[0][:covered])
         assert all(r["num_cached_tokens"] >= covered for r in mapped), [r["num_cached_tokens"] for r in mapped]
         first = sum(a["tokens"][0] == b["tokens"][0] for a, b in zip(baseline, mapped)) / PROMPTS
-        greedy = sum(sum(x == y for x, y in zip(a["tokens"], b["tokens"])) / len(a["tokens"])
-                     for a, b in zip(baseline, mapped)) / PROMPTS
+        greedy = (
+            sum(
+                sum(x == y for x, y in zip(a["tokens"], b["tokens"])) / len(a["tokens"])
+                for a, b in zip(baseline, mapped)
+            )
+            / PROMPTS
+        )
         # kvferry eval's evidence for this map (mapped + refresh 16): top-1 0.90, 32-token greedy agreement 0.52
         assert first >= 0.6 and greedy >= 0.3, (first, greedy)
         said = log.read_text()  # every load went layer by layer (the driver runs each prompt twice: TTFT, then tokens)
@@ -86,9 +112,15 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
 
         policy = tmp_path / "policy.toml"
         update_policy_file(policy, "S__S-self", enabled=True)
-        with EngineProcess(MODELS / "S", "kv_consumer", {**consumer(MODELS / "S", "S__S-self"), "policy_file": str(policy),
-                                                         "direct_reads": True}) as engine:
-            served = lambda: sample(sidecar, "kvferry_tokens_total", map="S__S-self@1.0.0")  # noqa: E731
+        with EngineProcess(
+            MODELS / "S",
+            "kv_consumer",
+            {**consumer(MODELS / "S", "S__S-self"), "policy_file": str(policy), "direct_reads": True},
+        ) as engine:
+
+            def served():
+                return sample(sidecar, "kvferry_tokens_total", map="S__S-self@1.0.0")
+
             before = served()
             exact = engine.batch(prompts)  # the sidecar maps the stored source blocks and stores the mapped ones
             after = served()
@@ -107,7 +139,9 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
             off = engine.batch(prompts)
             assert all(r["num_cached_tokens"] == 0 for r in off) and [r["tokens"] for r in off] == same
             update_policy_file(policy, "S__S-self", enabled=True)
-            write_evidence(self_map, {**good, "arms": {"mapped_refresh": {**good["arms"]["mapped_refresh"], "top10": 0.1}}})
+            write_evidence(
+                self_map, {**good, "arms": {"mapped_refresh": {**good["arms"]["mapped_refresh"], "top10": 0.1}}}
+            )
             sidecar.call(sidecar.sidecar.reload())  # the map's evidence now fails the gate: it is gated off
             time.sleep(1.1)
             gated = engine.batch(prompts)
@@ -118,12 +152,30 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
         # A translation that fails after the scheduler matched the tokens (this sidecar derives other keys, so
         # it finds nothing for them): the worker reports the blocks as load errors and vLLM recomputes them, loading
         # asynchronously and loading layer by layer (the failure then arrives while the forward waits on a layer).
-        other = BackgroundSidecar(SidecarConfig(maps_dir=str(maps), port=0, reload_seconds=0, redis_url=redis_url,
-                                                prefix_secret="w" * 32, prefix_block_size=PREFIX_BLOCK, force_maps=True))
+        other = BackgroundSidecar(
+            SidecarConfig(
+                maps_dir=str(maps),
+                port=0,
+                reload_seconds=0,
+                redis_url=redis_url,
+                prefix_secret="w" * 32,
+                prefix_block_size=PREFIX_BLOCK,
+                force_maps=True,
+            )
+        )
         try:
             for asynchronous in (True, False):
-                with EngineProcess(MODELS / "S", "kv_consumer", {**common, "sidecar": other.address, "map_name": "S__S-self",
-                                                                 "async_loads": asynchronous, "layer_by_layer": True}) as engine:
+                with EngineProcess(
+                    MODELS / "S",
+                    "kv_consumer",
+                    {
+                        **common,
+                        "sidecar": other.address,
+                        "map_name": "S__S-self",
+                        "async_loads": asynchronous,
+                        "layer_by_layer": True,
+                    },
+                ) as engine:
                     failed = engine.batch(prompts)
                 assert [r["tokens"] for r in failed] == same, asynchronous
         finally:

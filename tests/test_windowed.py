@@ -12,6 +12,7 @@ import sys
 import grpc
 import pytest
 import torch
+from conftest import ROOT, make_kv, sample
 
 from kvferry.client.client import ClientOptions, TranslateClient
 from kvferry.mappings.apply import StreamingApplier, apply
@@ -19,8 +20,6 @@ from kvferry.mappings.artifact import LayerMap, MapSet, load, save
 from kvferry.mappings.errors import ArtifactError, InvalidInput
 from kvferry.mappings.features import to_features
 from kvferry.mappings.geometry import digest
-
-from conftest import ROOT, make_kv, sample
 
 SECRET, BS = "windowed-secret", 16
 
@@ -32,7 +31,9 @@ def windowed(ms: MapSet, window: int, offset: int, version: str = "2.0.0") -> Ma
         rows = m.weight.shape[0]
         w = torch.zeros(window * rows, m.weight.shape[1], dtype=m.weight.dtype)
         w[offset * rows : (offset + 1) * rows] = m.weight
-        maps[key] = LayerMap(m.target_layer, m.kind, m.source_layers, w, m.bias.clone(), m.lam, m.heldout_r2, m.inputs, window)
+        maps[key] = LayerMap(
+            m.target_layer, m.kind, m.source_layers, w, m.bias.clone(), m.lam, m.heldout_r2, m.inputs, window
+        )
     return MapSet(ms.source, ms.target, maps, version, dict(ms.fit), dict(ms.calibration), ms.evidence)
 
 
@@ -50,19 +51,27 @@ def source(per_token):
 def _stream(ms, kv, chunk, positions=0, context=0, lanes=None):
     """Push ``kv`` token range by token range (every layer per range); the first ``context`` tokens are context."""
     n = kv[0][0].shape[2]
-    app = (lanes.applier(ms, positions, None, n - context, context) if lanes else
-           StreamingApplier(ms, positions, tokens=n - context, context=context))
+    app = (
+        lanes.applier(ms, positions, None, n - context, context)
+        if lanes
+        else StreamingApplier(ms, positions, tokens=n - context, context=context)
+    )
     out: dict[int, list] = {}
     for s in range(0, n, chunk):
         for layer, (k, v) in enumerate(kv):
             for kind, t in (("k", k), ("v", v)):
-                for tl, a, b, tk, tv in app.push(layer, kind, t[:, :, s : s + chunk], s - context):
+                for tl, a, _b, tk, tv in app.push(layer, kind, t[:, :, s : s + chunk], s - context):
                     out.setdefault(tl, []).append((a, tk, tv))
-    for tl, a, b, tk, tv in app.drain():
+    for tl, a, _b, tk, tv in app.drain():
         out.setdefault(tl, []).append((a, tk, tv))
     assert app.done
-    return [(torch.cat([k for _, k, _ in sorted(out[t], key=lambda x: x[0])], 2),
-             torch.cat([v for _, _, v in sorted(out[t], key=lambda x: x[0])], 2)) for t in sorted(out)]
+    return [
+        (
+            torch.cat([k for _, k, _ in sorted(out[t], key=lambda x: x[0])], 2),
+            torch.cat([v for _, _, v in sorted(out[t], key=lambda x: x[0])], 2),
+        )
+        for t in sorted(out)
+    ]
 
 
 def test_offset_zero_is_the_per_token_map(per_token, source):
@@ -115,10 +124,13 @@ def test_token_lanes_read_the_tokens_before_them(per_token, source, chunk):
     win = windowed(per_token, 3, 1)
     lanes = Lanes(3, min_slice=2, share_min=2)
     whole = _stream(win, source, 50)
-    for got in (_stream(win, source, chunk, lanes=lanes), _stream(win, source, chunk, positions=2, context=2, lanes=lanes)):
+    for got in (
+        _stream(win, source, chunk, lanes=lanes),
+        _stream(win, source, chunk, positions=2, context=2, lanes=lanes),
+    ):
         for (k, v), (wk, wv) in zip(got, whole):
-            torch.testing.assert_close(k, wk[:, :, -k.shape[2]:], rtol=1e-4, atol=1e-4)  # matmuls of other row counts
-            torch.testing.assert_close(v, wv[:, :, -v.shape[2]:], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(k, wk[:, :, -k.shape[2] :], rtol=1e-4, atol=1e-4)  # matmuls of other row counts
+            torch.testing.assert_close(v, wv[:, :, -v.shape[2] :], rtol=1e-4, atol=1e-4)
 
 
 def test_artifact_keeps_the_window_and_says_format_2(per_token, tmp_path):
@@ -128,7 +140,9 @@ def test_artifact_keeps_the_window_and_says_format_2(per_token, tmp_path):
     back = load(dest)
     assert back.context == 2 and all(m.window == 3 for m in back.maps.values())
     assert json.loads((save(per_token, tmp_path / "plain") / "manifest.json").read_text())["format_version"] == 1
-    shown = subprocess.run([sys.executable, "-m", "kvferry", "maps", "inspect", str(dest)], capture_output=True, text=True, check=True)
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvferry", "maps", "inspect", str(dest)], capture_output=True, text=True, check=True
+    )
     assert "windowed maps (read the 2 source tokens before each token" in shown.stdout
     # a windowed manifest relabelled as format 1 (checksum recomputed) would be read as per-token maps by older readers
     man["format_version"] = 1
@@ -167,8 +181,14 @@ def test_sidecar_maps_past_a_cached_prefix_with_its_context(sidecar_factory, map
     ids = list(range(200, 280))
     win = windowed(per_token, 3, 1)
     want = apply(win, kv)
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret=SECRET,
-                         prefix_block_size=BS, prefix_write_back=True)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir),
+        force_maps=True,
+        redis_url=redis_url,
+        prefix_secret=SECRET,
+        prefix_block_size=BS,
+        prefix_write_back=True,
+    )
     with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=16)) as c:
         first = c.translate([(k[:, :, :48], v[:, :, :48]) for k, v in kv], "S__T", "2.0.0", token_ids=ids[:48], **kw)
         assert first.stats.cached_blocks == 0
@@ -186,8 +206,9 @@ def test_sidecar_maps_past_a_cached_prefix_with_its_context(sidecar_factory, map
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "before each token" in e.value.details()
 
 
-def test_key_only_past_stored_target_blocks_reads_their_source_as_context(sidecar_factory, maps_dir, family, per_token,
-                                                                          redis_url):
+def test_key_only_past_stored_target_blocks_reads_their_source_as_context(
+    sidecar_factory, maps_dir, family, per_token, redis_url
+):
     """Key-only: the first request maps blocks 0-1 and stores them; the longer one finds them and maps blocks 2-3,
     reading the source tokens of block 1 as the window's context."""
     from kvferry.common.prefix_cache import publish_source
@@ -199,10 +220,13 @@ def test_key_only_past_stored_target_blocks_reads_their_source_as_context(sideca
     kv = make_kv(layers=g.layers, tokens=64, heads=g.kv_heads, head_dim=g.head_dim, seed=7)
     ids = list(range(300, 364))
     want = apply(windowed(per_token, 3, 1), kv)
-    short = publish_source(kv, ids[:32], s, store=RedisStore(redis_url), secret=SECRET.encode(), tenant="acme", block_size=BS)
+    short = publish_source(
+        kv, ids[:32], s, store=RedisStore(redis_url), secret=SECRET.encode(), tenant="acme", block_size=BS
+    )
     full = publish_source(kv, ids, s, store=RedisStore(redis_url), secret=SECRET.encode(), tenant="acme", block_size=BS)
-    sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret=SECRET,
-                         prefix_block_size=BS)
+    sc = sidecar_factory(
+        maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret=SECRET, prefix_block_size=BS
+    )
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         first = c.translate(None, "S__T", "2.0.0", token_ids=ids[:32], prefix_key=short, **kw)
         assert first.info.num_tokens == 32

@@ -1,5 +1,7 @@
 """The tensor wire codec: the hand-written fast paths produce and read exactly the protobuf wire format."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,9 +24,22 @@ def make_tensor(shape, dtype, seed=0, strided=False):
 
 blocks = st.builds(
     lambda layer, start, n, index, heads, dim, dtype, strided: Block(
-        layer, start, start + n, index, make_tensor((heads, n, dim), dtype, 1, strided), make_tensor((heads, n, dim), dtype, 2, strided)),
-    st.integers(0, 300), st.integers(0, 1 << 20), st.integers(0, 40), st.integers(0, 1 << 16), st.integers(0, 4),
-    st.sampled_from([0, 1, 16, 64]), st.sampled_from(DTYPES), st.booleans())
+        layer,
+        start,
+        start + n,
+        index,
+        make_tensor((heads, n, dim), dtype, 1, strided),
+        make_tensor((heads, n, dim), dtype, 2, strided),
+    ),
+    st.integers(0, 300),
+    st.integers(0, 1 << 20),
+    st.integers(0, 40),
+    st.integers(0, 1 << 16),
+    st.integers(0, 4),
+    st.sampled_from([0, 1, 16, 64]),
+    st.sampled_from(DTYPES),
+    st.booleans(),
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -41,8 +56,12 @@ def test_block_response_fast_path_is_the_protobuf_encoding_and_decodes_in_place(
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40), st.booleans()), min_size=1, max_size=4), st.integers(0, 3),
-       st.sampled_from([1, 16, 64, 4096]), st.sampled_from(DTYPES))
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.booleans()), min_size=1, max_size=4),
+    st.integers(0, 3),
+    st.sampled_from([1, 16, 64, 4096]),
+    st.sampled_from(DTYPES),
+)
 def test_block_parts_encode_as_the_block_of_their_join(parts, heads, dim, dtype):
     """A block given as consecutive token ranges (a layer's lane pieces) makes the message of one Block holding
     their join along tokens: the same bytes, with no join in torch. Parts may be token-range views, or empty."""
@@ -51,12 +70,23 @@ def test_block_parts_encode_as_the_block_of_their_join(parts, heads, dim, dtype)
     n = sum(p for p, _ in parts)
     joined = Block(3, 5, 5 + n, 2, torch.cat(keys, 1), torch.cat(values, 1))
     b = BlockParts(3, 5, 5 + n, 2, keys, values)
-    assert wire.encode_block_response(b) == wire.encode_block_response(joined) == wire.block_to_pb(joined).SerializeToString()
+    assert (
+        wire.encode_block_response(b)
+        == wire.encode_block_response(joined)
+        == wire.block_to_pb(joined).SerializeToString()
+    )
     assert b.nbytes == joined.nbytes
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(0, 64), st.sampled_from("kv"), st.integers(0, 5000), st.integers(1, 40), st.sampled_from(DTYPES), st.booleans())
+@given(
+    st.integers(0, 64),
+    st.sampled_from("kv"),
+    st.integers(0, 5000),
+    st.integers(1, 40),
+    st.sampled_from(DTYPES),
+    st.booleans(),
+)
 def test_chunk_request_fast_path_is_the_protobuf_encoding(layer, kind, start, n, dtype, strided):
     c = Chunk(layer, kind, start, start + n, make_tensor((2, n, 32), dtype, 3, strided))
     data = wire.encode_chunk_request(c)
@@ -65,7 +95,9 @@ def test_chunk_request_fast_path_is_the_protobuf_encoding(layer, kind, start, n,
     assert torch.equal(back.tensor, c.tensor)
 
 
-@pytest.mark.parametrize("shape, cut", [((3, 8192, 64), (2730, 5460)), ((2, 4096, 16), (0, 4000)), ((5, 4, 4096, 8), (1, 3))])
+@pytest.mark.parametrize(
+    "shape, cut", [((3, 8192, 64), (2730, 5460)), ((2, 4096, 16), (0, 4000)), ((5, 4, 4096, 8), (1, 3))]
+)
 def test_slices_that_are_each_contiguous_encode_as_protobuf_does(shape, cut):
     """A token range of [heads, tokens, head_dim] is no contiguous tensor, but each head's slice is: those slices are
     joined into the message straight from the tensor (large enough ones; small ones are copied first)."""
@@ -88,7 +120,14 @@ def _frame_tuple(f: wire.ChunkFrame):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(0, 64), st.sampled_from("kv"), st.integers(0, 5000), st.integers(0, 40), st.sampled_from(DTYPES), st.booleans())
+@given(
+    st.integers(0, 64),
+    st.sampled_from("kv"),
+    st.integers(0, 5000),
+    st.integers(0, 40),
+    st.sampled_from(DTYPES),
+    st.booleans(),
+)
 def test_chunk_requests_are_read_in_place(layer, kind, start, n, dtype, strided):
     """The sidecar's request parse: a canonical chunk becomes a frame whose data is a view of the received bytes
     (no copy), holding exactly what protobuf reads from the same bytes."""
@@ -114,7 +153,8 @@ TENSOR = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 2, 2], data=bytes(range(16)
 ODD_CHUNKS = [
     _chunk_msg(layer=2, kind=pb.KV_KIND_VALUE, token_start=4, token_end=6, tensor=TENSOR).SerializeToString()
     + _chunk_msg(layer=3).SerializeToString(),  # merged twice: protobuf's merge semantics
-    _chunk_msg(layer=1, token_end=2, tensor=TENSOR).SerializeToString() + b"\x78\x05",  # an unknown field, outer message
+    _chunk_msg(layer=1, token_end=2, tensor=TENSOR).SerializeToString()
+    + b"\x78\x05",  # an unknown field, outer message
     b"\x12\x0c\x08\x01\x20\x02\x2a\x06\x08\x01\x10\x01\x10\x02",  # an unpacked repeated shape
     b"\x12\x08\x08\x80\x80\x80\x80\x10\x20\x01",  # a layer past uint32 (protobuf truncates it)
     b"\x12\x06\x10\xff\xff\xff\xff\x0f",  # a negative enum value
@@ -138,10 +178,13 @@ def test_malformed_chunks_are_refused_as_protobuf_refuses_them(data):
         wire.decode_request(data)
 
 
-@pytest.mark.parametrize("data", [
-    b"\x12\x00",  # an empty chunk (what protobuf writes for SourceChunk())
-    b"\x12\x04\x20\x01\x08\x05",  # distinct fields out of order: the same message to protobuf
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x12\x00",  # an empty chunk (what protobuf writes for SourceChunk())
+        b"\x12\x04\x20\x01\x08\x05",  # distinct fields out of order: the same message to protobuf
+    ],
+)
 def test_other_encodings_read_in_place_read_as_protobuf_reads_them(data):
     got = wire.decode_request(data)
     assert isinstance(got, wire.ChunkFrame) and isinstance(got.data, memoryview)
@@ -156,11 +199,15 @@ def test_chunks_in_any_other_form_are_read_by_protobuf(data):
 
 
 def test_other_responses_and_non_canonical_blocks_go_through_protobuf():
-    header = wire.info_to_pb(wire.TargetInfo("m", "1.0.0", "llama", 2, 2, 16, "f" * 64, "contiguous", 0, torch.float32, 8, 0))
+    header = wire.info_to_pb(
+        wire.TargetInfo("m", "1.0.0", "llama", 2, 2, 16, "f" * 64, "contiguous", 0, torch.float32, 8, 0)
+    )
     assert isinstance(wire.decode_response(header.SerializeToString()), pb.TranslateResponse)
     b = Block(1, 0, 4, 0, make_tensor((2, 4, 16), torch.float32), make_tensor((2, 4, 16), torch.float32))
     msg = wire.block_to_pb(b)
-    unusual = msg.SerializeToString() + pb.TranslateResponse(block=pb.TargetBlock(layer=3)).SerializeToString()  # merged twice
+    unusual = (
+        msg.SerializeToString() + pb.TranslateResponse(block=pb.TargetBlock(layer=3)).SerializeToString()
+    )  # merged twice
     got = wire.decode_response(unusual)
     assert isinstance(got, pb.TranslateResponse) and got.block.layer == 3  # protobuf's merge semantics, not ours
     bad_size = pb.TranslateResponse(block=pb.TargetBlock(layer=1, key=pb.Tensor(dtype=1, shape=[2, 2], data=b"x" * 3)))
@@ -198,15 +245,22 @@ def test_the_fast_codec_takes_its_field_numbers_from_translate_proto():
     translate.proto moves the fast path with it (and the golden wire files then fail, as they must)."""
     from kvferry.common import fastwire as f
 
-    assert f.REQUEST_HEADER_TAG == pb.TranslateRequest(header=pb.TranslateHeader(num_tokens=1)).SerializeToString()[:1]
-    assert f.REQUEST_CHUNK_TAG == pb.TranslateRequest(chunk=pb.SourceChunk(layer=1)).SerializeToString()[:1]
-    assert f.RESPONSE_BLOCK_TAG == pb.TranslateResponse(block=pb.TargetBlock(layer=1)).SerializeToString()[:1]
-    for message, names, numbers in ((pb.SourceChunk, ("layer", "kind", "token_start", "token_end", "tensor"),
-                                     (f.C_LAYER, f.C_KIND, f.C_START, f.C_END, f.C_TENSOR)),
-                                    (pb.TargetBlock, ("layer", "token_start", "token_end", "block_index", "key", "value"),
-                                     (f.B_LAYER, f.B_START, f.B_END, f.B_INDEX, f.B_KEY, f.B_VALUE)),
-                                    (pb.Tensor, ("dtype", "shape", "data", "region_offset"),
-                                     (f.T_DTYPE, f.T_SHAPE, f.T_DATA, f.T_REGION_OFFSET))):
+    assert pb.TranslateRequest(header=pb.TranslateHeader(num_tokens=1)).SerializeToString()[:1] == f.REQUEST_HEADER_TAG
+    assert pb.TranslateRequest(chunk=pb.SourceChunk(layer=1)).SerializeToString()[:1] == f.REQUEST_CHUNK_TAG
+    assert pb.TranslateResponse(block=pb.TargetBlock(layer=1)).SerializeToString()[:1] == f.RESPONSE_BLOCK_TAG
+    for message, names, numbers in (
+        (
+            pb.SourceChunk,
+            ("layer", "kind", "token_start", "token_end", "tensor"),
+            (f.C_LAYER, f.C_KIND, f.C_START, f.C_END, f.C_TENSOR),
+        ),
+        (
+            pb.TargetBlock,
+            ("layer", "token_start", "token_end", "block_index", "key", "value"),
+            (f.B_LAYER, f.B_START, f.B_END, f.B_INDEX, f.B_KEY, f.B_VALUE),
+        ),
+        (pb.Tensor, ("dtype", "shape", "data", "region_offset"), (f.T_DTYPE, f.T_SHAPE, f.T_DATA, f.T_REGION_OFFSET)),
+    ):
         assert numbers == tuple(message.DESCRIPTOR.fields_by_name[n].number for n in names)
-    source = open(f.__file__).read()
-    assert "b\"\\x" not in source and "_scalar(1" not in source  # no byte-literal tags, no literal field numbers
+    source = Path(f.__file__).read_text()
+    assert 'b"\\x' not in source and "_scalar(1" not in source  # no byte-literal tags, no literal field numbers

@@ -24,11 +24,23 @@ def synthetic_basis_set(ms, rank: int, seed: int = 0):
     sg, tg = ms.source.geometry, ms.target.geometry
     g = torch.Generator().manual_seed(seed)
     rows = 2 * sg.layers * sg.kv_width
-    basis = Basis(tuple(range(sg.layers)), (torch.randn(rows, rank, generator=g) / rows ** 0.5).to(ms.dtype),
-                  torch.zeros(rank, dtype=ms.dtype))
-    maps = {(t, kind): LayerMap(t, kind, basis.source_layers, (torch.randn(rank, tg.kv_width, generator=g) / rank ** 0.5).to(ms.dtype),
-                                torch.zeros(tg.kv_width, dtype=ms.dtype), inputs=KINDS)
-            for t in range(tg.layers) for kind in KINDS}
+    basis = Basis(
+        tuple(range(sg.layers)),
+        (torch.randn(rows, rank, generator=g) / rows**0.5).to(ms.dtype),
+        torch.zeros(rank, dtype=ms.dtype),
+    )
+    maps = {
+        (t, kind): LayerMap(
+            t,
+            kind,
+            basis.source_layers,
+            (torch.randn(rank, tg.kv_width, generator=g) / rank**0.5).to(ms.dtype),
+            torch.zeros(tg.kv_width, dtype=ms.dtype),
+            inputs=KINDS,
+        )
+        for t in range(tg.layers)
+        for kind in KINDS
+    }
     return MapSet(ms.source, ms.target, maps, "0.0.0", {"basis_rank": rank}, {}, basis=basis)
 
 
@@ -68,13 +80,22 @@ def run(a: argparse.Namespace) -> int:
         if ms.source.geometry.fingerprint != sg.fingerprint:
             raise SystemExit(f"{name} maps another source model ({ms.source.name}); give maps of one source geometry")
     results = {"threads": torch.get_num_threads(), "reps": a.reps, "sizes": {}}
-    lines = [f"in-process apply, {first.source.name} -> {first.target.name}, {results['threads']} threads, medians of {a.reps}",
-             "", "| map | tokens | MFLOP per token | ms | ratio to the first, median [q1, q3] | first target layer after |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"in-process apply, {first.source.name} -> {first.target.name}, {results['threads']} threads, medians of "
+        f"{a.reps}",
+        "",
+        "| map | tokens | MFLOP per token | ms | ratio to the first, median [q1, q3] | first target layer after |",
+        "|---|---|---|---|---|---|",
+    ]
     for n in a.sizes:
         g = torch.Generator().manual_seed(n)
-        kv = [(torch.randn(1, sg.kv_heads, n, sg.head_dim, generator=g), torch.randn(1, sg.kv_heads, n, sg.head_dim, generator=g))
-              for _ in range(sg.layers)]
+        kv = [
+            (
+                torch.randn(1, sg.kv_heads, n, sg.head_dim, generator=g),
+                torch.randn(1, sg.kv_heads, n, sg.head_dim, generator=g),
+            )
+            for _ in range(sg.layers)
+        ]
         calls = {name: (lambda ms=ms: apply(ms, kv)) for name, ms in variants.items()}
         for fn in calls.values():  # warm-up: fused weights built, allocator settled
             fn()
@@ -85,10 +106,17 @@ def run(a: argparse.Namespace) -> int:
             ratio = paired_ratio(times, (name,), (base,))
             ms_median = sorted(times[name])[len(times[name]) // 2]
             first = first_layer_after(ms, kv)
-            rows[name] = {"ms": ms_median, "mflop_per_token": ms.flops_per_token / 1e6, "ratio_to_first": ratio,
-                          "first_target_layer_after_chunks": first, "chunks": 2 * sg.layers}
-            lines.append(f"| {name} | {n:,} | {rows[name]['mflop_per_token']:.1f} | {ms_median:.1f} | {spread(ratio)} | "
-                         f"{first} of {2 * sg.layers} source chunks |")
+            rows[name] = {
+                "ms": ms_median,
+                "mflop_per_token": ms.flops_per_token / 1e6,
+                "ratio_to_first": ratio,
+                "first_target_layer_after_chunks": first,
+                "chunks": 2 * sg.layers,
+            }
+            lines.append(
+                f"| {name} | {n:,} | {rows[name]['mflop_per_token']:.1f} | {ms_median:.1f} | {spread(ratio)} | "
+                f"{first} of {2 * sg.layers} source chunks |"
+            )
         results["sizes"][str(n)] = rows
     print("\n".join(lines))
     write_json(a.json, results)
@@ -97,8 +125,12 @@ def run(a: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("apply", help="in-process apply time of map artifacts and shared-basis ranks, side by side")
-    b.add_argument("maps", nargs="+", type=Path, help="map artifacts <root>/<pair>/<version> of one source model; the "
-                                                      "first is the reference of the ratios")
+    b.add_argument(
+        "maps",
+        nargs="+",
+        type=Path,
+        help="map artifacts <root>/<pair>/<version> of one source model; the first is the reference of the ratios",
+    )
     b.add_argument("--basis-ranks", type=int, nargs="*", default=[], help="also time shared-basis sets of these ranks")
     b.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
     b.add_argument("--reps", type=int, default=7)

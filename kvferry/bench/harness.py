@@ -67,13 +67,26 @@ def median_seconds(fn, reps: int) -> float:
 class ServerProcess:
     """The sidecar (and an echo service) in a separate process, as in production: no shared GIL."""
 
-    def __init__(self, maps_dir, threads: int = 0, env: dict[str, str] | None = None, code: str = "", cwd: str | None = None,
-                 **extra):
+    def __init__(
+        self,
+        maps_dir,
+        threads: int = 0,
+        env: dict[str, str] | None = None,
+        code: str = "",
+        cwd: str | None = None,
+        **extra,
+    ):
         """``env``: variables added to the server process's environment; ``code``: Python run in place of
         ``-m kvferry.bench.server`` (it must end by calling that module's main(): side-by-side variants); ``cwd``: the
         folder it runs in (another than a checkout, for a kvferry found on PYTHONPATH before the checkout's)."""
-        cmd = [sys.executable, *(["-c", code] if code else ["-m", "kvferry.bench.server"]),
-               "--maps-dir", str(maps_dir), "--threads", str(threads)]
+        cmd = [
+            sys.executable,
+            *(["-c", code] if code else ["-m", "kvferry.bench.server"]),
+            "--maps-dir",
+            str(maps_dir),
+            "--threads",
+            str(threads),
+        ]
         for k, v in extra.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
@@ -83,9 +96,15 @@ class ServerProcess:
             self.proc.kill()
             raise RuntimeError(f"bench server did not start: {line!r}")
         self.address = m.group(1)
-        from kvferry.client.client import SINGLE_THREADED_STREAMS  # the client's own transport setting: the floor stays its best
+        from kvferry.client.client import (
+            SINGLE_THREADED_STREAMS,  # the client's own transport setting: the floor stays its best
+        )
 
-        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20), SINGLE_THREADED_STREAMS]
+        opts = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            SINGLE_THREADED_STREAMS,
+        ]
         self.channel = grpc.insecure_channel(self.address, opts)
         from kvferry.bench.server import ECHO_METHOD, REPLAY_METHOD, SINK_METHOD
 
@@ -159,8 +178,13 @@ def published_prefix(source, target, ms, store, secret: bytes, n: int, block_siz
     with torch.no_grad():
         kv = capture_kv(source.model, ids[:, : len(prefix)])
     key = publish_source(kv, prefix, ms.source, store=store, secret=secret, tenant=tenant, block_size=block_size)
-    kw = dict(source_geometry=ms.source.geometry.fingerprint, tokenizer=ms.source.tokenizer, tenant=tenant,
-              token_ids=prefix, prefix_key=key)
+    kw = dict(
+        source_geometry=ms.source.geometry.fingerprint,
+        tokenizer=ms.source.tokenizer,
+        tenant=tenant,
+        token_ids=prefix,
+        prefix_key=key,
+    )
     return prefix, key, kw
 
 
@@ -183,9 +207,23 @@ class RedisServer:
         """Start the server (again, on the same port) and wait until it answers PING."""
         import redis
 
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port)
         for _ in range(200):
             try:
@@ -237,8 +275,20 @@ class RedisClusterServers:
         self.procs: list[subprocess.Popen | None] = [None] * masters
         for i in range(masters):
             self.restart(i)
-        out = subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in self.ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if out.returncode != 0:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-500:]} {out.stderr[-500:]}")
@@ -260,10 +310,29 @@ class RedisClusterServers:
 
         port, d = self.ports[i], self.dir / str(self.ports[i])
         d.mkdir(parents=True, exist_ok=True)
-        self.procs[i] = subprocess.Popen([self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                          "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
-                                          "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs[i] = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(d),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for _ in range(200):
             if self.procs[i].poll() is not None:
                 raise RuntimeError(f"redis-server on port {port} exited at start ({self.procs[i].returncode})")
@@ -279,10 +348,13 @@ class RedisClusterServers:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if all("cluster_state:ok" in self.node(p).execute_command("CLUSTER", "INFO").decode()
-                       for p, proc in zip(self.ports, self.procs) if proc is not None and proc.poll() is None):
+                if all(
+                    "cluster_state:ok" in self.node(p).execute_command("CLUSTER", "INFO").decode()
+                    for p, proc in zip(self.ports, self.procs)
+                    if proc is not None and proc.poll() is None
+                ):
                     return
-            except Exception:  # noqa: BLE001 - a node still starting
+            except Exception:  # a node still starting
                 pass
             time.sleep(0.1)
         raise RuntimeError("the cluster did not reach cluster_state:ok")

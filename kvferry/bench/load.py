@@ -16,7 +16,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 from kvferry import paths
 
 
@@ -38,7 +37,10 @@ async def _drive(address: str, a: argparse.Namespace, ms, pid: int) -> dict:
 
     sg = ms.source.geometry
     g = torch.Generator().manual_seed(0)
-    kv = [tuple(torch.randn(1, sg.kv_heads, a.tokens, sg.head_dim, generator=g) for _ in range(2)) for _ in range(sg.layers)]
+    kv = [
+        tuple(torch.randn(1, sg.kv_heads, a.tokens, sg.head_dim, generator=g) for _ in range(2))
+        for _ in range(sg.layers)
+    ]
     kw = dict(source_geometry=sg.fingerprint, tokenizer=ms.source.tokenizer)
     total = a.clients * a.requests
     latencies: list[float] = []
@@ -74,13 +76,26 @@ async def _drive(address: str, a: argparse.Namespace, ms, pid: int) -> dict:
         for c in clients:
             await c.close()
     lat = sorted(latencies)
-    pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")  # noqa: E731
-    return {"clients": a.clients, "requests_per_client": a.requests, "tokens": a.tokens, "completed": len(lat),
-            "errors": dict(errors), "wall_s": wall, "translates_per_s": len(lat) / wall,
-            "tokens_per_s": len(lat) * a.tokens / wall, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
-            "mean_ms": statistics.fmean(lat) * 1e3 if lat else float("nan"),
-            "server_rss_after_warmup": base["VmRSS"], "server_rss_by_quarter": checkpoints,
-            "server_peak_rss": proc_memory(pid)["VmHWM"]}
+
+    def pick(q):
+        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")
+
+    return {
+        "clients": a.clients,
+        "requests_per_client": a.requests,
+        "tokens": a.tokens,
+        "completed": len(lat),
+        "errors": dict(errors),
+        "wall_s": wall,
+        "translates_per_s": len(lat) / wall,
+        "tokens_per_s": len(lat) * a.tokens / wall,
+        "p50_ms": pick(0.5),
+        "p99_ms": pick(0.99),
+        "mean_ms": statistics.fmean(lat) * 1e3 if lat else float("nan"),
+        "server_rss_after_warmup": base["VmRSS"],
+        "server_rss_by_quarter": checkpoints,
+        "server_peak_rss": proc_memory(pid)["VmHWM"],
+    }
 
 
 def run(a: argparse.Namespace) -> int:

@@ -27,10 +27,10 @@ VARIANTS = {
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvferry.quiet import quiet_transformers
     from kvferry.mappings.capture import load_model
     from kvferry.mappings.evaluate import EvalSettings, evaluate
     from kvferry.mappings.fit import FitSettings, fit_pair
+    from kvferry.quiet import quiet_transformers
 
     quiet_transformers()
     source, target = load_model(a.source), load_model(a.target)
@@ -40,13 +40,28 @@ def run(a: argparse.Namespace) -> int:
         ms = fit_pair(source, target, [str(c) for c in a.corpus], FitSettings(**VARIANTS[name]), progress=False)
         ev = evaluate(ms, source, target, [str(h) for h in a.heldout], settings, progress=False)
         r2 = [l["r2"] for l in ev["layers"]]
-        rows[name] = {"heldout_r2_fit": sum(m.heldout_r2 for m in ms.maps.values()) / len(ms.maps),
-                      "eval_r2_mean": sum(r2) / len(r2), **{f"{arm}_{k}": v for arm in ("mapped", "mapped_refresh")
-                                                             for k, v in ev["arms"][arm].items() if k != "per_prompt"},
-                      "truncate_kl": ev["arms"]["truncate"]["kl"]}
+        rows[name] = {
+            "heldout_r2_fit": sum(m.heldout_r2 for m in ms.maps.values()) / len(ms.maps),
+            "eval_r2_mean": sum(r2) / len(r2),
+            **{
+                f"{arm}_{k}": v
+                for arm in ("mapped", "mapped_refresh")
+                for k, v in ev["arms"][arm].items()
+                if k != "per_prompt"
+            },
+            "truncate_kl": ev["arms"]["truncate"]["kl"],
+        }
         print(json.dumps({name: {k: round(v, 4) for k, v in rows[name].items()}}), flush=True)
-    cols = ["eval_r2_mean", "mapped_top1", "mapped_top10", "mapped_kl", "mapped_attn_cos", "mapped_refresh_top1",
-            "mapped_refresh_top10", "mapped_refresh_kl"]
+    cols = [
+        "eval_r2_mean",
+        "mapped_top1",
+        "mapped_top10",
+        "mapped_kl",
+        "mapped_attn_cos",
+        "mapped_refresh_top1",
+        "mapped_refresh_top10",
+        "mapped_refresh_kl",
+    ]
     print(f"\n{source.identity.name} -> {target.identity.name}; {a.prompts} held-out prompts; r={a.refresh}\n")
     print("| variant | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))

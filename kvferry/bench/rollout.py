@@ -15,7 +15,6 @@ import math
 import tempfile
 from pathlib import Path
 
-
 from kvferry import paths
 from kvferry.pretrained import model_path
 
@@ -28,7 +27,9 @@ def pearson(xs: list[float], ys: list[float]) -> float:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    rank = lambda v: {i: r for r, i in enumerate(sorted(range(len(v)), key=v.__getitem__))}  # noqa: E731
+    def rank(v):
+        return {i: r for r, i in enumerate(sorted(range(len(v)), key=v.__getitem__))}
+
     rx, ry = rank(xs), rank(ys)
     return pearson([rx[i] for i in range(len(xs))], [ry[i] for i in range(len(ys))])
 
@@ -36,12 +37,12 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def run(a: argparse.Namespace) -> int:
     import torch
 
-    from kvferry.quiet import quiet_transformers
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
     from kvferry.mappings.artifact import load, save
     from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_windows
+    from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig
 
@@ -64,10 +65,14 @@ def run(a: argparse.Namespace) -> int:
     prompts = [w[None] for w in token_windows(target.tokenizer, texts, a.tokens)[: a.prompts]]
     never = dict(min_drift_attn_cos=-1.0, min_shadow_top10=-1.0, max_shadow_kl=1e9)  # measure, never switch off
     rows, samples = [], []
-    with BackgroundSidecar(SidecarConfig(maps_dir=str(tmp), port=0, reload_seconds=0, force_maps=True)) as sc, \
-            TranslateClient(ClientOptions(target=sc.address, timeout=120)) as client:
+    with (
+        BackgroundSidecar(SidecarConfig(maps_dir=str(tmp), port=0, reload_seconds=0, force_maps=True)) as sc,
+        TranslateClient(ClientOptions(target=sc.address, timeout=120)) as client,
+    ):
         for sigma, version in versions.items():
-            rollout = MapRollout(version=version, refresh=a.refresh, min_tokens=a.refresh + 1, shadow_percent=100.0, **never)
+            rollout = MapRollout(
+                version=version, refresh=a.refresh, min_tokens=a.refresh + 1, shadow_percent=100.0, **never
+            )
             cascade = Cascade(target.model, client, name, rollout, source.identity, seed=0)
             level = []
             for ids in prompts:
@@ -75,29 +80,74 @@ def run(a: argparse.Namespace) -> int:
                     src = capture_kv(source.model, ids)
                 res = cascade.generate(ids, src, max_new_tokens=1)
                 top1, top10, kl = res.shadow.result(120)
-                level.append({"noise": sigma, "drift_attn_cos": res.drift.mean_attn_cos, "drift_rel_err": res.drift.mean_rel_err,
-                              "shadow_top1": float(top1), "shadow_top10": top10, "shadow_kl": kl})
+                level.append(
+                    {
+                        "noise": sigma,
+                        "drift_attn_cos": res.drift.mean_attn_cos,
+                        "drift_rel_err": res.drift.mean_rel_err,
+                        "shadow_top1": float(top1),
+                        "shadow_top10": top10,
+                        "shadow_kl": kl,
+                    }
+                )
             cascade.close()
             samples += level
-            mean = lambda k: sum(s[k] for s in level) / len(level)  # noqa: E731
-            rows.append({"noise": sigma, **{k: mean(k) for k in ("drift_attn_cos", "drift_rel_err", "shadow_top1", "shadow_top10", "shadow_kl")}})
-    corr = lambda sel, k: (pearson([s[k] for s in sel], [s["shadow_kl"] for s in sel]),  # noqa: E731
-                           spearman([s[k] for s in sel], [s["shadow_kl"] for s in sel]))
+
+            def mean(k):
+                return sum(s[k] for s in level) / len(level)
+
+            rows.append(
+                {
+                    "noise": sigma,
+                    **{
+                        k: mean(k)
+                        for k in ("drift_attn_cos", "drift_rel_err", "shadow_top1", "shadow_top10", "shadow_kl")
+                    },
+                }
+            )
+
+    def corr(sel, k):
+        return (
+            pearson([s[k] for s in sel], [s["shadow_kl"] for s in sel]),
+            spearman([s[k] for s in sel], [s["shadow_kl"] for s in sel]),
+        )
+
     clean = [s for s in samples if s["noise"] == a.noise[0]]
-    out = {"map": name, "base_version": base_dir.name, "prompts": len(prompts), "tokens": a.tokens, "refresh": a.refresh,
-           "levels": rows,
-           "all": {k: dict(zip(("pearson", "spearman"), corr(samples, k))) for k in ("drift_attn_cos", "drift_rel_err")},
-           "shipped_map_only": {k: dict(zip(("pearson", "spearman"), corr(clean, k))) for k in ("drift_attn_cos", "drift_rel_err")},
-           "samples": samples}
-    lines = [f"map {name} {base_dir.name} + noise (x weight std); {len(prompts)} held-out prompts of {a.tokens} tokens; r={a.refresh}",
-             "", "| noise | drift attn cos | drift rel err | shadow top-1 | shadow top-10 | shadow KL |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['noise']:g} | {r['drift_attn_cos']:.4f} | {r['drift_rel_err']:.4f} | {r['shadow_top1']:.3f} | "
-              f"{r['shadow_top10']:.3f} | {r['shadow_kl']:.4f} |" for r in rows]
-    lines += ["", "| correlation with shadow KL | all requests (Pearson / Spearman) | shipped map only (Pearson / Spearman) |",
-              "|---|---|---|"]
+    out = {
+        "map": name,
+        "base_version": base_dir.name,
+        "prompts": len(prompts),
+        "tokens": a.tokens,
+        "refresh": a.refresh,
+        "levels": rows,
+        "all": {k: dict(zip(("pearson", "spearman"), corr(samples, k))) for k in ("drift_attn_cos", "drift_rel_err")},
+        "shipped_map_only": {
+            k: dict(zip(("pearson", "spearman"), corr(clean, k))) for k in ("drift_attn_cos", "drift_rel_err")
+        },
+        "samples": samples,
+    }
+    lines = [
+        f"map {name} {base_dir.name} + noise (x weight std); {len(prompts)} held-out prompts of {a.tokens} tokens; "
+        f"r={a.refresh}",
+        "",
+        "| noise | drift attn cos | drift rel err | shadow top-1 | shadow top-10 | shadow KL |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['noise']:g} | {r['drift_attn_cos']:.4f} | {r['drift_rel_err']:.4f} | {r['shadow_top1']:.3f} | "
+        f"{r['shadow_top10']:.3f} | {r['shadow_kl']:.4f} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "| correlation with shadow KL | all requests (Pearson / Spearman) | shipped map only (Pearson / Spearman) |",
+        "|---|---|---|",
+    ]
     for k in ("drift_attn_cos", "drift_rel_err"):
-        lines.append(f"| {k} | {out['all'][k]['pearson']:+.2f} / {out['all'][k]['spearman']:+.2f} | "
-                     f"{out['shipped_map_only'][k]['pearson']:+.2f} / {out['shipped_map_only'][k]['spearman']:+.2f} |")
+        lines.append(
+            f"| {k} | {out['all'][k]['pearson']:+.2f} / {out['all'][k]['spearman']:+.2f} | "
+            f"{out['shipped_map_only'][k]['pearson']:+.2f} / {out['shipped_map_only'][k]['spearman']:+.2f} |"
+        )
     print("\n".join(lines))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
@@ -110,8 +160,13 @@ def add_parser(sub) -> None:
     b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--version", default="", help="base map version (default: the newest)")
-    b.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.005, 0.01, 0.02, 0.04],
-                   help="noise levels added to the weights, in units of the weights' std; the first is the baseline")
+    b.add_argument(
+        "--noise",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.005, 0.01, 0.02, 0.04],
+        help="noise levels added to the weights, in units of the weights' std; the first is the baseline",
+    )
     b.add_argument("--prompts", type=int, default=40)
     b.add_argument("--tokens", type=int, default=256)
     b.add_argument("--refresh", type=int, default=16)

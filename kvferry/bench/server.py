@@ -42,15 +42,30 @@ def echo_handler():
             total += len(raw)
         return struct.pack("<Q", total)
 
-    return grpc.method_handlers_generic_handler("kvferry.bench.Echo", {
-        "Echo": grpc.stream_stream_rpc_method_handler(echo), "Replay": grpc.unary_stream_rpc_method_handler(replay),
-        "Sink": grpc.stream_unary_rpc_method_handler(sink)})
+    return grpc.method_handlers_generic_handler(
+        "kvferry.bench.Echo",
+        {
+            "Echo": grpc.stream_stream_rpc_method_handler(echo),
+            "Replay": grpc.unary_stream_rpc_method_handler(replay),
+            "Sink": grpc.stream_unary_rpc_method_handler(sink),
+        },
+    )
 
 
 async def _main(a: argparse.Namespace) -> None:
-    cfg = SidecarConfig(maps_dir=a.maps_dir, port=0, reload_seconds=0, force_maps=True, redis_url=a.redis_url,
-                        prefix_secret=a.prefix_secret, prefix_block_size=a.prefix_block_size, threads=a.threads,
-                        max_streams=a.max_streams, map_threads=a.map_threads, shm_dir=a.shm_dir)
+    cfg = SidecarConfig(
+        maps_dir=a.maps_dir,
+        port=0,
+        reload_seconds=0,
+        force_maps=True,
+        redis_url=a.redis_url,
+        prefix_secret=a.prefix_secret,
+        prefix_block_size=a.prefix_block_size,
+        threads=a.threads,
+        max_streams=a.max_streams,
+        map_threads=a.map_threads,
+        shm_dir=a.shm_dir,
+    )
     sc = Sidecar(cfg, extra_handlers=(echo_handler(),))
     port = await sc.start()
     print(f"listening on 127.0.0.1:{port}", flush=True)

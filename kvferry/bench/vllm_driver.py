@@ -14,6 +14,7 @@ process because vLLM keeps the KV connector in a process-wide singleton.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -23,22 +24,43 @@ import time
 class EngineProcess:
     """Start a driver process and talk to it: ``batch(prompts)`` -> per-prompt results."""
 
-    def __init__(self, model: str, role: str = "none", extra: dict | None = None, env: dict | None = None,
-                 max_model_len: int = 8192, max_num_batched_tokens: int | None = None, log=None):
+    def __init__(
+        self,
+        model: str,
+        role: str = "none",
+        extra: dict | None = None,
+        env: dict | None = None,
+        max_model_len: int = 8192,
+        max_num_batched_tokens: int | None = None,
+        log=None,
+    ):
         """``log``: a file path the engine's stderr goes to (default: this process's stderr)."""
         import subprocess
 
-        cmd = [sys.executable, "-m", "kvferry.bench.vllm_driver", "--model", str(model), "--role", role,
-               "--extra", json.dumps(extra or {}), "--max-model-len", str(max_model_len)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvferry.bench.vllm_driver",
+            "--model",
+            str(model),
+            "--role",
+            role,
+            "--extra",
+            json.dumps(extra or {}),
+            "--max-model-len",
+            str(max_model_len),
+        ]
         if max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
-        err = open(log, "w") if log else None
-        try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         env={**os.environ, **(env or {})})
-        finally:
-            if err is not None:
-                err.close()
+        with open(log, "w") if log else contextlib.nullcontext() as err:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env={**os.environ, **(env or {})},
+            )
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -65,7 +87,7 @@ class EngineProcess:
             self.proc.stdin.close()
             try:
                 self.proc.wait(60)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self.proc.kill()
 
     def __enter__(self):
@@ -91,13 +113,24 @@ def main() -> None:
 
     kw = {}
     if a.role != "none":
-        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KvferryConnector", kv_role=a.role,
-                                                    kv_connector_module_path="kvferry.client.vllm_connector",
-                                                    kv_connector_extra_config=json.loads(a.extra))
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvferryConnector",
+            kv_role=a.role,
+            kv_connector_module_path="kvferry.client.vllm_connector",
+            kv_connector_extra_config=json.loads(a.extra),
+        )
     if a.block_size:
         kw["block_size"] = a.block_size
-    llm = LLM(model=a.model, dtype="float32", max_model_len=a.max_model_len, enforce_eager=True, enable_prefix_caching=False,
-              max_num_batched_tokens=a.max_num_batched_tokens or a.max_model_len, seed=0, **kw)
+    llm = LLM(
+        model=a.model,
+        dtype="float32",
+        max_model_len=a.max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=a.max_num_batched_tokens or a.max_model_len,
+        seed=0,
+        **kw,
+    )
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     print(json.dumps({"ready": True, "block_size": block_size}), flush=True)
     for line in sys.stdin:
@@ -115,8 +148,14 @@ def main() -> None:
             res = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
             comp = res.outputs[0]
             top = comp.logprobs[0] if comp.logprobs else {}
-            out.append({"tokens": list(comp.token_ids), "num_cached_tokens": res.num_cached_tokens, "ttft_s": ttft,
-                        "top_logprobs": {str(t): lp.logprob for t, lp in top.items()}})
+            out.append(
+                {
+                    "tokens": list(comp.token_ids),
+                    "num_cached_tokens": res.num_cached_tokens,
+                    "ttft_s": ttft,
+                    "top_logprobs": {str(t): lp.logprob for t, lp in top.items()},
+                }
+            )
         print(json.dumps({"results": out}), flush=True)
 
 
@@ -126,9 +165,15 @@ def _log_to_stderr() -> None:
     import tempfile
 
     handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "plain"}
-    config = {"version": 1, "disable_existing_loggers": False, "formatters": {"plain": {"format": "%(levelname)s %(name)s: %(message)s"}},
-              "handlers": {"stderr": handler},
-              "loggers": {name: {"handlers": ["stderr"], "level": "INFO", "propagate": False} for name in ("vllm", "kvferry")}}
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(name)s: %(message)s"}},
+        "handlers": {"stderr": handler},
+        "loggers": {
+            name: {"handlers": ["stderr"], "level": "INFO", "propagate": False} for name in ("vllm", "kvferry")
+        },
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvferry-vllm-logging-", delete=False) as f:
         json.dump(config, f)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = f.name

@@ -23,8 +23,9 @@ from kvferry.pretrained import model_path
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvferry.mappings.capture import read_corpus
     from transformers import AutoTokenizer
+
+    from kvferry.mappings.capture import read_corpus
 
     from .harness import RedisServer, ServerProcess
     from .vllm_driver import EngineProcess
@@ -42,39 +43,70 @@ def run(a: argparse.Namespace) -> int:
     try:
         with ServerProcess(a.maps_dir, redis_url=url, prefix_secret=secret, prefix_block_size=a.prefix_block) as sc:
             common = {"redis_url": url, "prefix_secret": secret, "prefix_block_size": a.prefix_block}
-            consumer = {**common, "sidecar": sc.address, "map_name": a.map, "map_version": a.version, "refresh": a.refresh}
-            with EngineProcess(a.target, "kv_consumer", consumer) as target, EngineProcess(a.source, "kv_producer", common) as source:
+            consumer = {
+                **common,
+                "sidecar": sc.address,
+                "map_name": a.map,
+                "map_version": a.version,
+                "refresh": a.refresh,
+            }
+            with (
+                EngineProcess(a.target, "kv_consumer", consumer) as target,
+                EngineProcess(a.source, "kv_producer", common) as source,
+            ):
                 target.batch([ids[1000:1300]], 1)  # warm-up
                 for n in a.sizes:
                     prompts = [ids[i : i + n] for i in range(a.reps)]  # distinct prompts: no reuse between reps
                     own = target.batch(prompts, 1)
                     source.batch(prompts, 1)  # S reads them (it would anyway) and publishes their KV
                     mapped = target.batch(prompts, 1)
-                    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
-                    row = {"n": n, "vllm_full_prefill_ttft_ms": med(own, "ttft_s") * 1e3,
-                           "vllm_kvferry_ttft_ms": med(mapped, "ttft_s") * 1e3,
-                           "cached_tokens": med(mapped, "num_cached_tokens"), "prefill_tokens_without": n,
-                           "first_token_agree": sum(x["tokens"][0] == y["tokens"][0] for x, y in zip(own, mapped)) / len(own)}
+
+                    def med(rs, k):
+                        return statistics.median(r[k] for r in rs)
+
+                    row = {
+                        "n": n,
+                        "vllm_full_prefill_ttft_ms": med(own, "ttft_s") * 1e3,
+                        "vllm_kvferry_ttft_ms": med(mapped, "ttft_s") * 1e3,
+                        "cached_tokens": med(mapped, "num_cached_tokens"),
+                        "prefill_tokens_without": n,
+                        "first_token_agree": sum(x["tokens"][0] == y["tokens"][0] for x, y in zip(own, mapped))
+                        / len(own),
+                    }
                     row["speedup"] = row["vllm_full_prefill_ttft_ms"] / row["vllm_kvferry_ttft_ms"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             loads = _blocking_vs_async(a, ids, consumer)
     finally:
         redis_server.stop()
-    lines = [f"map {a.map} {a.version or '(newest)'}; vLLM CPU, float32, block size from the engine; prefix blocks of "
-             f"{a.prefix_block}; r >= {a.refresh}; medians of {a.reps} prompts",
-             "", "| n | vLLM T own prefill TTFT ms | vLLM T + kvferry TTFT ms | speedup | prompt tokens loaded | "
-                 "first token agrees |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"map {a.map} {a.version or '(newest)'}; vLLM CPU, float32, block size from the engine; prefix blocks of "
+        f"{a.prefix_block}; r >= {a.refresh}; medians of {a.reps} prompts",
+        "",
+        "| n | vLLM T own prefill TTFT ms | vLLM T + kvferry TTFT ms | speedup | prompt tokens loaded | "
+        "first token agrees |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['n']} | {r['vllm_full_prefill_ttft_ms']:.1f} | {r['vllm_kvferry_ttft_ms']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r['cached_tokens']:.0f} of {r['n']} | {r['first_token_agree']:.2f} |")
-    lines += ["", f"The published {max(a.sizes)}-token prompt alone, and a short prompt ({SHORT} tokens, never mapped) submitted "
-              f"with it; medians of {a.reps}: time to first token", "",
-              "| target engine loads | long one alone ms | short prompt alone ms | short prompt beside the long one ms | "
-              "long one beside it ms |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['n']} | {r['vllm_full_prefill_ttft_ms']:.1f} | {r['vllm_kvferry_ttft_ms']:.1f} | "
+            f"{r['speedup']:.2f}x | "
+            f"{r['cached_tokens']:.0f} of {r['n']} | {r['first_token_agree']:.2f} |"
+        )
+    lines += [
+        "",
+        f"The published {max(a.sizes)}-token prompt alone, and a short prompt ({SHORT} tokens, never mapped) submitted "
+        f"with it; medians of {a.reps}: time to first token",
+        "",
+        "| target engine loads | long one alone ms | short prompt alone ms | short prompt beside the long one ms | "
+        "long one beside it ms |",
+        "|---|---|---|---|---|",
+    ]
     for mode, r in loads.items():
-        lines.append(f"| {mode} | {r['long_alone_ms']:.1f} | {r['short_alone_ms']:.1f} | {r['short_beside_long_ms']:.1f} | "
-                     f"{r['long_ms']:.1f} |")
+        lines.append(
+            f"| {mode} | {r['long_alone_ms']:.1f} | {r['short_alone_ms']:.1f} | {r['short_beside_long_ms']:.1f} | "
+            f"{r['long_ms']:.1f} |"
+        )
     print("\n".join(lines))
     if a.json:
         Path(a.json).write_text(json.dumps({"map": a.map, "rows": rows, "loads": loads}, indent=1) + "\n")
@@ -82,9 +114,11 @@ def run(a: argparse.Namespace) -> int:
 
 
 SHORT = 48  # below the connector's min_tokens: never mapped
-MODES = {"in the step, whole": {"async_loads": False, "layer_by_layer": False},
-         "in the step, layer by layer": {"async_loads": False, "layer_by_layer": True},
-         "off the step (asynchronous)": {"async_loads": True}}
+MODES = {
+    "in the step, whole": {"async_loads": False, "layer_by_layer": False},
+    "in the step, layer by layer": {"async_loads": False, "layer_by_layer": True},
+    "off the step (asynchronous)": {"async_loads": True},
+}
 
 
 def _blocking_vs_async(a, ids: list[int], consumer: dict) -> dict:
@@ -98,14 +132,21 @@ def _blocking_vs_async(a, ids: list[int], consumer: dict) -> dict:
             target.batch([ids[1000:1300]], 1)  # warm-up
             long_alone, alone, beside, long = [], [], [], []
             for i in range(a.reps):
-                short = ids[len(ids) - (i + 1) * SHORT: len(ids) - i * SHORT]
+                short = ids[len(ids) - (i + 1) * SHORT : len(ids) - i * SHORT]
                 long_alone.append(target.together([ids[i : i + n]])[0]["ttft_s"])
                 alone.append(target.together([short])[0]["ttft_s"])
-                both = target.together([ids[i : i + n], short])  # the published prompt first: its load is scheduled first
+                both = target.together(
+                    [ids[i : i + n], short]
+                )  # the published prompt first: its load is scheduled first
                 long.append(both[0]["ttft_s"])
                 beside.append(both[1]["ttft_s"])
             med = statistics.median
-            out[mode] = {"long_alone_ms": med(long_alone) * 1e3, "short_alone_ms": med(alone) * 1e3, "short_beside_long_ms": med(beside) * 1e3, "long_ms": med(long) * 1e3}
+            out[mode] = {
+                "long_alone_ms": med(long_alone) * 1e3,
+                "short_alone_ms": med(alone) * 1e3,
+                "short_beside_long_ms": med(beside) * 1e3,
+                "long_ms": med(long) * 1e3,
+            }
             print(json.dumps({mode: out[mode]}), flush=True)
     return out
 

@@ -9,9 +9,8 @@ files share no topic).
 import argparse
 import hashlib
 import json
-from pathlib import Path
-
 import pydoc_data.topics as topics
+from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 

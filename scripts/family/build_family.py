@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from kvferry.mappings import recall
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "mappings"))
-import recall  # noqa: E402  (the package's own probe, importable without installing)
 
 VOCAB = 4096
 SEQ = 512
@@ -119,7 +119,9 @@ def cmd_tokenizer(out: Path) -> None:
         vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(_train_texts(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1], bos_token=SPECIALS[0])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1], bos_token=SPECIALS[0]
+    )
     fast.model_max_length = 8192
     dest = out / "models" / "tokenizer"
     fast.save_pretrained(dest)
@@ -137,10 +139,20 @@ def make_config(name: str):
 
     layers, hidden, heads, kv, hd, inter = FAMILY[name]
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=hd, intermediate_size=inter, max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
-        bos_token_id=0, eos_token_id=0, pad_token_id=1, rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hd,
+        intermediate_size=inter,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        rms_norm_eps=1e-5,
     )
 
 
@@ -153,7 +165,7 @@ class Mix:
         self.texts = texts
         ids: list[int] = []
         for enc in tok(texts, add_special_tokens=False)["input_ids"]:
-            ids.extend(enc + [tok.eos_token_id])
+            ids.extend([*enc, tok.eos_token_id])
         self.stream = torch.tensor(ids, dtype=torch.long)
         self.low = len(SPECIALS)
         g = torch.Generator().manual_seed(seed)
@@ -171,7 +183,9 @@ class Mix:
         return self.stream[i : i + n].clone(), torch.ones(n, dtype=torch.bool)
 
     def recall_doc(self) -> tuple[torch.Tensor, torch.Tensor]:
-        doc = recall.make_document(self.rng, self.filler(), entries=self.rng.randint(4, 14), queries=self.rng.randint(2, 6))
+        doc = recall.make_document(
+            self.rng, self.filler(), entries=self.rng.randint(4, 14), queries=self.rng.randint(2, 6)
+        )
         ids = self.tok(doc, add_special_tokens=False)["input_ids"][:SEQ]
         row = torch.tensor(ids, dtype=torch.long)
         mask = torch.ones(len(row), dtype=torch.bool)
@@ -225,14 +239,17 @@ def lm_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def heldout_nll(model, tok, out: Path, windows: int = 24) -> float:
-    docs = [json.loads(l)["text"] for l in open(out / "data" / "heldout.jsonl")]
+    docs = [json.loads(l)["text"] for l in (out / "data" / "heldout.jsonl").read_text().splitlines()]
     ids: list[int] = []
     for enc in tok(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc + [tok.eos_token_id])
+        ids.extend([*enc, tok.eos_token_id])
     stream = torch.tensor(ids)
     step = max(SEQ, (len(stream) - SEQ - 1) // windows)
     rows = torch.stack([stream[i : i + SEQ] for i in range(0, step * windows, step)][:windows])
-    losses = [lm_loss(model, rows[i : i + 4], torch.ones_like(rows[i : i + 4], dtype=torch.bool)) for i in range(0, len(rows), 4)]
+    losses = [
+        lm_loss(model, rows[i : i + 4], torch.ones_like(rows[i : i + 4], dtype=torch.bool))
+        for i in range(0, len(rows), 4)
+    ]
     return float(torch.stack(losses).mean())
 
 
@@ -246,7 +263,7 @@ def copy_probe(model, seed: int = 99, n: int = 16, span: int = 100) -> float:
 
 
 def heldout_fillers(tok, out: Path, count: int = 50) -> list[str]:
-    docs = [json.loads(l)["text"] for l in open(out / "data" / "heldout.jsonl")]
+    docs = [json.loads(l)["text"] for l in (out / "data" / "heldout.jsonl").read_text().splitlines()]
     rng = random.Random(7)
     fillers = []
     while len(fillers) < count:
@@ -274,8 +291,17 @@ def recall_probe(model, tok, out: Path, n: int = 60, truncate: int | None = None
     return hits / n
 
 
-def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int, eval_every: int, warmup_copy: int,
-              resume: bool = False) -> None:
+def cmd_train(
+    out: Path,
+    name: str,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    eval_every: int,
+    warmup_copy: int,
+    resume: bool = False,
+) -> None:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -290,7 +316,9 @@ def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int
     mix = Mix(tok, _train_texts(), seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
     warm = max(1, steps // 20)
     # Linear warm-up, constant through the copy warm-up phase, then cosine decay to 10% over the mix.
     phase = {"mix_start": None}
@@ -304,7 +332,9 @@ def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     dest = out / "models" / name
     dest.mkdir(parents=True, exist_ok=True)
-    curve = open(dest / "curve.jsonl", "a" if resume else "w")
+    curve = dest / "curve.jsonl"
+    if not resume:
+        curve.write_text("")
     step_offset = previous["checkpoint"]["step"] if previous else 0
     t0 = time.time()
     best = -1.0
@@ -345,44 +375,73 @@ def cmd_train(out: Path, name: str, steps: int, batch: int, lr: float, seed: int
         if step % eval_every == 0 or step == total or (in_warmup and step % 50 == 0):
             model.eval()
             rec = {
-                "step": step + step_offset, "tokens": (step + step_offset) * batch * SEQ, "minutes": round((time.time() - t0) / 60, 2),
-                "train_loss": round(float(loss), 4), "heldout_nll": round(heldout_nll(model, tok, out), 4),
-                "copy_acc": round(copy_probe(model), 4), "recall": round(recall_probe(model, tok, out, n=40), 4),
-                "phase": "copy-warmup" if in_warmup else "mix", "copy_pool": mix.pool,
+                "step": step + step_offset,
+                "tokens": (step + step_offset) * batch * SEQ,
+                "minutes": round((time.time() - t0) / 60, 2),
+                "train_loss": round(float(loss), 4),
+                "heldout_nll": round(heldout_nll(model, tok, out), 4),
+                "copy_acc": round(copy_probe(model), 4),
+                "recall": round(recall_probe(model, tok, out, n=40), 4),
+                "phase": "copy-warmup" if in_warmup else "mix",
+                "copy_pool": mix.pool,
             }
             print(json.dumps(rec), flush=True)
-            curve.write(json.dumps(rec) + "\n")
-            curve.flush()
+            with curve.open("a") as log:
+                log.write(json.dumps(rec) + "\n")
             score = rec["recall"] + rec["copy_acc"] - rec["heldout_nll"] / 10
             if not in_warmup and (step == total or score >= best):
                 best = max(best, score)
                 _export(model, tok, dest, name, rec, seed, steps, batch, lr, warmup_copy, previous)
 
 
-def _export(model, tok, dest: Path, name: str, rec: dict, seed: int, steps: int, batch: int, lr: float, warmup_copy: int,
-            previous: dict | None = None) -> None:
+def _export(
+    model,
+    tok,
+    dest: Path,
+    name: str,
+    rec: dict,
+    seed: int,
+    steps: int,
+    batch: int,
+    lr: float,
+    warmup_copy: int,
+    previous: dict | None = None,
+) -> None:
     import copy
 
     half = copy.deepcopy(model).to(torch.float16)
     half.config.dtype = "float32"
     half.save_pretrained(dest, safe_serialization=True)
     tok.save_pretrained(dest)
-    (dest / "training.json").write_text(json.dumps({
-        "name": name, "seed": seed, "warmup_copy_steps": warmup_copy, "mix_steps": steps, "batch": batch, "seq_len": SEQ, "lr": lr,
-        "mix": {"code": 0.4, "recall_documents": 0.3, "copy_full_vocab": 0.3},
-        "warmup": "odd steps: 32 pure-copy rows of 64+64 tokens from a growing id pool; even steps: mix batches",
-        "checkpoint": rec,
-        **({"previous_stage": previous} if previous else {}),
-    }, indent=1) + "\n")
+    (dest / "training.json").write_text(
+        json.dumps(
+            {
+                "name": name,
+                "seed": seed,
+                "warmup_copy_steps": warmup_copy,
+                "mix_steps": steps,
+                "batch": batch,
+                "seq_len": SEQ,
+                "lr": lr,
+                "mix": {"code": 0.4, "recall_documents": 0.3, "copy_full_vocab": 0.3},
+                "warmup": "odd steps: 32 pure-copy rows of 64+64 tokens from a growing id pool; "
+                "even steps: mix batches",
+                "checkpoint": rec,
+                **({"previous_stage": previous} if previous else {}),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 @torch.no_grad()
 def heldout_ppl_full(model, tok, out: Path) -> tuple[float, int]:
     """Perplexity over every 512-token window of the held-out split."""
-    docs = [json.loads(l)["text"] for l in open(out / "data" / "heldout.jsonl")]
+    docs = [json.loads(l)["text"] for l in (out / "data" / "heldout.jsonl").read_text().splitlines()]
     ids: list[int] = []
     for enc in tok(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc + [tok.eos_token_id])
+        ids.extend([*enc, tok.eos_token_id])
     n = len(ids) // SEQ
     rows = torch.tensor(ids[: n * SEQ]).view(n, SEQ)
     total = 0.0
@@ -414,62 +473,98 @@ def cmd_card(out: Path) -> None:
         trunc = recall_probe(model, tok, out, n=100, truncate=64)
         meta = json.loads((d / "training.json").read_text())
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
-        layers, hidden, heads, kv, hd, inter = FAMILY[name]
-        rows.append(f"| {name} | {layers} | {hidden} | {heads}/{kv} | {hd} | {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-                    f"| {size / 2**20:.1f} MiB | {_steps(meta)} | {meta['checkpoint']['tokens'] / 1e6:.1f}M | {ppl:.2f} "
-                    f"| {copy_probe(model, seed=123, n=32):.3f} | {full:.2f} | {trunc:.2f} |")
-        curves[name] = [json.loads(l) for l in open(d / "curve.jsonl")]
+        layers, hidden, heads, kv, hd, _inter = FAMILY[name]
+        rows.append(
+            f"| {name} | {layers} | {hidden} | {heads}/{kv} | {hd} | "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+            f"| {size / 2**20:.1f} MiB | {_steps(meta)} | {meta['checkpoint']['tokens'] / 1e6:.1f}M | {ppl:.2f} "
+            f"| {copy_probe(model, seed=123, n=32):.3f} | {full:.2f} | {trunc:.2f} |"
+        )
+        curves[name] = [json.loads(l) for l in (d / "curve.jsonl").read_text().splitlines()]
         print(rows[-1], flush=True)
     lines = [
-        "# The kvferry family: S, T, T64", "",
+        "# The kvferry family: S, T, T64",
+        "",
         "Three Llama-architecture causal LMs that share one byte-level BPE tokenizer (4096 ids) and one corpus,",
         "trained from scratch on CPU by `scripts/family/build_family.py` (seeded). They exist so that kvferry's",
         "tests, demo and benchmarks run the real transformers code path offline. They are tiny: do not expect",
-        "them to write good code, only to behave like a family.", "",
-        "Corpus: CPython standard-library sources (PSF License); file lists and sha256 per split in `data/corpus.json`.",
+        "them to write good code, only to behave like a family.",
+        "",
+        "Corpus: CPython standard-library sources (PSF License); file lists and sha256 per split in "
+        "`data/corpus.json`.",
         f"Held-out perplexity is measured on every {SEQ}-token window of the held-out split ({ntok} tokens).",
         "Recall: exact match on 100 probe prompts (a key->value table, >= 80 tokens of held-out code, then a query",
         "line that repeats the definition up to the value); `trunc64` gives the model only the last 64 tokens.",
-        "Copy: next-token accuracy on the second half of a random 100-token span, repeated, drawn from the whole vocabulary.", "",
-        "| model | layers | hidden | heads/kv | head_dim | params | weights (fp16) | steps (warm-up + mix) | tokens seen | held-out ppl | copy acc | recall full | recall trunc64 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+        "Copy: next-token accuracy on the second half of a random 100-token span, repeated, drawn from the whole "
+        "vocabulary.",
+        "",
+        "| model | layers | hidden | heads/kv | head_dim | params | weights (fp16) | steps (warm-up + mix) | tokens "
+        "seen | held-out ppl | copy acc | recall full | recall trunc64 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
         "T is trained on more tokens than S (as the family's larger member should be, and because at these budgets",
-        "a larger model needs more steps to pull ahead); T64 has the shortest run and is the weakest.", "",
-        "## Recipe", "",
-        "- Sequences of 512 tokens, batch 8, AdamW (betas 0.9/0.95, weight decay 0.05), grad clip 1.0, fp32 on CPU, 1 thread each.",
-        "- Warm-up: odd steps are pure copy (32 rows of 64+64 tokens, loss on the repeat only) with spans drawn from a pool",
-        "  of 256 ids that doubles each time the copy loss EMA falls below 0.5, until it is the whole vocabulary (or the",
+        "a larger model needs more steps to pull ahead); T64 has the shortest run and is the weakest.",
+        "",
+        "## Recipe",
+        "",
+        "- Sequences of 512 tokens, batch 8, AdamW (betas 0.9/0.95, weight decay 0.05), grad clip 1.0, fp32 on CPU, "
+        "1 thread each.",
+        "- Warm-up: odd steps are pure copy (32 rows of 64+64 tokens, loss on the repeat only) with spans drawn from "
+        "a pool",
+        "  of 256 ids that doubles each time the copy loss EMA falls below 0.5, until it is the whole vocabulary (or "
+        "the",
         "  warm-up cap); even steps are ordinary mix batches, so the switch to the mix does not erase copying.",
-        "- Then the mix, in every batch for the whole run: 40% code, 30% key->value recall documents (queries repeat the",
+        "- Then the mix, in every batch for the whole run: 40% code, 30% key->value recall documents (queries repeat "
+        "the",
         "  definition line exactly), 30% full-vocabulary copy rows embedded in code. Constant LR through the warm-up,",
         "  then cosine decay to 10%.",
         "- The copy and recall probes are evaluated every 100 steps (`curve.jsonl` beside each model); the exported",
         "  checkpoint is the best by recall + copy - nll/10 after the warm-up.",
-        "- Weights are stored in float16 (loaded as float32); `max_position_embeddings` is 8192 for timing long prompts,",
-        "  but quality is only measured within the trained 512 tokens.", "",
-        "## Long-range recall: what was tried", "",
+        "- Weights are stored in float16 (loaded as float32); `max_position_embeddings` is 8192 for timing long "
+        "prompts,",
+        "  but quality is only measured within the trained 512 tokens.",
+        "",
+        "## Long-range recall: what was tried",
+        "",
         "The target was recall >= 50% for T with full context. It was not reached. Runs 1-3 were not kept, so they are",
         "described without numbers; run 4 is the shipped recipe, measured in the table above.",
-        "1. No warm-up; every batch 50% code, 25% recall documents, 25% copy rows: S learned neither copying nor recall.",
-        "2. Pure copy warm-up from the whole vocabulary (512-token rows, batch 8): the loss stayed at chance, ln(4094).",
-        "3. Pure copy warm-up with a growing id pool (256 -> 4094; 32 rows of 64+64 tokens per step): S learned to copy on",
+        "1. No warm-up; every batch 50% code, 25% recall documents, 25% copy rows: S learned neither copying nor "
+        "recall.",
+        "2. Pure copy warm-up from the whole vocabulary (512-token rows, batch 8): the loss stayed at chance, "
+        "ln(4094).",
+        "3. Pure copy warm-up with a growing id pool (256 -> 4094; 32 rows of 64+64 tokens per step): S learned to "
+        "copy on",
         "   the whole vocabulary, then the switch to the mix erased it within a few hundred steps.",
-        "4. The recipe above (warm-up steps interleaved with mix steps, so the switch is gentle): the shipped models; their",
+        "4. The recipe above (warm-up steps interleaved with mix steps, so the switch is gentle): the shipped "
+        "models; their",
         "   copy and recall columns above and the curves below are what it gives (this command measures them).",
-        "What should work with more compute: a much longer run (hours on CPU, minutes on a GPU) that keeps copy/recall rows",
-        "throughout at a low, decaying LR, with checkpoints chosen by the copy probe. The probe (`kvferry.mappings.recall`)",
-        "and `kvferry eval`'s recall column stay in place for when a family that recalls is trained.", "",
-        "## Training curves (every few evaluations)", "",
+        "What should work with more compute: a much longer run (hours on CPU, minutes on a GPU) that keeps "
+        "copy/recall rows",
+        "throughout at a low, decaying LR, with checkpoints chosen by the copy probe. The probe "
+        "(`kvferry.mappings.recall`)",
+        "and `kvferry eval`'s recall column stay in place for when a family that recalls is trained.",
+        "",
+        "## Training curves (every few evaluations)",
+        "",
     ]
     for name, curve in curves.items():
-        lines += [f"### {name}", "", "| step | phase | copy pool | train loss | held-out nll | copy acc | recall |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {name}",
+            "",
+            "| step | phase | copy pool | train loss | held-out nll | copy acc | recall |",
+            "|---|---|---|---|---|---|---|",
+        ]
         keep = curve[:: max(1, len(curve) // 12)] + ([curve[-1]] if curve else [])
         seen = set()
         for r in keep:
             if r["step"] in seen or "heldout_nll" not in r:
                 continue
             seen.add(r["step"])
-            lines.append(f"| {r['step']} | {r.get('phase', 'mix')} | {r.get('copy_pool', '')} | {r['train_loss']} | {r['heldout_nll']} | {r['copy_acc']} | {r['recall']} |")
+            lines.append(
+                f"| {r['step']} | {r.get('phase', 'mix')} | {r.get('copy_pool', '')} | {r['train_loss']} | "
+                f"{r['heldout_nll']} | {r['copy_acc']} | {r['recall']} |"
+            )
         lines.append("")
     (out / "models" / "README.md").write_text("\n".join(lines) + "\n")
     print("wrote", out / "models" / "README.md")
@@ -485,7 +580,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--warmup-copy", type=int, default=200, help="pure copy steps before the mix (forms induction heads)")
+    ap.add_argument(
+        "--warmup-copy", type=int, default=200, help="pure copy steps before the mix (forms induction heads)"
+    )
     ap.add_argument("--resume", action="store_true", help="continue models/<name> on the mix (a second stage)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("KVF_THREADS", "2")))
     a = ap.parse_args()

@@ -36,12 +36,16 @@ def main() -> None:
         for _ in range(2):  # the second run is timed: the first warms up kernels and autocast's weight casts
             t0 = time.perf_counter()
             with autocast(m.model, precision):
-                logits[precision] = m.model(input_ids=ids).logits[0, -a.tail:].float()
+                logits[precision] = m.model(input_ids=ids).logits[0, -a.tail :].float()
             seconds[precision] = time.perf_counter() - t0
     p, q = logits["float32"].log_softmax(-1), logits["bfloat16"].log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
-    out = {"seconds": seconds, "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-           "top1_agree": float((p.argmax(-1) == q.argmax(-1)).float().mean())}
+    out = {
+        "seconds": seconds,
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1_agree": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+    }
     print(json.dumps(out, indent=1))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")

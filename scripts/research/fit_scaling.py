@@ -68,15 +68,30 @@ def main() -> None:
             share = math.comb(ls, j) / sets
             t_total += d_count * share * t_eig + maps * (ls - j + 1) * t_eval
             detail.append({"d": d, "eigh_s": t_eig, "eval_s": t_eval})
-        rows.append({"geometry": name, "source_layers": ls, "input_width_per_layer": w_in, "target_maps": maps, "dy": dy,
-                     "decompositions_est": round(d_count), "evaluations": evals, "solve_minutes_est": t_total / 60,
-                     "kernels": detail})
+        rows.append(
+            {
+                "geometry": name,
+                "source_layers": ls,
+                "input_width_per_layer": w_in,
+                "target_maps": maps,
+                "dy": dy,
+                "decompositions_est": round(d_count),
+                "evaluations": evals,
+                "solve_minutes_est": t_total / 60,
+                "kernels": detail,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    print("\n| geometry | source layers | d per layer (K+V) | maps | decompositions | path evaluations | est. solve (2 cores) |")
+    print(
+        "\n| geometry | source layers | d per layer (K+V) | maps | decompositions | path evaluations | est. solve (2 "
+        "cores) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['geometry']} | {r['source_layers']} | {r['input_width_per_layer']} | {r['target_maps']} | "
-              f"~{r['decompositions_est']} | {r['evaluations']} | {r['solve_minutes_est']:.1f} min |")
+        print(
+            f"| {r['geometry']} | {r['source_layers']} | {r['input_width_per_layer']} | {r['target_maps']} | "
+            f"~{r['decompositions_est']} | {r['evaluations']} | {r['solve_minutes_est']:.1f} min |"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -31,8 +31,12 @@ DOMAINS = {"code": "heldout.jsonl", "prose": "prose_heldout.jsonl"}
 
 def oracle_arms(mapped, gold, layers: int, hybrid: list[int]) -> dict:
     """name -> cache: the map's cache with some (layer, K/V) taken from the target's own prefill."""
+
     def swap(which):  # which(l) -> kinds taken from gold at layer l
-        return [(gold[l][0] if "k" in which(l) else k, gold[l][1] if "v" in which(l) else v) for l, (k, v) in enumerate(mapped)]
+        return [
+            (gold[l][0] if "k" in which(l) else k, gold[l][1] if "v" in which(l) else v)
+            for l, (k, v) in enumerate(mapped)
+        ]
 
     out = {f"hybrid_L{L}": swap(lambda l, L=L: "kv" if l < L else "") for L in hybrid}
     out["exact_K"] = swap(lambda l: "k")
@@ -88,17 +92,31 @@ def main() -> None:
         for ex in examples_for(target.tokenizer, texts, cs):
             n, col = len(ex.prompt), f"{domain}_copy_{ex.gap}"
             counts[col] = counts.get(col, 0) + 1
-            add(col, "truncate", remembered(memo, ("copy-truncate", *who, r, ex.prompt, ex.answer),
-                                            lambda: continuation_accuracy(target.model, None, ex.prompt[n - r:], ex.answer)))
+            add(
+                col,
+                "truncate",
+                remembered(
+                    memo,
+                    ("copy-truncate", *who, r, ex.prompt, ex.answer),
+                    lambda: continuation_accuracy(target.model, None, ex.prompt[n - r :], ex.answer),
+                ),
+            )
             pre = torch.tensor([ex.prompt[: n - r]])
             gold = capture_kv(target.model, pre) if oracle is not None else None
             if gold is not None:  # full prefill, as its cache of the prefix and the tail on it (one prefill, not two)
-                add(col, "full", continuation_accuracy(target.model, gold, ex.prompt[n - r:], ex.answer))
+                add(col, "full", continuation_accuracy(target.model, gold, ex.prompt[n - r :], ex.answer))
             else:
-                add(col, "full", remembered(memo, ("copy-full", *who, ex.prompt, ex.answer),
-                                            lambda: continuation_accuracy(target.model, None, ex.prompt, ex.answer)))
+                add(
+                    col,
+                    "full",
+                    remembered(
+                        memo,
+                        ("copy-full", *who, ex.prompt, ex.answer),
+                        lambda: continuation_accuracy(target.model, None, ex.prompt, ex.answer),
+                    ),
+                )
             for arm, kv in mapped_arms(capture_kv(source.model, pre), gold).items():
-                add(col, arm, continuation_accuracy(target.model, kv, ex.prompt[n - r:], ex.answer))
+                add(col, arm, continuation_accuracy(target.model, kv, ex.prompt[n - r :], ex.answer))
             print(col, {arm: round(sums[(col, arm)] / counts[col], 3) for c, arm in sums if c == col}, flush=True)
         windows = token_windows(target.tokenizer, texts, 384)
         rng = random.Random(a.seed)
@@ -110,24 +128,35 @@ def main() -> None:
             gold = capture_kv(target.model, pre) if oracle is not None else None
             if gold is not None:
                 cache = to_dynamic_cache(gold, target.model.config)
-                want = target.model(input_ids=ids[:, n - r:], past_key_values=cache, logits_to_keep=1).logits[0, -1]
+                want = target.model(input_ids=ids[:, n - r :], past_key_values=cache, logits_to_keep=1).logits[0, -1]
             else:
                 want = target.model(input_ids=ids, logits_to_keep=1).logits[0, -1]
             want = want.float().log_softmax(-1)
-            for arm, kv in [("truncate", None)] + list(mapped_arms(capture_kv(source.model, pre), gold).items()):
+            for arm, kv in [("truncate", None), *list(mapped_arms(capture_kv(source.model, pre), gold).items())]:
                 cache = to_dynamic_cache(kv, target.model.config) if kv is not None else None
-                got = target.model(input_ids=ids[:, n - r:], past_key_values=cache, logits_to_keep=1).logits[0, -1]
+                got = target.model(input_ids=ids[:, n - r :], past_key_values=cache, logits_to_keep=1).logits[0, -1]
                 got = got.float().log_softmax(-1)
                 add(f"{domain}_top1", arm, float(got.argmax() == want.argmax()))
-                add(f"{domain}_top10", arm, len(set(got.topk(10).indices.tolist()) & set(want.topk(10).indices.tolist())) / 10)
+                add(
+                    f"{domain}_top10",
+                    arm,
+                    len(set(got.topk(10).indices.tolist()) & set(want.topk(10).indices.tolist())) / 10,
+                )
                 add(f"{domain}_kl", arm, float((want.exp() * (want - got)).sum()))
             counts[f"{domain}_top1"] = counts[f"{domain}_top10"] = counts[f"{domain}_kl"] = counts[col]
     cols = [c for c in dict.fromkeys(c for c, _ in sums)]
     arms = list(dict.fromkeys(arm for _, arm in sums))
     table = {arm: {c: sums[(c, arm)] / counts[c] for c in cols if (c, arm) in sums} for arm in arms}
-    result = {"maps": [str(p) for p in a.maps], "oracle": str(a.oracle) if a.oracle else None, "seed": a.seed,
-              "copy_prompts": a.prompts, "next_prompts": a.next_prompts, "refresh": r,
-              "seconds": time.perf_counter() - t0, "arms": table}
+    result = {
+        "maps": [str(p) for p in a.maps],
+        "oracle": str(a.oracle) if a.oracle else None,
+        "seed": a.seed,
+        "copy_prompts": a.prompts,
+        "next_prompts": a.next_prompts,
+        "refresh": r,
+        "seconds": time.perf_counter() - t0,
+        "arms": table,
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["| arm | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]

@@ -2,9 +2,12 @@
 
 
 def retention_table(by_gap: dict[str, dict[str, float]], gaps, arms) -> str:
-    """Markdown: per arm its accuracy at each gap and its worst-gap share of full prefill's (``by_gap[str(gap)][arm]``)."""
-    lines = ["| arm | " + " | ".join(f"gap {g}" for g in gaps) + " | retention (min over gaps) |",
-             "|---|" + "---|" * (len(gaps) + 1)]
+    """Markdown: per arm its accuracy at each gap and its worst-gap share of full prefill's
+    (``by_gap[str(gap)][arm]``)."""
+    lines = [
+        "| arm | " + " | ".join(f"gap {g}" for g in gaps) + " | retention (min over gaps) |",
+        "|---|" + "---|" * (len(gaps) + 1),
+    ]
     for k in arms:
         vals = [by_gap[str(g)][k] for g in gaps]
         ret = min(v / max(by_gap[str(g)]["full"], 1e-9) for v, g in zip(vals, gaps))

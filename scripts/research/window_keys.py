@@ -29,8 +29,8 @@ from kvferry import paths
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import LayerMap, MapSet, load, save
 from kvferry.mappings.capture import capture_kv, kv_slice, load_model, read_corpus, token_stream, token_windows
-from kvferry.mappings.drift import QueryTap
 from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
+from kvferry.mappings.drift import QueryTap
 from kvferry.mappings.features import from_features, to_features
 
 LAMBDAS = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
@@ -39,8 +39,13 @@ LAMBDAS = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
 def source_features(kv, layers: list[int], rope, window: int) -> torch.Tensor:
     """[T, window * len(layers) * 2 * width]: position-free K and V of ``layers`` at t, t-1, ... (zeros before 0)."""
     t = kv[0][0].shape[2]
-    per = torch.cat([torch.cat([to_features(kv[l][0], rope, range(t))[0], to_features(kv[l][1], None, range(t))[0]], -1)
-                     for l in layers], -1)
+    per = torch.cat(
+        [
+            torch.cat([to_features(kv[l][0], rope, range(t))[0], to_features(kv[l][1], None, range(t))[0]], -1)
+            for l in layers
+        ],
+        -1,
+    )
     shifted = [per]
     for w in range(1, window):
         shifted.append(torch.cat([torch.zeros(w, per.shape[1]), per[:-w]], 0))
@@ -53,8 +58,9 @@ def target_keys(kv, layers: list[int], rope) -> torch.Tensor:
     return torch.cat([to_features(kv[l][0], rope, range(t))[0] for l in layers], -1)
 
 
-def fit(xs: list[torch.Tensor], ys: list[torch.Tensor], held: int, widths: int,
-        ws: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+def fit(
+    xs: list[torch.Tensor], ys: list[torch.Tensor], held: int, widths: int, ws: list[torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Ridge per output block of ``widths`` columns, lambda chosen on the last ``held`` sequences; float64 sums.
     ``ws``: a weight per token (mean 1): each row's squared error counts that much, in the fit and in the choice
     of lambda (R² is reported unweighted)."""
@@ -109,8 +115,16 @@ def attention_received(tkv, queries: list[torch.Tensor], layers: list[int], cap:
     return w / w.mean()
 
 
-def windowed_mapset(base: MapSet, fitted: tuple[torch.Tensor, torch.Tensor], r2: list[float], s_layers: list[int],
-                    t_layers: list[int], window: int, version: str, settings: dict) -> MapSet:
+def windowed_mapset(
+    base: MapSet,
+    fitted: tuple[torch.Tensor, torch.Tensor],
+    r2: list[float],
+    s_layers: list[int],
+    t_layers: list[int],
+    window: int,
+    version: str,
+    settings: dict,
+) -> MapSet:
     """``base`` with the keys of ``t_layers`` read from ``window`` tokens of ``s_layers``' K and V: a windowed map
     artifact (the column order of source_features is LayerMap's: offset, then layer, then K before V)."""
     w, b = fitted
@@ -118,17 +132,37 @@ def windowed_mapset(base: MapSet, fitted: tuple[torch.Tensor, torch.Tensor], r2:
     maps = dict(base.maps)
     for i, t in enumerate(t_layers):
         cols = slice(i * width, (i + 1) * width)
-        maps[(t, "k")] = LayerMap(t, "k", tuple(s_layers), w[:, cols].contiguous().to(base.dtype),
-                                  b[cols].contiguous().to(base.dtype), 0.0, r2[i], ("k", "v"), window)
-    fit = dict(base.fit) | {"windowed_keys": {"target_layers": t_layers, "source_layers": s_layers, "window": window,
-                                              "tokens": settings["tokens"], "script": "scripts/research/window_keys.py"}}
+        maps[(t, "k")] = LayerMap(
+            t,
+            "k",
+            tuple(s_layers),
+            w[:, cols].contiguous().to(base.dtype),
+            b[cols].contiguous().to(base.dtype),
+            0.0,
+            r2[i],
+            ("k", "v"),
+            window,
+        )
+    fit = dict(base.fit) | {
+        "windowed_keys": {
+            "target_layers": t_layers,
+            "source_layers": s_layers,
+            "window": window,
+            "tokens": settings["tokens"],
+            "script": "scripts/research/window_keys.py",
+        }
+    }
     return MapSet(base.source, base.target, maps, version, fit, dict(base.calibration))
 
 
 def load_pair(path: Path):
     """The map artifact at ``path`` and the pretrained source and target it names (models/pretrained/)."""
     ms = load(path)
-    return ms, load_model(paths.model_dir("pretrained") / ms.source.name), load_model(paths.model_dir("pretrained") / ms.target.name)
+    return (
+        ms,
+        load_model(paths.model_dir("pretrained") / ms.source.name),
+        load_model(paths.model_dir("pretrained") / ms.target.name),
+    )
 
 
 def heldout_examples(target, gaps: str, prompts: int, seed: int) -> list:
@@ -138,7 +172,9 @@ def heldout_examples(target, gaps: str, prompts: int, seed: int) -> list:
 
 
 @torch.no_grad()
-def score_key_arms(ms: MapSet, source, target, exs, t_layers: list[int], key_arms, r: int = 16) -> dict[tuple[int, str], float]:
+def score_key_arms(
+    ms: MapSet, source, target, exs, t_layers: list[int], key_arms, r: int = 16
+) -> dict[tuple[int, str], float]:
     """Per (gap, arm) the summed copy accuracy over ``exs``: full, truncate_16, the map ``ms`` (refresh r), the map
     with the target's own keys in ``t_layers`` (oracle_K), and the map with the keys of each arm ``key_arms(skv)``
     returns (name -> [T, len(t_layers) * kv width] position-free keys)."""
@@ -151,8 +187,10 @@ def score_key_arms(ms: MapSet, source, target, exs, t_layers: list[int], key_arm
         skv = capture_kv(source.model, ids)
         tkv = capture_kv(target.model, ids)
         mapped = apply(ms, skv, 0)
-        row = {"full": continuation_accuracy(target.model, None, ex.prompt, ex.answer),
-               "truncate_16": continuation_accuracy(target.model, None, ex.prompt[n - r:], ex.answer)}
+        row = {
+            "full": continuation_accuracy(target.model, None, ex.prompt, ex.answer),
+            "truncate_16": continuation_accuracy(target.model, None, ex.prompt[n - r :], ex.answer),
+        }
 
         def with_keys(keys) -> list:
             out = [(k.float(), v.float()) for k, v in mapped]
@@ -161,14 +199,18 @@ def score_key_arms(ms: MapSet, source, target, exs, t_layers: list[int], key_arm
             return out
 
         def score(kv) -> float:
-            return continuation_accuracy(target.model, kv_slice(kv, 0, n - r), ex.prompt[n - r:], ex.answer)
+            return continuation_accuracy(target.model, kv_slice(kv, 0, n - r), ex.prompt[n - r :], ex.answer)
 
         row["l10"] = score([(k.float(), v.float()) for k, v in mapped])
         row["oracle_K"] = score(with_keys([tkv[l][0] for l in t_layers]))
         t = ids.shape[1]
         for name, y in key_arms(skv).items():
-            keys = [from_features(y[None, :, i * width : (i + 1) * width].contiguous(), tg.kv_heads, trope, range(t)).contiguous()
-                    for i in range(len(t_layers))]
+            keys = [
+                from_features(
+                    y[None, :, i * width : (i + 1) * width].contiguous(), tg.kv_heads, trope, range(t)
+                ).contiguous()
+                for i in range(len(t_layers))
+            ]
             row[name] = score(with_keys(keys))
         for k, v in row.items():
             sums[(ex.gap, k)] = sums.get((ex.gap, k), 0.0) + v
@@ -188,12 +230,20 @@ def main() -> None:
     ap.add_argument("--gaps", default="500,1000")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--save-window", type=int, default=0,
-                    help="write the shipped map with this window's key maps as a windowed map artifact (0: none)")
+    ap.add_argument(
+        "--save-window",
+        type=int,
+        default=0,
+        help="write the shipped map with this window's key maps as a windowed map artifact (0: none)",
+    )
     ap.add_argument("--save-version", default="0.3.0")
     ap.add_argument("--save-to", type=Path, default=Path("runs/maps"))
-    ap.add_argument("--attn-powers", default="", help="extra arms: the window fits weighted by the attention each "
-                    "token receives in the target's replaced layers, to these powers (e.g. 0.5,1)")
+    ap.add_argument(
+        "--attn-powers",
+        default="",
+        help="extra arms: the window fits weighted by the attention each "
+        "token receives in the target's replaced layers, to these powers (e.g. 0.5,1)",
+    )
     ap.add_argument("--attn-cap", type=float, default=10.0)
     ap.add_argument("--out", type=Path, default=Path("runs/results/window_keys"))
     a = ap.parse_args()
@@ -231,18 +281,30 @@ def main() -> None:
         t0 = time.perf_counter()
         wt, b, r2 = fit(feats[w], ys, held, width)
         maps[w], r2s[w] = (wt, b), r2
-        print(f"window {w}: {feats[w][0].shape[1]} inputs, held-out R2 per layer "
-              + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2)) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"window {w}: {feats[w][0].shape[1]} inputs, held-out R2 per layer "
+            + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2))
+            + f" ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
         for p in powers:
             t0 = time.perf_counter()
             wt, b, r2 = fit(feats[w], ys, held, width, weights[p])
             maps[f"{w}+attn{p:g}"], r2s[f"{w}+attn{p:g}"] = (wt, b), r2
-            print(f"window {w}, attention-weighted (power {p:g}): held-out R2 per layer "
-                  + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2)) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"window {w}, attention-weighted (power {p:g}): held-out R2 per layer "
+                + " ".join(f"{l}:{x:.3f}" for l, x in zip(t_layers, r2))
+                + f" ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
     del feats, ys
     if a.save_window:
-        dest = save(windowed_mapset(ms, maps[a.save_window], r2s[a.save_window], s_layers, t_layers, a.save_window,
-                                    a.save_version, vars(a)), a.save_to)
+        dest = save(
+            windowed_mapset(
+                ms, maps[a.save_window], r2s[a.save_window], s_layers, t_layers, a.save_window, a.save_version, vars(a)
+            ),
+            a.save_to,
+        )
         print(f"wrote {dest}", flush=True)
 
     exs = heldout_examples(target, a.gaps, a.prompts, a.seed)
@@ -261,9 +323,12 @@ def main() -> None:
     sums = score_key_arms(ms, source, target, exs, t_layers, key_arms)
     gaps = sorted({g for g, _ in sums})
     arms = list(dict.fromkeys(k for _, k in sums))
-    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, "seconds": time.perf_counter() - t_start,
-              "heldout_r2": {str(w): dict(zip(map(str, t_layers), r2)) for w, r2 in r2s.items()},
-              "gaps": {str(g): {k: sums[(g, k)] / a.prompts for k in arms} for g in gaps}}
+    result = {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+        "seconds": time.perf_counter() - t_start,
+        "heldout_r2": {str(w): dict(zip(map(str, t_layers), r2)) for w, r2 in r2s.items()},
+        "gaps": {str(g): {k: sums[(g, k)] / a.prompts for k in arms} for g in gaps},
+    }
     write_results(a.out, result, gaps, arms)
 
 

@@ -27,8 +27,24 @@ from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
 
 def _serve(maps_dir: str) -> tuple[subprocess.Popen, int, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--maps-dir", maps_dir, "--port", "0",
-                             "--metrics-port", "0", "--force-maps"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "serve",
+            "--maps-dir",
+            maps_dir,
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--force-maps",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     while True:
         line = proc.stdout.readline()
         if not line:
@@ -73,8 +89,10 @@ def main() -> None:
         time.sleep(1.0)
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         counts = dict(re.findall(r'kvferry_requests_total\{code="(\w+)",method="Translate"\} ([\d.]+)', text))
-        print(f"{a.calls} calls cancelled and closed at once ({a.calls // 2} mid-upload, {a.calls - a.calls // 2} "
-              f"mid-download); Translate codes counted: {counts}")
+        print(
+            f"{a.calls} calls cancelled and closed at once ({a.calls // 2} mid-upload, {a.calls - a.calls // 2} "
+            f"mid-download); Translate codes counted: {counts}"
+        )
     finally:
         proc.kill()
         proc.wait(30)

@@ -28,8 +28,12 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=6)
     a = ap.parse_args()
-    proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--maps-dir", a.maps_dir, "--port", "0", "--force-maps"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvferry", "serve", "--maps-dir", a.maps_dir, "--port", "0", "--force-maps"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     port = None
     while port is None:
         line = proc.stdout.readline()
@@ -43,9 +47,15 @@ def main() -> None:
         return int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{proc.pid}/status").read()).group(1)) // 1024
 
     n = a.ids
-    header = pb.TranslateRequest(header=pb.TranslateHeader(map=pb.MapRef(name=a.map, latest=True), num_tokens=n,
-                                                           token_ids=range(n), source_dtype=pb.DTYPE_FLOAT32))
-    print(f"header {header.ByteSize() / 2**20:.1f} MiB, {a.streams} at a time; server RSS before: {rss_mb()} MB", flush=True)
+    header = pb.TranslateRequest(
+        header=pb.TranslateHeader(
+            map=pb.MapRef(name=a.map, latest=True), num_tokens=n, token_ids=range(n), source_dtype=pb.DTYPE_FLOAT32
+        )
+    )
+    print(
+        f"header {header.ByteSize() / 2**20:.1f} MiB, {a.streams} at a time; server RSS before: {rss_mb()} MB",
+        flush=True,
+    )
 
     def one(out: list) -> None:
         with grpc.insecure_channel(f"127.0.0.1:{port}", [("grpc.max_send_message_length", 64 << 20)]) as ch:
