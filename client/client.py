@@ -21,6 +21,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from kvferry.common import wire
+from kvferry.common.channel import MAX_MESSAGE_BYTES, message_size_options
 from kvferry.common.listing import MappingInfo, mapping_from_pb
 from kvferry.common.messages import ALL_PAGES, CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
 from kvferry.common.status import error_for
@@ -54,12 +55,12 @@ class ClientOptions:
     """Retries of UNAVAILABLE (and RESOURCE_EXHAUSTED from the stream cap) before giving up."""
     backoff: float = 0.05
     """First retry delay in seconds; doubles each retry, with jitter."""
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     """gRPC max send/receive message size on the channel."""
     chunk_tokens: int = 0
     """Tokens per source chunk; 0 (the default): as many as fill ``CHUNK_BYTES`` (2 MiB) of one layer's K or V,
-    within max_message_bytes. Each message costs the sidecar a fixed amount, so far smaller chunks are slower: at
-    512 tokens the RPC took 1.5-2.3x as long as at 2 MiB chunks."""
+    within max_message_bytes. Each message costs the sidecar a fixed amount, so far smaller chunks are slower
+    (`kvferry bench translate --chunk-tokens N` measures it)."""
     tls_root_certs: str = ""
     """PEM CA bundle to verify the server; enables TLS."""
     tls_client_cert: str = ""
@@ -118,8 +119,7 @@ class ClientOptions:
 
     def channel_args(self) -> list[tuple[str, object]]:
         opts: list[tuple[str, object]] = [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
+            *message_size_options(self.max_message_bytes),
         ]
         if self.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
@@ -461,9 +461,9 @@ class _Endpoints:
 
 SINGLE_THREADED_STREAMS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 """gRPC Python's option to receive a unary-stream call's messages (TranslateByKey) on the thread that iterates them,
-with no helper thread started per call to hand each message over: a thread start fewer per call, 0.15-0.3 ms less for
-a one-block hit here, no change beyond the noise for longer ones. Experimental in
-gRPC; a gRPC without it ignores it."""
+with no helper thread started per call to hand each message over: a thread start fewer per call, which is most of
+what a one-block hit costs beyond the store's read (`kvferry bench hits`). Experimental in gRPC; a gRPC without it
+ignores it."""
 
 
 def _sync_channel(addr, creds, args):

@@ -14,6 +14,8 @@ from kvferry.common.settings import check_range, read_settings
 from kvferry.common.stores import STORE_SCHEMES
 from kvferry.common.urls import check_store_url
 
+from .rollout import MapRollout
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -35,13 +37,15 @@ class ConnectorConfig:
     """Consumer: the map to use, <source>__<target>."""
     map_version: str = ""
     """Consumer: exact version, or "" for the newest servable one."""
-    min_tokens: int = 64
+    min_tokens: int = MapRollout.min_tokens
     """Consumer: shorter prompts are left to vLLM's own prefill."""
-    refresh: int = 16
+    refresh: int = MapRollout.refresh
     """Consumer: the target recomputes at least the last ``refresh`` prompt tokens itself."""
     policy_file: str = ""
     """Consumer: the rollout policy file (see kvferry.client.rollout): kill switch, canary share, version pin,
     min_tokens and refresh for map_name, re-read when it changes. Empty: the fields above apply as they are."""
+    policy_reload_seconds: float = 1.0
+    """Consumer: how often, at most, the policy file is checked for a change (0: on every request, a stat each)."""
     auth_token: str = ""
     """Consumer: bearer token for the sidecar (vLLM logs its connector settings at start: prefer auth_token_file)."""
     auth_token_file: str = ""
@@ -62,10 +66,8 @@ class ConnectorConfig:
     """Consumer, with async_loads false: the step's forward starts before the translation has arrived and each
     attention layer waits for its own layer's pages only (vLLM's wait_for_layer_load), so the first layers' attention
     overlaps the arrival of later ones. Off by default: on a CPU engine the forward and the load share the cores, and
-    `kvferry bench vllm` measured an 8,000-token load's first token layer by layer from par with a whole load to 22%
-    sooner across runs (docs/benchmarks.md); it is meant for engines whose forward runs elsewhere (a GPU). False: the
-    whole translation is in
-    the pages before the forward starts."""
+    `kvferry bench vllm` finds no reliable gain there (docs/benchmarks.md, its vLLM section); it is meant for engines
+    whose forward runs elsewhere (a GPU). False: the whole translation is in the pages before the forward starts."""
     direct_reads: bool = False
     """Consumer: read a translation whose mapped blocks are all stored straight from the prefix store, without the
     sidecar hop (kvferry.client.direct; the sidecar is still asked on a miss and for the map's status). No sidecar
@@ -86,11 +88,16 @@ class ConnectorConfig:
             raise InvalidInput("kvferry connector: prefix_secret (or prefix_secret_file) is required")
         if self.auth_token and self.auth_token_file:
             raise InvalidInput("kvferry connector: give auth_token or auth_token_file, not both")
-        if self.prefix_block_size < 1 or self.min_tokens <= self.refresh or self.refresh < 1:
-            raise InvalidInput("kvferry connector: prefix_block_size >= 1 and min_tokens > refresh >= 1")
+        if self.prefix_block_size < 1:
+            raise InvalidInput("kvferry connector: prefix_block_size must be >= 1")
+        try:
+            MapRollout(min_tokens=self.min_tokens, refresh=self.refresh)  # the one check of min_tokens and refresh
+        except InvalidInput as e:
+            raise InvalidInput(f"kvferry connector: {e}") from None
         try:
             check_range("timeout", self.timeout, 0, 3600, low_open=True)
             check_range("status_seconds", self.status_seconds, 0, 3600)
+            check_range("policy_reload_seconds", self.policy_reload_seconds, 0, 3600)
         except InvalidInput as e:
             raise InvalidInput(f"kvferry connector: {e}") from None
 

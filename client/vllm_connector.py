@@ -106,7 +106,7 @@ class KvferryConnector(KVConnectorBase_V1):
         if self.cfg.policy_file and self.consumer:
             from .rollout import PolicyStore
 
-            self._policy = PolicyStore(path=self.cfg.policy_file, reload_seconds=1.0)
+            self._policy = PolicyStore(path=self.cfg.policy_file, reload_seconds=self.cfg.policy_reload_seconds)
         self._pending: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()  # asynchronous loads fail on the loader thread

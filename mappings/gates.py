@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .artifact import MapSet
 from .errors import GateFailed, InvalidInput
+from .gate_bars import GATE_ARM, MARGINAL, MAX_COMPLETION_DROP, MAX_KL, MIN_COPY_RETENTION, MIN_TOP10
 from .intervals import Interval, difference_interval, mean_interval, ratio_interval
 
 MARGINAL_POLICIES = ("refuse", "serve")
@@ -53,17 +54,17 @@ class Check:
 class Gates:
     """Thresholds on the evidence of the arm a deployment serves (by default mapped + refresh)."""
 
-    arm: str = "mapped_refresh"
+    arm: str = GATE_ARM
     """Which evaluated arm the gates apply to: the path serving will actually take."""
-    min_top10: float = 0.8
+    min_top10: float = MIN_TOP10
     """Minimum next-token top-10 overlap with the target's full prefill."""
     min_top1: float = 0.0
     """Minimum next-token top-1 agreement."""
-    max_kl: float = float("inf")
+    max_kl: float = MAX_KL
     """Maximum mean KL(full prefill || mapped)."""
     min_attn_cos: float = 0.0
     """Minimum mean attention-output cosine."""
-    min_copy_retention: float = 0.85
+    min_copy_retention: float = MIN_COPY_RETENTION
     """Long-range gate (on by default; 0 turns it off): at every copy-probe gap, the served arm's copy accuracy
     must be at least this share of the target's own (full prefill). Next-token metrics cannot see a map that
     loses a distant passage; this can."""
@@ -71,10 +72,10 @@ class Gates:
     """A gap where the target's own copy accuracy is below this is not applicable: the target shows no
     long-range skill there to lose (the tiny test family), so it neither passes nor fails the map."""
 
-    max_completion_drop: float = 0.02
+    max_completion_drop: float = MAX_COMPLETION_DROP
     """Downstream gate: the served arm's score may fall at most this far below the target's own (full prefill), on
     the next-line task's edit similarity where the evidence has it, else on the completion task's exact-match rate."""
-    marginal: str = "refuse"
+    marginal: str = MARGINAL
     """What a marginal measure does, one whose bar lies inside its 95% interval over prompts (the data cannot say
     which side of the bar the map is on): "refuse" (the default) blocks the map, as a failure does; "serve" lets it
     pass, whichever side its point estimate is on. A measure whose whole interval misses the bar fails either way; one

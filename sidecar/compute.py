@@ -3,8 +3,8 @@
 Why one thread for all of it, not only for the map: torch's intra-op pool (OpenMP) belongs to the thread that
 enters a parallel region. Once any second thread has entered one (a copy of a large tensor is enough: loading a
 map, casting or joining stored blocks), the compute thread's pool waits on futexes between regions, and every map
-ran at about one core's speed: 13.9 ms against 7.7 ms for the tiny family at n = 2048 on 2 cores
-(docs/benchmarks.md). Views of received bytes, slicing, numpy's copy of a tensor's data into a message,
+runs at about one core's speed (`kvferry bench translate` shows it as apply in-process against the RPC).
+Views of received bytes, slicing, numpy's copy of a tensor's data into a message,
 and stored bytes sent as they are may run anywhere: they start no torch parallel region.
 
 With ``map_threads`` > 1 (the default on a multi-core CPU) the compute thread runs torch on one core and a

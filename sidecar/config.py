@@ -11,11 +11,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvferry.common.channel import MAX_MESSAGE_BYTES
 from kvferry.common.errors import InvalidInput
 from kvferry.common.files import read_secret_text
 from kvferry.common.settings import check_range, read_settings
 from kvferry.common.stores import STORE_SCHEMES
 from kvferry.common.urls import check_store_url
+from kvferry.mappings.gate_bars import GATE_ARM, MARGINAL, MAX_COMPLETION_DROP, MAX_KL, MIN_COPY_RETENTION, MIN_TOP10
 
 if TYPE_CHECKING:
     from kvferry.mappings.gates import Gates
@@ -38,7 +40,7 @@ class SidecarConfig:
     """gRPC port; 0 picks a free one."""
     metrics_port: int = -1
     """Prometheus /metrics port on the same host; -1 disables it, 0 picks a free one."""
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     """gRPC max send/receive message size (the 4 MiB default is too small for KV chunks)."""
     max_streams: int = 64
     """Concurrent Translate streams; past this, RESOURCE_EXHAUSTED with a retry hint."""
@@ -46,19 +48,19 @@ class SidecarConfig:
     """Most tokens one request may translate."""
     max_request_bytes: int = 2 << 30
     """Most source KV bytes one request may declare."""
-    gate_arm: str = "mapped_refresh"
+    gate_arm: str = GATE_ARM
     """Which evaluated arm the serving gates read."""
-    gate_min_top10: float = 0.8
+    gate_min_top10: float = MIN_TOP10
     """Serving gate: minimum top-10 overlap of that arm."""
-    gate_max_kl: float = float("inf")
+    gate_max_kl: float = MAX_KL
     """Serving gate: maximum KL of that arm."""
-    gate_min_copy_retention: float = 0.85
+    gate_min_copy_retention: float = MIN_COPY_RETENTION
     """Long-range serving gate: share of the target's own copy-probe accuracy the arm must keep at every gap
     (0 turns it off; a map without copy-probe evidence does not serve while it is on)."""
-    gate_marginal: str = "refuse"
+    gate_marginal: str = MARGINAL
     """What a marginal gated measure does (its bar inside its 95% interval over prompts): "refuse" blocks the map,
     "serve" lets it pass (kvferry.mappings.gates.Gates.marginal)."""
-    gate_max_completion_drop: float = 0.02
+    gate_max_completion_drop: float = MAX_COMPLETION_DROP
     """Downstream serving gate: how far below the target's own exact-match rate on the completion task the arm may
     fall, where the evidence has that task."""
     force_maps: bool = False

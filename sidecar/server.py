@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvferry.common import wire
+from kvferry.common.channel import message_size_options
 from kvferry.common.files import PEM_LIMIT, read_small_file
 from kvferry.v1 import translate_pb2 as pb
 
@@ -33,10 +34,6 @@ SERVICE = pb.DESCRIPTOR.services_by_name["TranslateService"].full_name
 PREFIX_STORE_SERVICE = "kvferry.v1.PrefixStore"
 """A health-only service name: SERVING while the shared prefix store is called, NOT_SERVING while its circuit is
 open."""
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
 
 
 def translate_handlers(servicer) -> grpc.GenericRpcHandler:
@@ -155,7 +152,7 @@ class Sidecar:
             torch.set_num_threads(c.threads)
         self.server = grpc.aio.server(
             interceptors=[ErrorInterceptor(self.metrics, self.authenticator)],
-            options=channel_options(c.max_message_bytes),
+            options=message_size_options(c.max_message_bytes),
         )
         self.server.add_generic_rpc_handlers((translate_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import ROOT, make_kv
+from conftest import ROOT, make_kv, wait_until
 
 from kvferry.mappings.apply import StreamingApplier, apply
 from kvferry.mappings.artifact import LayerMap, MapSet
@@ -259,7 +259,6 @@ def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(
     waiting; a lane that finishes output calls ``on_output``; ``poll`` yields what is finished, ``drain`` waits for
     the rest and raises a lane's error; ``close`` drops work still queued. Through a real cross-model map."""
     import threading
-    import time
 
     from kvferry.mappings.artifact import load
     from kvferry.sidecar import lanes as lanes_module
@@ -302,10 +301,7 @@ def test_lanes_run_at_once_on_one_core_each_and_the_feeder_never_waits_for_them(
     list(closed.push(0, "k", src[0][0], 0))  # held on the lanes
     list(closed.push(0, "v", src[0][1], 0))  # queued behind
     held_at = 2 * g.layers * 2 + 2
-    for _ in range(1000):  # until both lanes hold their first step
-        if len(seen) == held_at:
-            break
-        time.sleep(0.01)
+    wait_until(lambda: len(seen) == held_at, 10, "both lanes holding their first step")
     closed.close()
     gate.set()
     assert list(closed.drain()) == [] and len(seen) == held_at  # the queued steps never ran

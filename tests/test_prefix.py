@@ -3,7 +3,6 @@
 import json
 import re
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -305,12 +304,7 @@ def test_prefix_reuse_across_lengths_and_tenants(sidecar_factory, maps_dir, fami
 
 
 def _wait_for_writes(sc, n, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if sample(sc, "kvferry_prefix_writes_total") >= n:
-            return
-        time.sleep(0.02)
-    raise AssertionError("mapped blocks were not written back")
+    wait_until(lambda: sample(sc, "kvferry_prefix_writes_total") >= n, timeout, "the mapped blocks' write-back")
 
 
 def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, family, redis_url, monkeypatch):

@@ -3,12 +3,11 @@ against the same answer in the messages; what the sidecar refuses, ignores and n
 
 import os
 import secrets
-import time
 
 import grpc
 import pytest
 import torch
-from conftest import ROOT, make_kv, sample
+from conftest import ROOT, make_kv, sample, wait_until
 
 from kvferry.client.client import TRANSLATE_METHOD, ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.client.importers import PagedKVPool
@@ -54,10 +53,7 @@ def _sidecar(factory, shm=None, **kw):
 
 def _settled(sc, timeout=10.0):
     """Wait until the sidecar has no stream in flight (its handler ends just after the caller has the trailer)."""
-    deadline = time.monotonic() + timeout
-    while sc.sidecar.servicer.active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not sc.sidecar.servicer.active
+    wait_until(lambda: sample(sc, "kvferry_active_streams") == 0, timeout, "no stream in flight")
 
 
 def _open_under(folder) -> list[str]:

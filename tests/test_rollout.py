@@ -1,12 +1,12 @@
 """Rollout controls against a real sidecar and the shipped models: the policy, the drift signal, shadow
 checks, the automatic switch-off of a degraded map, and the kill switch under load."""
 
+import os
 import threading
-import time
 
 import pytest
 import torch
-from conftest import DATA, PASSING_COPY
+from conftest import DATA, PASSING_COPY, wait_until
 
 from kvferry.client.cascade import Cascade
 from kvferry.client.client import ClientOptions, TranslateClient
@@ -60,7 +60,11 @@ def _policy_file(path, **entry) -> None:
         f"{k} = {v!r}".replace("'", '"').replace("True", "true").replace("False", "false") for k, v in entry.items()
     )
     path.write_text(f"[maps.S__S-self]\n{body}\n")
-    time.sleep(0.01)
+    _stamp[0] = max(_stamp[0] + 1, path.stat().st_mtime_ns)  # a new mtime for every write, however fast they come
+    os.utime(path, ns=(_stamp[0], _stamp[0]))
+
+
+_stamp = [0]
 
 
 def test_policy_file_parsing_and_validation(tmp_path):
@@ -206,8 +210,7 @@ def test_canary_share_and_kill_switch_under_load(sidecar_factory, maps_dir, fami
         threads = [threading.Thread(target=worker) for _ in range(3)]
         for t in threads:
             t.start()
-        while len(results) < 15:
-            time.sleep(0.01)
+        wait_until(lambda: len(results) >= 15, 30, "15 requests under the first policy")
         _policy_file(f, version="1.0.0", refresh=8, min_tokens=32, enabled=False)  # the kill switch, under load
         flipped.set()
         for t in threads:

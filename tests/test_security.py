@@ -4,7 +4,6 @@ cannot escape the registry, and nothing loads a code-executing format (real side
 import dataclasses
 import re
 import threading
-import time
 
 import grpc
 import pytest
@@ -83,10 +82,7 @@ def test_the_token_picks_the_prefix_namespace(sidecar_factory, maps_dir, tokens_
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
         c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
     r = redis.Redis.from_url(redis_url)
-    for _ in range(100):  # write-back runs off the critical path
-        if r.keys("kvf:*"):
-            break
-        time.sleep(0.05)
+    wait_until(lambda: r.keys("kvf:*"), 5, "the write-back")  # it runs off the critical path
     tenants = {k.decode().split(":")[1] for k in r.keys("kvf:*")}
     assert tenants == {"alice"}
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=BOB)) as c:
@@ -129,10 +125,7 @@ def test_mtls_identity_is_the_tenant(sidecar_factory, maps_dir, tmp_path, family
             == grpc.StatusCode.PERMISSION_DENIED
         )
     r = redis.Redis.from_url(redis_url)
-    for _ in range(100):
-        if r.keys("kvf:*"):
-            break
-        time.sleep(0.05)
+    wait_until(lambda: r.keys("kvf:*"), 5, "the write-back")
     assert {k.decode().split(":")[1] for k in r.keys("kvf:*")} == {"client"}  # the certificate's CN
 
 
@@ -186,7 +179,7 @@ def test_a_stalled_stream_is_cut_off_by_the_server_deadline(sidecar_factory, map
     release.set()
     with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:  # the slot was freed
         assert c.translate(kv, "S__S-self", **_kw(family)).stats.tokens == 8
-    assert sc.sidecar.servicer.active == 0
+    assert sample(sc, "kvferry_active_streams") == 0
 
 
 @pytest.mark.parametrize(
@@ -387,13 +380,10 @@ def test_callers_cut_off_at_the_deadline_leave_no_traceback(sidecar_factory, map
     threads = [threading.Thread(target=stalled) for _ in range(3)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 20
-    while counted() < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: counted() >= 3, 20, "three stalled calls counted")
     cut_off.set()
     for t in threads:
         t.join()
     assert counted() == 3
-    while sc.sidecar.servicer.active and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: sample(sc, "kvferry_active_streams") == 0, 20, "no stream in flight")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

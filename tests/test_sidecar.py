@@ -3,7 +3,7 @@
 import grpc
 import pytest
 import torch
-from conftest import make_kv, wait_until
+from conftest import make_kv, sample, wait_until
 
 from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
 from kvferry.client.importers import PagedKVPool, to_dynamic_cache
@@ -322,18 +322,15 @@ def test_cancel_mid_stream_frees_the_session(sidecar, caplog):
     with grpc.insecure_channel(sidecar.address) as ch:
         call = pb_grpc.TranslateServiceStub(ch).Translate(requests(), timeout=60)
         assert next(call).WhichOneof("msg") == "header"
-        deadline = time.time() + 10
-        while servicer.active == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        assert len(servicer.sessions) == 1 and servicer.active == 1
+        wait_until(lambda: sample(sidecar, "kvferry_active_streams") == 1, 10, "the stream in flight")
+        assert len(servicer.sessions) == 1  # the leak check: the live request state, held weakly
         call.cancel()
-    deadline = time.time() + 10
-    while time.time() < deadline:
+
+    def released() -> bool:
         sidecar.call(_collect())
-        if servicer.active == 0 and len(servicer.sessions) == 0:
-            break
-        time.sleep(0.05)
-    assert servicer.active == 0 and len(servicer.sessions) == 0
+        return sample(sidecar, "kvferry_active_streams") == 0 and len(servicer.sessions) == 0
+
+    wait_until(released, 10, "the cancelled stream's state released")
     counts = {
         s.labels["code"]: s.value
         for m in sidecar.sidecar.metrics.registry.collect()
@@ -430,7 +427,6 @@ def test_health_not_serving_without_maps_and_while_draining(sidecar_factory, tmp
         assert check(ch, "kvferry.v1.TranslateService") == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready
     full = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, drain_seconds=5, drain_notice_seconds=2)
     import threading
-    import time
 
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
@@ -444,8 +440,7 @@ def test_health_not_serving_without_maps_and_while_draining(sidecar_factory, tmp
             target=lambda: out.setdefault("r", list(pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=20)))
         )
         t.start()
-        while full.sidecar.servicer.active == 0:
-            time.sleep(0.01)
+        wait_until(lambda: sample(full, "kvferry_active_streams") == 1, 10, "the held stream in flight")
         drain = threading.Thread(target=lambda: full.call(full.sidecar.drain(5)))
         drain.start()
         wait_until(
@@ -487,7 +482,6 @@ def test_new_versions_are_picked_up_without_restart(sidecar_factory, tmp_path, f
 
 def test_stream_cap_and_byte_limit_are_resource_exhausted(sidecar_factory, maps_dir):
     import threading
-    import time
 
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
@@ -505,9 +499,7 @@ def test_stream_cap_and_byte_limit_are_resource_exhausted(sidecar_factory, maps_
 
     t = threading.Thread(target=first)
     t.start()
-    deadline = time.time() + 10
-    while sc.sidecar.servicer.active == 0 and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: sample(sc, "kvferry_active_streams") == 1, 10, "the first stream in flight")
     with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
         code, msg = _code(c, kv, "S__S-self")
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in msg
@@ -534,9 +526,7 @@ def test_stream_cap_sends_retry_info_and_the_client_honours_it(sidecar_factory, 
 
     with grpc.insecure_channel(sc.address) as ch:
         first = pb_grpc.TranslateServiceStub(ch).Translate(held(), timeout=30)
-        deadline = time.time() + 10
-        while sc.sidecar.servicer.active == 0 and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: sample(sc, "kvferry_active_streams") == 1, 10, "the first stream in flight")
         with pytest.raises(grpc.RpcError) as e:
             list(pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=10))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -720,7 +710,6 @@ def test_cancel_while_the_sidecar_is_sending_is_clean(sidecar, caplog):
     """A caller that cancels after the first block, while blocks are still being written to it: no INTERNAL,
     no traceback (a write into a cancelled call is the caller leaving, not a server fault)."""
     import logging
-    import time
 
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
@@ -731,10 +720,7 @@ def test_cancel_while_the_sidecar_is_sending_is_clean(sidecar, caplog):
             call = pb_grpc.TranslateServiceStub(ch).Translate(iter(reqs), timeout=60)
             next(call), next(call)  # the header, then the first block
             call.cancel()
-    servicer = sidecar.sidecar.servicer
-    deadline = time.time() + 10
-    while servicer.active and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: sample(sidecar, "kvferry_active_streams") == 0, 10, "no stream in flight")
 
     def codes():
         return {
@@ -747,7 +733,7 @@ def test_cancel_while_the_sidecar_is_sending_is_clean(sidecar, caplog):
 
     wait_until(lambda: sum(codes().values()) >= 3, 10, "every call counted")
     counts = codes()
-    assert servicer.active == 0 and "INTERNAL" not in counts, counts
+    assert sample(sidecar, "kvferry_active_streams") == 0 and "INTERNAL" not in counts, counts
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 

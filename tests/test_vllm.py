@@ -6,7 +6,6 @@ loads the translation into its paged cache and computes only the tail.
 """
 
 import shutil
-import time
 
 import pytest
 
@@ -115,7 +114,12 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
         with EngineProcess(
             MODELS / "S",
             "kv_consumer",
-            {**consumer(MODELS / "S", "S__S-self"), "policy_file": str(policy), "direct_reads": True},
+            {
+                **consumer(MODELS / "S", "S__S-self"),
+                "policy_file": str(policy),
+                "policy_reload_seconds": 0,  # each request sees the file as it is now
+                "direct_reads": True,
+            },
         ) as engine:
 
             def served():
@@ -135,7 +139,6 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
                         assert abs(b["top_logprobs"][tok] - lp) < 1e-3
             same = [r["tokens"] for r in source_out]
             update_policy_file(policy, "S__S-self", enabled=False)  # the rollout kill switch
-            time.sleep(1.1)
             off = engine.batch(prompts)
             assert all(r["num_cached_tokens"] == 0 for r in off) and [r["tokens"] for r in off] == same
             update_policy_file(policy, "S__S-self", enabled=True)
@@ -143,7 +146,6 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
                 self_map, {**good, "arms": {"mapped_refresh": {**good["arms"]["mapped_refresh"], "top10": 0.1}}}
             )
             sidecar.call(sidecar.sidecar.reload())  # the map's evidence now fails the gate: it is gated off
-            time.sleep(1.1)
             gated = engine.batch(prompts)
             assert all(r["num_cached_tokens"] == 0 for r in gated) and [r["tokens"] for r in gated] == same
             sidecar.stop()
