@@ -1,4 +1,5 @@
-"""What ListMappings says of each map, as the package's own dataclasses (callers never handle protobuf messages)."""
+"""What ListMappings says of each map: the package's own dataclasses (callers never handle protobuf messages), and
+both directions between them and the messages (the sidecar writes them, the clients read them)."""
 
 from __future__ import annotations
 
@@ -78,5 +79,47 @@ def mapping_from_pb(m: pb.MappingInfo) -> MappingInfo:
         dtype=None if m.dtype == pb.DTYPE_UNSPECIFIED else wire.dtype_from_pb(m.dtype),
         evidence=MapEvidence(
             e.arm, e.top1, e.top10, e.kl, e.attn_cos, e.recommended_refresh, e.drift_attn_cos, e.drift_rel_err
+        ),
+    )
+
+
+def geometry_to_pb(g) -> pb.Geometry:
+    """A map side's geometry (kvferry.mappings.geometry.Geometry) as the message."""
+    return pb.Geometry(
+        architecture=g.architecture,
+        layers=g.layers,
+        kv_heads=g.kv_heads,
+        head_dim=g.head_dim,
+        fingerprint=g.fingerprint,
+        rope_type=g.rope.rope_type,
+        rope_theta=g.rope.theta,
+    )
+
+
+def mapping_to_pb(entry, arm: str) -> pb.MappingInfo:
+    """A registry entry (its MapSet, whether it serves and why not) as ListMappings says it, with the evidence of
+    the arm the gates read."""
+    ms = entry.maps
+    ev = (ms.evidence or {}).get("arms", {}).get(arm, {})
+    return pb.MappingInfo(
+        name=ms.name,
+        version=ms.version,
+        source=geometry_to_pb(ms.source.geometry),
+        target=geometry_to_pb(ms.target.geometry),
+        tokenizer_fingerprint=ms.source.tokenizer,
+        content_sha256=ms.content_sha256,
+        servable=entry.servable,
+        gate_reason=entry.reason,
+        context_tokens=ms.context,
+        dtype=wire.dtype_to_pb(ms.dtype),
+        evidence=pb.MapEvidence(
+            arm=arm,
+            top1=ev.get("top1", 0.0),
+            top10=ev.get("top10", 0.0),
+            kl=ev.get("kl", 0.0),
+            attn_cos=ev.get("attn_cos", 0.0),
+            drift_attn_cos=ev.get("drift_attn_cos", 0.0),
+            drift_rel_err=ev.get("drift_rel_err", 0.0),
+            recommended_refresh=int((ms.evidence or {}).get("recommended_refresh", 0)),
         ),
     )

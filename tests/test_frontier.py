@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DATA, MODELS, ROOT
 
-from kvferry.cli import _int_list
+from kvferry.commands.args import int_list as _int_list
 from kvferry.mappings.capture import capture_first_layers, capture_kv, read_corpus
 from kvferry.mappings.copy_probe import CopySettings
 from kvferry.mappings.errors import InvalidInput

@@ -27,6 +27,7 @@ def test_wheel_maps_folders_to_kvferry_subpackages(tmp_path):
         "kvferry/client/client.py",
         "kvferry/v1/translate_pb2.py",
         "kvferry/cli.py",
+        "kvferry/commands/distill.py",
     ):
         assert module in names
 
