@@ -11,6 +11,10 @@ from kvferry.lazy import lazy_exports
 
 _EXPORTS = {
     "ClientOptions": "client",
+    "Retry": "client",
+    "Tls": "client",
+    "SharedMemory": "client",
+    "Request": "client",
     "TranslateClient": "client",
     "AsyncTranslateClient": "client",
     "TranslateResult": "client",

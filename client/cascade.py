@@ -22,7 +22,7 @@ import grpc
 import torch
 from prometheus_client import Counter
 
-from kvferry.mappings.capture import cache_layers
+from kvferry.mappings.cache import cache_layers
 from kvferry.mappings.drift import Drift, QueryTap, tail_drift
 
 from .attention import use_folded_gqa

@@ -9,38 +9,96 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.experimental
 import torch
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from kvferry.common import wire
 from kvferry.common.channel import MAX_MESSAGE_BYTES, message_size_options
+from kvferry.common.errors import InvalidInput
 from kvferry.common.listing import MappingInfo, mapping_from_pb
 from kvferry.common.messages import ALL_PAGES, CONTIGUOUS, PAGED, Block, Chunk, Stats, TargetInfo, TranslateSpec
+from kvferry.common.settings import check_range
 from kvferry.common.status import error_for
-from kvferry.mappings.capture import cache_layers
+from kvferry.mappings.cache import LayerKV, cache_layers
 from kvferry.mappings.versions import serving_version
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
-from .importers import contiguous_layers
+from .attempts import Attempts, TranslateResult
 from .regions import Lease, RegionPool
 from .tls import tls_credentials
-
-LayerKV = tuple[torch.Tensor, torch.Tensor]
-
 
 CHUNK_BYTES = 2 << 20
 """The automatic source chunk: about this many bytes of one layer's K or V per message (under gRPC's common 4 MiB)."""
 CHUNK_OVERHEAD = 1024
 """Room left in a message for a chunk's fields besides its data."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How a failed call is tried again (a translation is idempotent)."""
+
+    retries: int = 3
+    """Retries of UNAVAILABLE (and RESOURCE_EXHAUSTED from the stream cap) before giving up."""
+    backoff: float = 0.05
+    """First retry delay in seconds; doubles each retry, with jitter (a server's RetryInfo can lengthen it)."""
+
+    def __post_init__(self) -> None:
+        check_range("retries", self.retries, 0, 100)
+        check_range("backoff", self.backoff, 0, 60)
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS to the sidecar: on when ``root_certs`` is set."""
+
+    root_certs: str = ""
+    """PEM CA bundle that verifies the server."""
+    client_cert: str = ""
+    """PEM client certificate, for mutual TLS (with ``client_key``)."""
+    client_key: str = ""
+    """PEM client key, for mutual TLS (with ``client_cert``)."""
+    server_name: str = ""
+    """Override of the name checked against the server certificate."""
+
+    def __post_init__(self) -> None:
+        if bool(self.client_cert) != bool(self.client_key):
+            raise InvalidInput("Tls: give client_cert and client_key together (mutual TLS), or neither")
+        if (self.client_cert or self.server_name) and not self.root_certs:
+            raise InvalidInput("Tls: client_cert and server_name need root_certs (the CA that verifies the server)")
+
+
+@dataclass(frozen=True)
+class SharedMemory:
+    """Answers through files in a folder shared with the sidecar alone (its shm_dir: a memory-backed volume of the
+    pod both containers mount): the sidecar writes each answer's tensor bytes into a file the client keeps there
+    (client/regions.py) instead of into the messages, skipping gRPC's copies of large answers; the answer's
+    tensors view that file. A sidecar without shm_dir answers in the messages."""
+
+    dir: str = ""
+    """The shared folder (the sidecar's shm_dir). Empty: always in the messages."""
+    region_bytes: int = 1 << 30
+    """Size of each file: the most response bytes one call puts there (the rest come in the messages). The file is
+    sparse: memory is used only as the sidecar writes."""
+    file_mode: int = 0o600
+    """Permissions of the files: 0o660 when the sidecar runs as another user sharing the pod's fsGroup."""
+    idle_files: int = 4
+    """Files a client keeps for reuse once their answers are freed (each holds the memory of the largest answer
+    written into it); an answer still in use keeps its own."""
+
+    def __post_init__(self) -> None:
+        check_range("SharedMemory.region_bytes", self.region_bytes, 1, 1 << 40)
+        check_range("SharedMemory.idle_files", self.idle_files, 0, 1024)
+        if self.file_mode not in (0o600, 0o660):
+            raise InvalidInput(
+                f"SharedMemory.file_mode must be 0o600 or 0o660 (the caller's file, never others'), got "
+                f"{oct(self.file_mode)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -50,68 +108,38 @@ class ClientOptions:
     target: str = "127.0.0.1:50551"
     """host:port of the sidecar."""
     timeout: float | None = 30.0
-    """Deadline per Translate call, seconds (None: no deadline)."""
-    retries: int = 3
-    """Retries of UNAVAILABLE (and RESOURCE_EXHAUSTED from the stream cap) before giving up."""
-    backoff: float = 0.05
-    """First retry delay in seconds; doubles each retry, with jitter."""
+    """Deadline per Translate call, seconds, retries included (None: no deadline)."""
+    retry: Retry = field(default_factory=Retry)
+    """How failed calls are retried."""
+    endpoints: tuple[str, ...] = ()
+    """More sidecars to fail over to (host:port): a retryable error moves the next attempt to the next endpoint."""
+    tls: Tls = field(default_factory=Tls)
+    """TLS to the sidecar (off by default)."""
+    auth_token: str = ""
+    """Bearer token sent as 'authorization' call metadata (the sidecar's auth_tokens_file maps it to a tenant)."""
+    shared_memory: SharedMemory = field(default_factory=SharedMemory)
+    """Answers through a folder shared with the sidecar (off by default)."""
     max_message_bytes: int = MAX_MESSAGE_BYTES
     """gRPC max send/receive message size on the channel."""
     chunk_tokens: int = 0
     """Tokens per source chunk; 0 (the default): as many as fill ``CHUNK_BYTES`` (2 MiB) of one layer's K or V,
     within max_message_bytes. Each message costs the sidecar a fixed amount, so far smaller chunks are slower
     (`kvferry bench translate --chunk-tokens N` measures it)."""
-    tls_root_certs: str = ""
-    """PEM CA bundle to verify the server; enables TLS."""
-    tls_client_cert: str = ""
-    """PEM client certificate, for mutual TLS."""
-    tls_client_key: str = ""
-    """PEM client key, for mutual TLS."""
-    tls_server_name: str = ""
-    """Override the name checked against the server certificate."""
-    auth_token: str = ""
-    """Bearer token sent as 'authorization' call metadata (the sidecar's auth_tokens_file maps it to a tenant)."""
-    endpoints: tuple[str, ...] = ()
-    """More sidecars to fail over to (host:port): a retryable error moves the next attempt to the next endpoint."""
-    shm_dir: str = ""
-    """A folder shared with the sidecar alone (its shm_dir: a memory-backed volume of the pod both containers
-    mount): the sidecar then writes each answer's tensor bytes into a file the client keeps there (client/regions.py)
-    instead of into the messages, skipping gRPC's copies of large answers. An
-    answer's tensors view that file. A sidecar without shm_dir answers in the messages. Empty: always in the
-    messages."""
-    shm_region_bytes: int = 1 << 30
-    """Size of each file in shm_dir: the most response bytes one call puts there (the rest come in the messages).
-    The file is sparse: memory is used only as the sidecar writes."""
-    shm_file_mode: int = 0o600
-    """Permissions of the files in shm_dir: 0o660 when the sidecar runs as another user sharing the pod's fsGroup."""
-    shm_idle_files: int = 4
-    """Files in shm_dir a client keeps for reuse once their answers are freed (each holds the memory of the largest
-    answer written into it); an answer still in use keeps its own."""
 
     def __post_init__(self) -> None:
-        if self.shm_region_bytes < 1 or self.shm_idle_files < 0:
-            raise ValueError(
-                f"shm_region_bytes must be >= 1 and shm_idle_files >= 0, got {self.shm_region_bytes} and "
-                f"{self.shm_idle_files}"
-            )
-        if self.shm_file_mode not in (0o600, 0o660):
-            raise ValueError(
-                "shm_file_mode must be 0o600 or 0o660 (the caller's file, never others'), got "
-                f"{oct(self.shm_file_mode)}"
-            )
+        if self.timeout is not None:
+            check_range("timeout", self.timeout, 0, 86400, low_open=True)
+        check_range("chunk_tokens", self.chunk_tokens, 0, 1 << 31)
+        check_range("max_message_bytes", self.max_message_bytes, 1 << 16, 1 << 31)
 
     def region_pool(self) -> RegionPool | None:
         """The response regions of one client (None without shm_dir)."""
         return (
-            RegionPool(self.shm_dir, self.shm_region_bytes, self.shm_file_mode, self.shm_idle_files)
-            if self.shm_dir
-            else None
+            RegionPool(sm.dir, sm.region_bytes, sm.file_mode, sm.idle_files) if (sm := self.shared_memory).dir else None
         )
 
     def tokens_per_chunk(self, bytes_per_token: int) -> int:
         """The chunk size to send a cache with ``bytes_per_token`` bytes of K (or V) per token and layer."""
-        if self.chunk_tokens < 0:
-            raise ValueError(f"chunk_tokens must be >= 0 (0: automatic), got {self.chunk_tokens}")
         if self.chunk_tokens:
             return self.chunk_tokens
         budget = min(CHUNK_BYTES, self.max_message_bytes - CHUNK_OVERHEAD)
@@ -121,8 +149,8 @@ class ClientOptions:
         opts: list[tuple[str, object]] = [
             *message_size_options(self.max_message_bytes),
         ]
-        if self.tls_server_name:
-            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        if self.tls.server_name:
+            opts.append(("grpc.ssl_target_name_override", self.tls.server_name))
         return opts
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
@@ -132,26 +160,9 @@ class ClientOptions:
         return (self.target, *tuple(e for e in self.endpoints if e != self.target))
 
     def credentials(self):
-        if not self.tls_root_certs:
+        if not self.tls.root_certs:
             return None
-        return tls_credentials(self.tls_root_certs, self.tls_client_key, self.tls_client_cert)
-
-
-@dataclass
-class TranslateResult:
-    """A translation's answer. The blocks' tensors view the bytes they arrived in (a sidecar's messages, or a direct
-    hit's fetched blobs): read or copy them, never write them in place (``.clone()`` gives a writable copy); so may
-    ``layers()`` for a layer that arrived in one block."""
-
-    info: TargetInfo
-    blocks: list[Block]
-    stats: Stats
-    first_block_seconds: float = 0.0
-    attempts: int = 1
-
-    def layers(self) -> list[LayerKV]:
-        """Contiguous layout: per target layer (K, V) [1, kv_heads, tokens, head_dim]."""
-        return contiguous_layers(self.blocks, self.info.layers, self.info.num_tokens)
+        return tls_credentials(self.tls.root_certs, self.tls.client_key, self.tls.client_cert)
 
 
 def chunk_tokens_for(options: ClientOptions, layers: list[LayerKV]) -> int:
@@ -181,72 +192,68 @@ def encode_requests(
         yield wire.encode_chunk_request(chunk) if encoded else wire.chunk_to_pb(chunk)
 
 
-def make_spec(
-    layers: list[LayerKV],
-    map_name: str,
-    version: str = "",
-    *,
-    source_geometry: str = "",
-    tokenizer: str = "",
-    start_position: int = 0,
-    token_ids=(),
-    layout: str = CONTIGUOUS,
-    block_size: int = 16,
-    target_dtype: torch.dtype | None = None,
-    tenant: str = "",
-    prefix_key: str = "",
-    source_dtype: torch.dtype | None = None,
-    pages_per_block: int = ALL_PAGES,
-) -> TranslateSpec:
-    """The request header for ``layers`` (or for a key-only request: ``token_ids``, ``source_dtype``). Paged answers
-    carry up to ``pages_per_block`` pages a message (the sidecar caps it to its message size; 0 asks for one page a
-    message), and reach the caller as [pages, block_size, kv_heads, head_dim] blocks either way."""
+@dataclass(frozen=True)
+class Request:
+    """A translation request's header fields beyond the map: the keywords of ``translate``, ``stream`` and
+    ``make_spec``, defined here once."""
+
+    source_geometry: str = ""
+    """The source model's geometry fingerprint; the sidecar refuses a map made for another source."""
+    tokenizer: str = ""
+    """The source tokenizer's fingerprint; the sidecar refuses a map made for another tokenizer."""
+    token_ids: object = ()
+    """The prompt's token ids (a list, tuple or tensor of ints): the prefix store's key (reads, write-back) and, with
+    ``prefix_key``, the whole of a key-only request."""
+    start_position: int = 0
+    """Position of the first source token (RoPE)."""
+    layout: str = CONTIGUOUS
+    """How target blocks come back: CONTIGUOUS (per layer and token range) or PAGED (pages of ``block_size``)."""
+    block_size: int = 16
+    """Tokens per page of a PAGED answer."""
+    pages_per_block: int = ALL_PAGES
+    """PAGED answers carry up to this many pages a message (the sidecar caps it to its message size; 0 asks for one
+    page a message); they reach the caller as [pages, block_size, kv_heads, head_dim] blocks either way."""
+    target_dtype: torch.dtype | None = None
+    """The target blocks' dtype (None: the map's)."""
+    tenant: str = ""
+    """The prefix-store namespace asked for (a sidecar with auth takes the caller's own instead)."""
+    prefix_key: str = ""
+    """The key ``publish_source`` returned: the source KV is read from the prefix store (send no layers)."""
+    source_dtype: torch.dtype | None = None
+    """A key-only request's source dtype (stored blocks are mapped as published, whatever this says)."""
+
+
+def make_spec(layers: list[LayerKV], map_name: str, version: str = "", **request) -> TranslateSpec:
+    """The request header for ``layers`` (or for a key-only request: ``token_ids``, ``prefix_key``); the keywords
+    are Request's fields."""
+    r = Request(**request)
     if layers:
         n, dtype = int(layers[0][0].shape[-2]), layers[0][0].dtype
     else:  # key-only: the source KV is in the prefix store
-        n, dtype = len(token_ids), source_dtype or torch.float32
+        n, dtype = len(r.token_ids), r.source_dtype or torch.float32
     return TranslateSpec(
         map_name,
         version,
-        source_geometry,
-        tokenizer,
+        r.source_geometry,
+        r.tokenizer,
         n,
-        start_position,
-        _token_ids(token_ids),
+        r.start_position,
+        _token_ids(r.token_ids),
         dtype,
-        layout,
-        block_size,
-        target_dtype,
-        prefix_key,
-        tenant,
-        pages_per_block if layout == PAGED else 0,
+        r.layout,
+        r.block_size,
+        r.target_dtype,
+        r.prefix_key,
+        r.tenant,
+        r.pages_per_block if r.layout == PAGED else 0,
     )
 
 
-SPEC_KEYWORDS = frozenset(
-    (
-        "source_geometry",
-        "tokenizer",
-        "token_ids",
-        "start_position",
-        "layout",
-        "block_size",
-        "pages_per_block",
-        "target_dtype",
-        "tenant",
-        "prefix_key",
-        "source_dtype",
-    )
-)
-"""make_spec's keywords, which translate() takes by name."""
-
-
-def _request(options: ClientOptions, cache, map_name: str, version: str, arguments: dict, timeout: float | None):
-    """What a translate or stream call sends: (the source layers, the request header from the call's keyword
-    ``arguments``, the call's timeout)."""
+def _request(options: ClientOptions, cache, map_name: str, version: str, request: dict, timeout: float | None):
+    """What a translate or stream call sends: (the source layers, the request header from the call's Request
+    keywords, the call's timeout)."""
     layers = cache_layers(cache)
-    spec = make_spec(layers, map_name, version, **{k: v for k, v in arguments.items() if k in SPEC_KEYWORDS})
-    return layers, spec, options.timeout if timeout is None else timeout
+    return layers, make_spec(layers, map_name, version, **request), options.timeout if timeout is None else timeout
 
 
 def _token_ids(token_ids) -> tuple[int, ...]:
@@ -259,52 +266,6 @@ def _token_ids(token_ids) -> tuple[int, ...]:
     return tuple(map(int, token_ids))
 
 
-class _Collector:
-    def __init__(self, region: Lease | None = None, keep: bool = True):
-        self.region = region  # the call's response region: its messages arrive undecoded, and are decoded against it
-        self.keep = keep  # keep the blocks for the result (a stream hands them on instead)
-        self.handed = 0  # blocks decoded so far
-        self.info = None
-        self.blocks: list[Block] = []
-        self.stats = None
-        self.t0 = time.perf_counter()
-        self.first_block = 0.0
-
-    def take(self, msg: pb.TranslateResponse | Block | bytes) -> Block | None:
-        """Decode one response message; the block it carried, if any."""
-        if isinstance(msg, bytes):
-            msg = wire.decode_response(msg, self._taken())
-        if isinstance(msg, Block):  # decoded in place by wire.decode_response
-            return self._block(msg)
-        which = msg.WhichOneof("msg")
-        if which == "header":
-            self.info = wire.info_from_pb(msg.header)
-        elif which == "block":
-            return self._block(wire.block_from_pb(msg.block, self._taken()))
-        elif which == "trailer":
-            self.stats = wire.stats_from_pb(msg.trailer)
-        return None
-
-    def _taken(self) -> Lease | None:
-        """The region, once the response header said the sidecar took it (tensors may then lie there)."""
-        return self.region if self.info is not None and self.info.response_region else None
-
-    def _block(self, b: Block) -> Block:
-        if not self.handed:
-            self.first_block = time.perf_counter() - self.t0
-        if self.info is not None and self.info.layout == PAGED and not self.info.pages_per_block:
-            b.key, b.value = b.key[None], b.value[None]  # one page a block, sent [block_size, H, D]: one page
-        if self.keep:
-            self.blocks.append(b)
-        self.handed += 1
-        return b
-
-    def result(self, attempts: int) -> TranslateResult:
-        if self.info is None or self.stats is None:
-            raise ConnectionError("the sidecar closed the Translate stream without a header or trailer")
-        return TranslateResult(self.info, self.blocks, self.stats, self.first_block, attempts)
-
-
 def _direct_result(hit) -> TranslateResult:
     return TranslateResult(hit.info, hit.blocks, hit.stats, hit.stats.wall_seconds, attempts=0)
 
@@ -315,70 +276,6 @@ def serving_mapping(listed, name: str, version: str = "") -> MappingInfo | None:
     mine = {m.version: m for m in listed if m.name == name}
     chosen = serving_version({v: m.servable for v, m in mine.items()}, version)
     return mine[chosen] if chosen else None
-
-
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-MAX_RETRY_WAIT = 30.0
-"""The longest a client waits before a retry, whatever a server's RetryInfo asks (a hostile or broken server could
-ask for years); the caller's deadline caps it further."""
-
-
-def retry_hint(err: grpc.RpcError) -> float | None:
-    """Seconds the server asks us to wait (google.rpc.RetryInfo in the status details), or None when it gave none or
-    gave one that does not parse as a duration of 0 to MAX_RETRY_WAIT seconds (not a hint to act on)."""
-    try:
-        rich = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
-        for detail in rich.details if rich is not None else ():
-            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                info = error_details_pb2.RetryInfo()
-                detail.Unpack(info)
-                seconds = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
-                return seconds if 0 <= seconds <= MAX_RETRY_WAIT else None
-    except Exception:  # details that do not parse (bad protobuf, a code that disagrees): no hint
-        return None
-    return None
-
-
-def _retryable(err: grpc.RpcError) -> bool:
-    code = err.code() if hasattr(err, "code") else None
-    if (
-        code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    ):  # only a server that says when to retry (the stream cap), not a size limit
-        return retry_hint(err) is not None
-    return code in _RETRYABLE
-
-
-def _delay(opts: ClientOptions, attempt: int, err: grpc.RpcError) -> float:
-    """Exponential backoff with jitter, never shorter than the server's RetryInfo, never longer than MAX_RETRY_WAIT."""
-    return min(MAX_RETRY_WAIT, max(opts.backoff * (2**attempt) * (0.5 + random.random()), retry_hint(err) or 0.0))
-
-
-def _retry_wait(
-    opts: ClientOptions, attempt: int, err: grpc.RpcError, deadline: _Deadline, handed: bool
-) -> float | None:
-    """Seconds to wait before retrying a call whose attempt ``attempt`` (0-based) failed with ``err``; None: give up
-    and raise it. Never after a stream handed blocks to its caller, past ``opts.retries``, for a status that is not
-    retryable, or where the wait would end past the caller's deadline."""
-    wait = _delay(opts, attempt, err)
-    if handed or attempt >= opts.retries or not _retryable(err) or not deadline.allows(wait):
-        return None
-    return wait
-
-
-class _Deadline:
-    """The caller's timeout across all attempts of one call: each attempt gets what remains, and a retry whose wait
-    would end past it is not made (the last error is raised instead)."""
-
-    def __init__(self, timeout: float | None):
-        self.end = None if timeout is None else time.monotonic() + timeout
-
-    def remaining(self) -> float | None:
-        return None if self.end is None else max(0.0, self.end - time.monotonic())
-
-    def allows(self, wait: float) -> bool:
-        return self.end is None or time.monotonic() + wait < self.end
 
 
 TRANSLATE_METHOD = "/kvferry.v1.TranslateService/Translate"
@@ -431,7 +328,7 @@ class _Endpoints:
 
     def call(self, spec: TranslateSpec, layers: list, timeout: float | None, region: Lease | None = None):
         """The response stream of one attempt (iterate it; async iterate with the asyncio channel). With a ``region``,
-        the request names it and the messages come undecoded (``_Collector`` decodes them against it)."""
+        the request names it and the messages come undecoded (``attempts.Collector`` decodes them against it)."""
         meta = self.options.metadata()
         by_key = self.uses_by_key(spec, layers)
         if region is not None:
@@ -515,25 +412,15 @@ class TranslateClient:
         map_name: str,
         version: str = "",
         *,
-        source_geometry: str = "",
-        tokenizer: str = "",
-        token_ids=(),
-        start_position: int = 0,
-        layout: str = CONTIGUOUS,
-        block_size: int = 16,
-        pages_per_block: int = ALL_PAGES,
-        target_dtype: torch.dtype | None = None,
-        tenant: str = "",
-        prefix_key: str = "",
-        source_dtype: torch.dtype | None = None,
         timeout: float | None = None,
+        **request,
     ) -> TranslateResult:
         """Translate a source cache (an HF cache or a list of (K, V) [1, H, T, D]; None with ``prefix_key`` and
         ``token_ids`` for a key-only request) through ``map_name`` (``version``: exact, or "" for the latest servable).
-        The keywords are the request header's (make_spec); ``timeout``: seconds for the whole call, retries included
+        ``request``: Request's fields, the header's keywords; ``timeout``: seconds for the whole call, retries included
         (None: ClientOptions.timeout). A failed call raises the service's typed error (kvferry.common.status: NotFound,
         InvalidInput, Unavailable, ...; each is also a grpc.RpcError)."""
-        layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
+        layers, spec, timeout = _request(self.options, cache, map_name, version, request, timeout)
         hit = self._direct_hit(spec)
         if hit is not None:
             return _direct_result(hit)
@@ -548,22 +435,12 @@ class TranslateClient:
         map_name: str,
         version: str = "",
         *,
-        source_geometry: str = "",
-        tokenizer: str = "",
-        token_ids=(),
-        start_position: int = 0,
-        layout: str = CONTIGUOUS,
-        block_size: int = 16,
-        pages_per_block: int = ALL_PAGES,
-        target_dtype: torch.dtype | None = None,
-        tenant: str = "",
-        prefix_key: str = "",
-        source_dtype: torch.dtype | None = None,
         timeout: float | None = None,
+        **request,
     ) -> TranslateStream:
         """As ``translate``, but the blocks are handed over as they arrive (a TranslateStream to iterate), so a
         caller can import the first target layers while later ones are still on the wire."""
-        layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
+        layers, spec, timeout = _request(self.options, cache, map_name, version, request, timeout)
         out = TranslateStream()
         out._blocks = self._streamed(spec, layers, timeout, out)
         return out
@@ -587,38 +464,21 @@ class TranslateClient:
             return None  # the sidecar's own path retries and fails over
 
     def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: TranslateStream):
-        """One call's attempts, retried by ``_retry_wait``; ``out`` gets the header, then the TranslateResult
-        (``out.finish``). A live stream's blocks are yielded as they are decoded; otherwise nothing is yielded."""
-        attempt, deadline = 0, _Deadline(timeout)
+        """One call's attempts (attempts.Attempts): a live stream's blocks are yielded as they are decoded."""
+        attempts = Attempts(self.endpoints, self.regions, self.options, spec, layers, timeout, out)
         while True:
-            region = self.regions.lease() if self.regions is not None else None
-            col = _Collector(region, keep=not out.live)
-            call, ok = None, False
+            attempt = attempts.next()
             try:
-                call = self.endpoints.call(spec, layers, deadline.remaining(), region)
-                for msg in call:
-                    block = col.take(msg)
-                    out.info = col.info
-                    if out.live and block is not None:
+                for msg in attempts.open(attempt):
+                    block = attempt.take(msg)
+                    if block is not None:
                         yield block
-                out.finish(col.result(attempt + 1))
-                ok = True
+                attempts.succeeded(attempt)
                 return
             except grpc.RpcError as err:
-                handed = out.live and col.handed > 0
-                if not handed and self.endpoints.by_key_refused(spec, layers, err):
-                    continue  # the same attempt, through Translate
-                wait = _retry_wait(self.options, attempt, err, deadline, handed)
-                if wait is None:
-                    raise error_for(err) from None
-                self.endpoints.fail_over()
-                time.sleep(wait)
-                attempt += 1
+                time.sleep(attempts.failed(attempt, err))
             finally:
-                if not ok and call is not None:
-                    call.cancel()  # a stream its caller closed early: the sidecar stops at once
-                if region is not None:
-                    region.release(ok)
+                attempt.close()
 
 
 class _StreamState:
@@ -707,21 +567,11 @@ class AsyncTranslateClient:
         map_name: str,
         version: str = "",
         *,
-        source_geometry: str = "",
-        tokenizer: str = "",
-        token_ids=(),
-        start_position: int = 0,
-        layout: str = CONTIGUOUS,
-        block_size: int = 16,
-        pages_per_block: int = ALL_PAGES,
-        target_dtype: torch.dtype | None = None,
-        tenant: str = "",
-        prefix_key: str = "",
-        source_dtype: torch.dtype | None = None,
         timeout: float | None = None,
+        **request,
     ) -> TranslateResult:
         """As TranslateClient.translate."""
-        layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
+        layers, spec, timeout = _request(self.options, cache, map_name, version, request, timeout)
         hit = await self._direct_hit(spec)
         if hit is not None:
             return _direct_result(hit)
@@ -736,21 +586,11 @@ class AsyncTranslateClient:
         map_name: str,
         version: str = "",
         *,
-        source_geometry: str = "",
-        tokenizer: str = "",
-        token_ids=(),
-        start_position: int = 0,
-        layout: str = CONTIGUOUS,
-        block_size: int = 16,
-        pages_per_block: int = ALL_PAGES,
-        target_dtype: torch.dtype | None = None,
-        tenant: str = "",
-        prefix_key: str = "",
-        source_dtype: torch.dtype | None = None,
         timeout: float | None = None,
+        **request,
     ) -> AsyncTranslateStream:
         """As TranslateClient.stream: ``async for block in client.stream(...)``."""
-        layers, spec, timeout = _request(self.options, cache, map_name, version, locals(), timeout)
+        layers, spec, timeout = _request(self.options, cache, map_name, version, request, timeout)
         out = AsyncTranslateStream()
         out._blocks = self._streamed(spec, layers, timeout, out)
         return out
@@ -776,37 +616,21 @@ class AsyncTranslateClient:
             return None
 
     async def _attempts(self, spec: TranslateSpec, layers: list, timeout: float | None, out: AsyncTranslateStream):
-        """As TranslateClient._attempts."""
-        attempt, deadline = 0, _Deadline(timeout)
+        """As TranslateClient._attempts, on the asyncio channel."""
+        attempts = Attempts(self.endpoints, self.regions, self.options, spec, layers, timeout, out)
         while True:
-            region = self.regions.lease() if self.regions is not None else None
-            col = _Collector(region, keep=not out.live)
-            call, ok = None, False
+            attempt = attempts.next()
             try:
-                call = self.endpoints.call(spec, layers, deadline.remaining(), region)
-                async for msg in call:
-                    block = col.take(msg)
-                    out.info = col.info
-                    if out.live and block is not None:
+                async for msg in attempts.open(attempt):
+                    block = attempt.take(msg)
+                    if block is not None:
                         yield block
-                out.finish(col.result(attempt + 1))
-                ok = True
+                attempts.succeeded(attempt)
                 return
             except grpc.RpcError as err:
-                handed = out.live and col.handed > 0
-                if not handed and self.endpoints.by_key_refused(spec, layers, err):
-                    continue  # the same attempt, through Translate
-                wait = _retry_wait(self.options, attempt, err, deadline, handed)
-                if wait is None:
-                    raise error_for(err) from None
-                self.endpoints.fail_over()
-                await asyncio.sleep(wait)
-                attempt += 1
+                await asyncio.sleep(attempts.failed(attempt, err))
             finally:
-                if not ok and call is not None:
-                    call.cancel()
-                if region is not None:
-                    region.release(ok)
+                attempt.close()
 
 
 class AsyncTranslateStream(_StreamState):

@@ -11,7 +11,7 @@ from kvferry.common.errors import InvalidInput, TooLarge
 from kvferry.common.messages import Block
 
 # the HF importer, re-exported: one implementation, shared with the offline lab
-from kvferry.mappings.capture import to_dynamic_cache as to_dynamic_cache
+from kvferry.mappings.cache import to_dynamic_cache as to_dynamic_cache
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 

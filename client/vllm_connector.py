@@ -131,7 +131,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def client(self):
         if self._client is None:
-            from .client import ClientOptions, TranslateClient
+            from .client import ClientOptions, Retry, SharedMemory, TranslateClient
 
             direct = None
             if self.cfg.direct_reads:
@@ -142,9 +142,9 @@ class KvferryConnector(KVConnectorBase_V1):
                 ClientOptions(
                     target=self.cfg.sidecar,
                     timeout=self.cfg.timeout,
-                    retries=1,
                     auth_token=self.cfg.token(),
-                    shm_dir=self.cfg.shm_dir,
+                    retry=Retry(retries=1),
+                    shared_memory=SharedMemory(dir=self.cfg.shm_dir),
                 ),
                 direct=direct,
             )

@@ -272,7 +272,7 @@ def publish_source(
     ``store`` is a RedisStore/MemoryStore (see kvferry.common.stores.open_store); ``secret`` and
     ``block_size`` must match the sidecars' prefix_secret and prefix_block_size. Returns the prefix key.
     """
-    from kvferry.mappings.capture import cache_layers
+    from kvferry.mappings.cache import cache_layers
 
     from .prefix import model_id
 

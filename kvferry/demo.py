@@ -26,9 +26,9 @@ from kvferry import paths
 
 def _fit_and_eval(source, target, out, prompts: int, quiet: bool):
     from kvferry.mappings.artifact import save, write_evidence
-    from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
-    from kvferry.mappings.fit import FitSettings, fit_pair
     from kvferry.mappings.gates import Gates
+    from kvferry.mappings.lab.evaluate import EvalSettings, evaluate, format_table
+    from kvferry.mappings.lab.fit import FitSettings, fit_pair
 
     print(f"== fit {source.identity.name} -> {target.identity.name} on data/calib.jsonl", flush=True)
     t0 = time.perf_counter()
@@ -52,7 +52,7 @@ def _fit_and_eval(source, target, out, prompts: int, quiet: bool):
             ev, f"{ms.name} {ms.version}: evidence on held-out text ({prompts} prompts, r={ev['recommended_refresh']})"
         )
     )
-    from kvferry.mappings.copy_probe import format_copy_table
+    from kvferry.mappings.lab.copy_probe import format_copy_table
 
     print(
         format_copy_table(
@@ -67,8 +67,8 @@ def _fit_and_eval(source, target, out, prompts: int, quiet: bool):
 
 def _long_prompt(tokenizer) -> tuple[str, str]:
     """A recall prompt padded with held-out code to ~480 tokens, and its answer."""
-    from kvferry.mappings.capture import read_corpus
-    from kvferry.mappings.recall import make_probe, probe_fillers
+    from kvferry.mappings.lab.capture import read_corpus
+    from kvferry.mappings.lab.recall import make_probe, probe_fillers
 
     texts = list(read_corpus([paths.data_file("heldout.jsonl")]))
     fillers = probe_fillers(texts, tokenizer, count=8, min_tokens=200, seed=11)
@@ -112,7 +112,7 @@ def run_tiny(a: argparse.Namespace) -> int:
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
-    from kvferry.mappings.capture import capture_kv, load_model
+    from kvferry.mappings.lab.capture import capture_kv, load_model
     from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig

@@ -54,8 +54,8 @@ def _r2_summary(ms) -> list[str]:
 def _function_prompt(tokenizer, gap: int):
     """A scrambled held-out function (the passage), ``gap`` tokens of other held-out code, then the passage's first
     40 tokens again: (prompt ids, what the passage goes on with)."""
-    from kvferry.mappings.capture import read_corpus, token_stream
-    from kvferry.mappings.scramble import scramble
+    from kvferry.mappings.lab.capture import read_corpus, token_stream
+    from kvferry.mappings.lab.scramble import scramble
 
     texts = list(read_corpus([paths.data_file("heldout.jsonl")]))
     fn = next(t for t in texts if "\ndef " in t)
@@ -70,9 +70,9 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.capture import capture_kv, load_model
     from kvferry.mappings.errors import InvalidInput
-    from kvferry.mappings.evaluate import greedy_continuation
+    from kvferry.mappings.lab.capture import capture_kv, load_model
+    from kvferry.mappings.lab.evaluate import greedy_continuation
     from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig

@@ -73,10 +73,10 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_stream
-    from kvferry.mappings.copy_probe import CopySettings, make_examples
     from kvferry.mappings.errors import InvalidInput
-    from kvferry.mappings.evaluate import greedy_continuation
+    from kvferry.mappings.lab.capture import capture_kv, load_model, read_corpus, token_stream
+    from kvferry.mappings.lab.copy_probe import CopySettings, make_examples
+    from kvferry.mappings.lab.evaluate import greedy_continuation
     from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig

@@ -7,11 +7,11 @@ from __future__ import annotations
 def print_evidence(ms, summary: list[str], verdict: bool = True) -> list[str]:
     """Print ``ms``'s evidence (after the ``summary`` lines) and, with ``verdict``, the gate's; return the gate's
     failures (empty: it serves)."""
-    from kvferry.mappings.completion import format_completion_table
-    from kvferry.mappings.copy_probe import format_copy_table
-    from kvferry.mappings.evaluate import format_table
     from kvferry.mappings.gates import Gates
-    from kvferry.mappings.next_line import format_next_line_table
+    from kvferry.mappings.lab.completion import format_completion_table
+    from kvferry.mappings.lab.copy_probe import format_copy_table
+    from kvferry.mappings.lab.evaluate import format_table
+    from kvferry.mappings.lab.next_line import format_next_line_table
 
     ev = ms.evidence or {}
     print(
@@ -56,8 +56,8 @@ def print_cascade_path(res, ms, target_model, ids, src_kv, refresh: int, new_tok
     """After a cascade's answer ``res``: the path it took and why; when it fell back, what the map would have said
     (applied in-process to the source's cache ``src_kv``, never served), with ``describe(tokens)`` as its text."""
     from kvferry.mappings.apply import apply
-    from kvferry.mappings.capture import kv_slice
-    from kvferry.mappings.evaluate import greedy_continuation
+    from kvferry.mappings.cache import kv_slice
+    from kvferry.mappings.lab.evaluate import greedy_continuation
 
     print(f"      path: {res.path} ({res.reason[:240]}{'…' if len(res.reason) > 240 else ''})", flush=True)
     if res.path != "mapped":
@@ -85,7 +85,7 @@ def print_inspection(ms, brief: bool = False) -> None:
         return label + ", ".join(cell(r2.get(t)) for t in range(tl))
 
     if ms.basis is not None:
-        from kvferry.mappings.fit import format_curve
+        from kvferry.mappings.lab.fit import format_curve
 
         sw = ms.source.geometry.kv_width
         print(

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from .artifact import KINDS, MapSet
-from .capture import LayerKV
+from .cache import LayerKV
 from .errors import InvalidInput
 from .features import from_features, to_features
 from .precision import matmul_dtype

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture import LayerKV
+from .cache import LayerKV
 from .rope import RopeSpec, rotate
 
 

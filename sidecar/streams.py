@@ -77,49 +77,6 @@ async def no_chunks():
     yield  # makes this an async generator
 
 
-class _Sender:
-    """Writes the response messages in order, one in flight at a time, while the next one is built: the write of
-    message i (gRPC copies and sends it off the event loop) overlaps building message i + 1.
-
-    The deadline covers sending too: a caller that stops reading blocks a write (flow control) and must not hold
-    its stream slot past max_stream_seconds."""
-
-    def __init__(self, context, deadline: float):
-        self.context, self.deadline = context, deadline
-        self.pending: asyncio.Future | None = None
-
-    async def send(self, msg) -> None:
-        await self.drain()
-        self.pending = asyncio.ensure_future(self._write(msg))
-        await asyncio.sleep(0)  # let the write reach gRPC before the next message is built
-
-    async def drain(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            await pending
-
-    async def settle(self) -> None:
-        """After a failure: let a write still in flight finish or fail (it ends by the deadline) before the status
-        goes out, since gRPC takes no status while a message is being sent; its error is the caller leaving."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            with contextlib.suppress(Exception, asyncio.CancelledError):  # the failure being handled is what counts
-                await pending
-
-    async def _write(self, msg) -> None:
-        try:
-            async with asyncio.timeout_at(self.deadline):  # no task per message (wait_for made one)
-                await self.context.write(msg)
-        except TimeoutError:
-            raise TimeoutError(
-                "the caller did not read the response before the sidecar's max_stream_seconds ran out"
-            ) from None
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # gRPC refuses writes into a call the caller has cancelled or left
-            raise CallerGone("the caller cancelled or left the Translate stream; nothing more can be sent") from None
-
-
 class Sender:
     """Writes the response messages in order, one in flight at a time, while the next one is built: the write of
     message i (gRPC copies and sends it off the event loop) overlaps building message i + 1.

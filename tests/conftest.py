@@ -75,7 +75,7 @@ class _Family(dict):
     """The shipped models, loaded on first use."""
 
     def __missing__(self, name):
-        from kvferry.mappings.capture import load_model
+        from kvferry.mappings.lab.capture import load_model
 
         self[name] = load_model(MODELS / name)
         return self[name]
@@ -91,7 +91,7 @@ def self_maps(tmp_path_factory, family):
     """A maps folder holding S__S-self 1.0.0, the tiny S mapped onto itself exactly (tests of the service, not the
     math); one per test module, which may add to it."""
     from kvferry.mappings.artifact import save
-    from kvferry.mappings.fit import identity_mapset
+    from kvferry.mappings.lab.fit import identity_mapset
 
     root = tmp_path_factory.mktemp("self_maps")
     save(identity_mapset(family["S"].identity, version="1.0.0"), root)

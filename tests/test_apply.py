@@ -4,9 +4,9 @@ from conftest import ROOT, make_kv, wait_until
 
 from kvferry.mappings.apply import StreamingApplier, apply
 from kvferry.mappings.artifact import LayerMap, MapSet
-from kvferry.mappings.capture import load_model
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.lab.capture import load_model
+from kvferry.mappings.lab.fit import identity_mapset
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_bad_input_is_rejected_with_a_reason(llama):
 def test_identity_map_through_a_real_cache_gives_the_models_logits(tiny_models, arch):
     """Un-rotate, map, re-rotate and import into the model's own cache class: logits are unchanged (qwen3: q/k-norm)."""
     from kvferry.client.importers import to_dynamic_cache
-    from kvferry.mappings.capture import capture_kv
+    from kvferry.mappings.lab.capture import capture_kv
 
     m = load_model(tiny_models[arch])
     ids = torch.randint(2, 4096, (1, 50))

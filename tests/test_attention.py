@@ -6,7 +6,8 @@ from conftest import MODELS, save_tiny, tiny_config
 
 from kvferry.client import attention
 from kvferry.client.importers import to_dynamic_cache
-from kvferry.mappings.capture import cache_layers, load_model
+from kvferry.mappings.cache import cache_layers
+from kvferry.mappings.lab.capture import load_model
 
 
 def _prefix_then_tail(model, ids, mask, split: int) -> torch.Tensor:

@@ -1,14 +1,14 @@
-"""Values matched to attention (mappings/attention_match.py) on the tiny family."""
+"""Values matched to attention (mappings/lab/attention_match.py) on the tiny family."""
 
 import pytest
 import torch
 from conftest import DATA, ROOT
 
 from kvferry.mappings.artifact import load
-from kvferry.mappings.attention_match import MatchSettings, match_values
-from kvferry.mappings.capture import read_corpus, token_windows
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.lab.attention_match import MatchSettings, match_values
+from kvferry.mappings.lab.capture import read_corpus, token_windows
+from kvferry.mappings.lab.fit import identity_mapset
 
 
 def _windows(tokenizer, n, count):

@@ -10,12 +10,12 @@ from conftest import DATA, make_kv, tiny_config
 
 from kvferry.mappings.apply import StreamingApplier, apply
 from kvferry.mappings.artifact import Basis, LayerMap, MapSet, load, save
-from kvferry.mappings.capture import capture_kv
 from kvferry.mappings.errors import ArtifactError, InvalidInput
-from kvferry.mappings.fit import FitSettings, fit_pair, solve_basis, solve_maps
 from kvferry.mappings.geometry import ModelIdentity, geometry_of
-from kvferry.mappings.gram import GramStats
-from kvferry.mappings.reduced_rank import heldout_r2, reduced_rank
+from kvferry.mappings.lab.capture import capture_kv
+from kvferry.mappings.lab.fit import FitSettings, fit_pair, solve_basis, solve_maps
+from kvferry.mappings.lab.gram import GramStats
+from kvferry.mappings.lab.reduced_rank import heldout_r2, reduced_rank
 
 CALIB = [str(DATA / "calib.jsonl")]
 GOLDEN = Path(__file__).parent / "golden" / "artifact_v3"
@@ -275,8 +275,8 @@ def test_basis_settings_that_cannot_work_are_refused(family):
 
 def test_basis_and_per_layer_solvers_agree_on_the_same_sums(family):
     """Same sums: the every-source ridge row of the curve equals the per-layer solver's fit with every source layer."""
-    from kvferry.mappings.capture import read_corpus, token_windows
-    from kvferry.mappings.fit import GramSet, accumulate
+    from kvferry.mappings.lab.capture import read_corpus, token_windows
+    from kvferry.mappings.lab.fit import GramSet, accumulate
 
     s, t = family["S"], family["T"]
     settings = FitSettings(k=s.identity.geometry.layers, seq_len=128, max_tokens=4096, basis_rank=16)
@@ -306,8 +306,8 @@ def _distilled(start: MapSet, family) -> MapSet:
     """``start`` distilled from layer 0 on 9 windows of 256 tokens; asserts the held-out tail KL fell by a fifth."""
     import random
 
-    from kvferry.mappings.capture import read_corpus, token_windows
-    from kvferry.mappings.distill import DistillSettings, capture_tails, distill
+    from kvferry.mappings.lab.capture import read_corpus, token_windows
+    from kvferry.mappings.lab.distill import DistillSettings, capture_tails, distill
 
     source, target = family["S"], family["T"]
     windows = token_windows(target.tokenizer, read_corpus(CALIB), 256, 256 * 12)
@@ -325,7 +325,7 @@ def _distilled(start: MapSet, family) -> MapSet:
 def test_distilling_a_basis_set_trains_its_encoder_and_matches_apply(basis_set, family):
     """The trainable cache of a shared-basis set is what apply gives; distillation from layer 0 moves the encoder and
     every decoder and lowers the held-out tail KL of a degraded copy; from a later layer the encoder stays as it was."""
-    from kvferry.mappings.distill import TrainableMaps
+    from kvferry.mappings.lab.distill import TrainableMaps
 
     g = basis_set.source.geometry
     kv = make_kv(layers=g.layers, tokens=30, heads=g.kv_heads, head_dim=g.head_dim, seed=1)
@@ -347,7 +347,7 @@ def test_distilling_a_basis_set_trains_its_encoder_and_matches_apply(basis_set, 
 def test_a_real_sidecar_serves_a_basis_set_as_apply_maps_it(basis_set, family, sidecar_factory, tmp_path, map_threads):
     """Through gRPC, in chunks of 16 tokens, mapped by one thread or by token lanes: the target blocks equal the
     in-process apply; the listing shows the version (the wire and the client are unchanged)."""
-    from kvferry.client.client import ClientOptions, TranslateClient
+    from kvferry.client.client import ClientOptions, Retry, TranslateClient
 
     save(basis_set, tmp_path / "maps")
     s = family["S"].identity
@@ -355,7 +355,7 @@ def test_a_real_sidecar_serves_a_basis_set_as_apply_maps_it(basis_set, family, s
     kv = make_kv(layers=g.layers, tokens=70, heads=g.kv_heads, head_dim=g.head_dim, seed=4)
     want = apply(basis_set, kv)
     sc = sidecar_factory(maps_dir=str(tmp_path / "maps"), force_maps=True, map_threads=map_threads)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=16)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, chunk_tokens=16, retry=Retry(retries=0))) as c:
         assert [m.version for m in c.list_mappings("S__T")] == [basis_set.version]
         got = c.translate(kv, "S__T", basis_set.version, source_geometry=g.fingerprint, tokenizer=s.tokenizer)
         for (k, v), (wk, wv) in zip(got.layers(), want):
@@ -394,7 +394,7 @@ def test_a_code_mlp_refines_the_code_every_map_reads(basis_set, family):
     import copy
 
     from kvferry.mappings.artifact import CodeMLP
-    from kvferry.mappings.distill import with_code_mlp
+    from kvferry.mappings.lab.distill import with_code_mlp
 
     kv = capture_kv(family["S"].model, torch.randint(2, 4096, (1, 21)))
     plain = apply(basis_set, kv)
@@ -405,7 +405,7 @@ def test_a_code_mlp_refines_the_code_every_map_reads(basis_set, family):
     g = torch.Generator().manual_seed(1)
     ms.basis.mlp = CodeMLP(ms.basis.mlp.w_in, torch.randn(16, generator=g), torch.randn(16, 48, generator=g) * 0.1)
     got = apply(ms, kv)
-    from kvferry.mappings.attention_match import map_inputs
+    from kvferry.mappings.lab.attention_match import map_inputs
 
     code = map_inputs(basis_set, kv)[0]
     z = code + torch.nn.functional.gelu(code @ ms.basis.mlp.w_in + ms.basis.mlp.b_in) @ ms.basis.mlp.w_out
@@ -422,7 +422,7 @@ def test_a_code_mlp_refines_the_code_every_map_reads(basis_set, family):
 
 def test_distillation_trains_a_code_mlp(basis_set, family):
     """From a degraded basis set with a zero-output code MLP, distillation moves the MLP and lowers the held-out KL."""
-    from kvferry.mappings.distill import with_code_mlp
+    from kvferry.mappings.lab.distill import with_code_mlp
 
     out = _distilled(with_code_mlp(_degraded(basis_set), 16), family)
     assert out.basis.mlp is not None and out.basis.mlp.w_out.abs().sum() > 0
@@ -431,7 +431,7 @@ def test_distillation_trains_a_code_mlp(basis_set, family):
 
 def test_what_a_set_costs_per_token(basis_set):
     """One answer to "what does a map cost per token": the basis' encoder, its code MLP and the decoders."""
-    from kvferry.mappings.distill import with_code_mlp
+    from kvferry.mappings.lab.distill import with_code_mlp
 
     rows, r, tw, maps = basis_set.basis.encoder.shape[0], 48, basis_set.target.geometry.kv_width, len(basis_set.maps)
     assert basis_set.flops_per_token == 2 * (rows * r + r * tw * maps)
@@ -470,7 +470,7 @@ def test_bench_apply_counts_what_streaming_overlaps(basis_set, family):
     """Fed layer by layer, a self map emits target layer 0 once source layer 0's K and V are in; a shared basis
     emits nothing before the last source chunk."""
     from kvferry.bench.apply_cost import first_layer_after, synthetic_basis_set
-    from kvferry.mappings.fit import identity_mapset
+    from kvferry.mappings.lab.fit import identity_mapset
 
     s = family["S"]
     kv = capture_kv(s.model, torch.randint(2, 4096, (1, 12)))

@@ -2,6 +2,7 @@
 
 import asyncio
 import itertools
+import re
 import time
 
 import grpc
@@ -10,9 +11,10 @@ import torch
 from conftest import RunningSidecar, make_certs, make_kv
 
 from kvferry.client.cascade import Cascade
-from kvferry.client.client import AsyncTranslateClient, ClientOptions, TranslateClient
+from kvferry.client.client import AsyncTranslateClient, ClientOptions, Retry, SharedMemory, Tls, TranslateClient
 from kvferry.client.rollout import MapRollout
-from kvferry.mappings.capture import capture_kv
+from kvferry.common.errors import InvalidInput
+from kvferry.mappings.lab.capture import capture_kv
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +47,14 @@ def test_source_chunks_default_to_about_two_mebibytes(sidecar_factory, maps_dir)
     assert ClientOptions().tokens_per_chunk(3 * 64 * 4) == CHUNK_BYTES // 768 == 2730  # SmolLM2-135M, fp32
     assert ClientOptions(chunk_tokens=100).tokens_per_chunk(768) == 100
     assert ClientOptions(max_message_bytes=64 << 10).tokens_per_chunk(768) < (64 << 10) // 768
-    with pytest.raises(ValueError, match="chunk_tokens"):
-        ClientOptions(chunk_tokens=-1).tokens_per_chunk(768)
+    with pytest.raises(InvalidInput, match="chunk_tokens"):
+        ClientOptions(chunk_tokens=-1)
     kv = make_kv(layers=4, tokens=5000, heads=2, head_dim=32)  # 256 bytes a token: 8192 tokens fill 2 MiB
     auto = chunk_tokens_for(ClientOptions(), kv)
     assert auto == 8192 and len(list(encode_requests(make_spec(kv, "S__S-self"), kv, auto))) == 1 + 4 * 2
     assert len(list(encode_requests(make_spec(kv, "S__S-self"), kv, 512))) == 1 + 4 * 2 * 10  # the old default
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         for (k, v), (tk, tv) in zip(kv, c.translate(kv, "S__S-self").layers()):
             torch.testing.assert_close(tk, k, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(tv, v, rtol=1e-5, atol=1e-5)
@@ -64,7 +66,7 @@ def test_unavailable_is_retried_until_the_server_appears(maps_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    opts = ClientOptions(target=f"127.0.0.1:{port}", retries=8, backoff=0.1, timeout=5)
+    opts = ClientOptions(target=f"127.0.0.1:{port}", timeout=5, retry=Retry(retries=8, backoff=0.1))
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
     import threading
 
@@ -84,7 +86,7 @@ def test_unavailable_is_retried_until_the_server_appears(maps_dir):
 
 
 def test_unavailable_gives_up_after_retries():
-    opts = ClientOptions(target="127.0.0.1:1", retries=2, backoff=0.01, timeout=2)
+    opts = ClientOptions(target="127.0.0.1:1", timeout=2, retry=Retry(retries=2, backoff=0.01))
     with TranslateClient(opts) as c, pytest.raises(grpc.RpcError) as e:
         c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self")
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -102,19 +104,19 @@ def test_mutual_tls(sidecar_factory, maps_dir, tmp_path):
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
     good = ClientOptions(
         target=sc.address,
-        tls_root_certs=str(d / "ca.pem"),
-        tls_client_cert=str(d / "client.pem"),
-        tls_client_key=str(d / "client.key"),
-        retries=0,
         timeout=10,
+        retry=Retry(retries=0),
+        tls=Tls(root_certs=str(d / "ca.pem"), client_cert=str(d / "client.pem"), client_key=str(d / "client.key")),
     )
     with TranslateClient(good) as c:
         assert c.translate(kv, "S__S-self").stats.tokens == 8
-    no_cert = ClientOptions(target=sc.address, tls_root_certs=str(d / "ca.pem"), retries=0, timeout=10)
+    no_cert = ClientOptions(
+        target=sc.address, timeout=10, retry=Retry(retries=0), tls=Tls(root_certs=str(d / "ca.pem"))
+    )
     with TranslateClient(no_cert) as c, pytest.raises(grpc.RpcError) as e:
         c.translate(kv, "S__S-self")
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    plaintext = ClientOptions(target=sc.address, retries=0, timeout=5)
+    plaintext = ClientOptions(target=sc.address, timeout=5, retry=Retry(retries=0))
     with TranslateClient(plaintext) as c, pytest.raises(grpc.RpcError):
         c.translate(kv, "S__S-self")
 
@@ -130,7 +132,7 @@ def test_cascade_mapped_path_matches_full_prefill_and_falls_back(sidecar_factory
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     ids = torch.randint(2, 4096, (1, 120))
     src = capture_kv(s.model, ids)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         cascade = Cascade(s.model, c, "S__S-self", MapRollout(refresh=8, min_tokens=32), s.identity)
         mapped = cascade.generate(ids, src, max_new_tokens=12)
         gold = cascade.full_prefill(ids, 12)
@@ -146,7 +148,7 @@ def test_cascade_mapped_path_matches_full_prefill_and_falls_back(sidecar_factory
         res = missing.generate(ids, src, max_new_tokens=12)
         assert res.path == "fallback" and res.reason.startswith("map_not_found") and res.tokens == gold.tokens
     sc.stop()
-    with TranslateClient(ClientOptions(target=sc.address, retries=1, backoff=0.01, timeout=2)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=2, retry=Retry(retries=1, backoff=0.01))) as c:
         down = Cascade(s.model, c, "S__S-self", MapRollout(refresh=8, min_tokens=32), s.identity)
         res = down.generate(ids, src, max_new_tokens=12)
     assert res.path == "fallback" and res.reason.startswith("sidecar_unavailable") and res.tokens == gold.tokens
@@ -156,7 +158,7 @@ def test_gated_map_falls_back(sidecar_factory, maps_dir, family):
     s = family["S"]
     sc = sidecar_factory(maps_dir=str(maps_dir))  # gates on: the identity map has no evidence
     ids = torch.randint(2, 4096, (1, 80))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         res = Cascade(s.model, c, "S__S-self", MapRollout(refresh=8, min_tokens=32), s.identity).generate(
             ids, capture_kv(s.model, ids), max_new_tokens=4
         )
@@ -258,7 +260,7 @@ def test_a_servers_retry_hint_never_outlasts_the_callers_deadline(seconds):
     a negative time, or 3 s: the call ends with that server's own gRPC error within the caller's 1.5 s timeout."""
     server, port, calls = _hostile_server(seconds)
     try:
-        opts = ClientOptions(target=f"127.0.0.1:{port}", retries=5, backoff=0.01, timeout=1.5)
+        opts = ClientOptions(target=f"127.0.0.1:{port}", timeout=1.5, retry=Retry(retries=5, backoff=0.01))
         kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
         t0 = time.monotonic()
         with TranslateClient(opts) as c, pytest.raises(grpc.RpcError) as e:
@@ -281,7 +283,7 @@ def test_a_servers_retry_hint_never_outlasts_the_callers_deadline(seconds):
 def test_a_sane_retry_hint_is_honoured_within_the_deadline():
     server, port, calls = _hostile_server(0, 200_000_000)  # 0.2 s
     try:
-        opts = ClientOptions(target=f"127.0.0.1:{port}", retries=2, backoff=0.01, timeout=5)
+        opts = ClientOptions(target=f"127.0.0.1:{port}", timeout=5, retry=Retry(retries=2, backoff=0.01))
         with TranslateClient(opts) as c, pytest.raises(grpc.RpcError):
             c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self")
         assert len(calls) == 3 and all(b - a >= 0.2 for a, b in itertools.pairwise(calls))
@@ -305,7 +307,7 @@ def test_failed_calls_raise_the_services_typed_errors(sidecar_factory, maps_dir,
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
     s = family["S"].identity
     kw = dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, retry=Retry(retries=0))) as c:
         with pytest.raises(NotFound) as e:
             c.translate(kv, "no__such-map", **kw)
         assert (
@@ -318,8 +320,40 @@ def test_failed_calls_raise_the_services_typed_errors(sidecar_factory, maps_dir,
             c.translate(kv, "S__S-self", tenant="bad tenant", **kw)
         with pytest.raises(TypeError):
             c.translate(kv, "S__S-self", not_a_header_field=1)  # named arguments only: a typo is an error
-    with TranslateClient(ClientOptions(target="127.0.0.1:1", retries=0, timeout=2)) as c:
+    with TranslateClient(ClientOptions(target="127.0.0.1:1", timeout=2, retry=Retry(retries=0))) as c:
         with pytest.raises(Unavailable):
             c.translate(kv, "S__S-self", **kw)
         with pytest.raises(Unavailable):
             c.list_mappings()
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: Retry(retries=-1), "retries must be in [0, 100]"),
+        (lambda: Retry(backoff=float("nan")), "backoff"),
+        (lambda: Tls(root_certs="ca.pem", client_cert="c.pem"), "client_cert and client_key together"),
+        (lambda: Tls(server_name="sidecar"), "need root_certs"),
+        (lambda: SharedMemory(dir="/shm", file_mode=0o666), "0o600 or 0o660"),
+        (lambda: SharedMemory(region_bytes=0), "region_bytes"),
+        (lambda: SharedMemory(idle_files=-1), "idle_files"),
+        (lambda: ClientOptions(timeout=0), "timeout"),
+        (lambda: ClientOptions(max_message_bytes=10), "max_message_bytes"),
+    ],
+)
+def test_client_options_refuse_bad_values_where_they_are_made(make, words):
+    """Each option group checks its own fields when it is built, with the package's InvalidInput naming the field."""
+    with pytest.raises(InvalidInput, match=re.escape(words)):
+        make()
+
+
+def test_request_keywords_are_one_dataclass():
+    """translate, stream and make_spec take Request's fields as keywords; an unknown one is refused by name."""
+    from kvferry.client.client import Request, make_spec
+
+    kv = make_kv(layers=2, tokens=4, heads=2, head_dim=8)
+    spec = make_spec(kv, "S__S-self", tenant="acme", block_size=8, layout="paged", pages_per_block=2)
+    assert (spec.tenant, spec.block_size, spec.pages_per_block, spec.num_tokens) == ("acme", 8, 2, 4)
+    assert Request().layout == "contiguous"
+    with pytest.raises(TypeError, match="tenat"):
+        make_spec(kv, "S__S-self", tenat="acme")

@@ -9,7 +9,7 @@ import torch
 from conftest import make_kv, spec_kw, wait_until
 
 from kvferry.bench.harness import RedisClusterServers
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.client.direct import DirectReader
 from kvferry.common.prefix_cache import publish_source
 from kvferry.common.stores import MemoryStore, RedisStore, StoreUnavailable
@@ -69,7 +69,7 @@ def test_hits_and_misses_on_a_cluster(sidecar_factory, maps_dir, family, fresh):
         prefix_block_size=BS,
     )
     kv, ids, key = _published(family, fresh.url)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
 
         def ask(**kw):
             return c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family), **kw)
@@ -88,7 +88,7 @@ def test_hits_and_misses_on_a_cluster(sidecar_factory, maps_dir, family, fresh):
     per_master = [fresh.node(p).dbsize() for p in fresh.ports]
     assert sum(per_master) == 8 and sum(n > 0 for n in per_master) >= 2  # no hash tags: spread over the masters
     direct = DirectReader(RedisStore(fresh.url), SECRET, BS)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0), direct=direct) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0)), direct=direct) as c:
         res = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
     assert res.attempts == 0 and res.stats.extra["path"] == "direct"
     for (k, _), (hk, _) in zip(hit.layers(), res.layers()):
@@ -120,7 +120,7 @@ def test_a_master_killed_mid_load(sidecar_factory, maps_dir, family, fresh):
     )
     kv, ids, key = _published(family, fresh.url, tokens=128, seed=5, first=300)  # 8 blocks: on every master
     fresh.kill(1)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=30)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=30, retry=Retry(retries=0))) as c:
         with pytest.raises(grpc.RpcError) as e:
             c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE

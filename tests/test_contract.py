@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import ROOT
 
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.client.importers import PagedKVPool
-from kvferry.mappings.capture import capture_kv
+from kvferry.mappings.lab.capture import capture_kv
 
 NODE_MODULES = ROOT / ".tools" / "node-contract" / "node_modules"
 PROTO = ROOT / "proto" / "kvferry" / "v1" / "translate.proto"
@@ -44,7 +44,7 @@ def test_a_node_client_from_the_proto_gets_the_python_answer(sidecar_factory, s_
     kv = capture_kv(s.model, ids)
     sc = sidecar_factory(maps_dir=str(s_to_t))
     fingerprints = dict(source_geometry=s.identity.geometry.fingerprint, tokenizer=s.identity.tokenizer)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=16)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, chunk_tokens=16, retry=Retry(retries=0))) as c:
         py = c.translate(kv, "S__T", "1.0.0", **fingerprints)
         if paged is not None:  # the Python client's paged answer, through a pool, is the contiguous one
             pg = c.translate(kv, "S__T", "1.0.0", layout="paged", block_size=8, pages_per_block=paged, **fingerprints)

@@ -4,12 +4,12 @@ import pytest
 from conftest import DATA
 
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import read_corpus
-from kvferry.mappings.copy_probe import CopySettings, copy_probe, format_copy_table, make_examples
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.evaluate import EvalSettings, evaluate
-from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
+from kvferry.mappings.lab.capture import read_corpus
+from kvferry.mappings.lab.copy_probe import CopySettings, copy_probe, format_copy_table, make_examples
+from kvferry.mappings.lab.evaluate import EvalSettings, evaluate
+from kvferry.mappings.lab.fit import identity_mapset
 
 HELDOUT = [str(DATA / "heldout.jsonl")]
 
@@ -109,8 +109,9 @@ def test_the_mapped_arms_read_the_maps_cache_not_the_targets(family):
 
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import LayerMap, MapSet
-    from kvferry.mappings.capture import capture_kv, kv_slice
-    from kvferry.mappings.copy_probe import continuation_accuracy, examples_for
+    from kvferry.mappings.cache import kv_slice
+    from kvferry.mappings.lab.capture import capture_kv
+    from kvferry.mappings.lab.copy_probe import continuation_accuracy, examples_for
 
     s = family["S"]
     ident = identity_mapset(s.identity)

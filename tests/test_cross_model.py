@@ -8,14 +8,14 @@ import pytest
 import torch
 from conftest import ROOT, make_kv
 
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.client.direct import DirectReader
 from kvferry.client.importers import PagedKVPool
 from kvferry.common.prefix_cache import publish_source
 from kvferry.common.stores import RedisStore
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import capture_kv
+from kvferry.mappings.lab.capture import capture_kv
 
 PAIRS = ["S__T", "S__T64"]
 SECRET, BS = b"cross-model-secret", 16
@@ -61,7 +61,7 @@ def test_streamed_contiguous_and_paged_equal_apply(sidecar_factory, maps_dir, so
     tg = ms.target.geometry
     assert (tg.layers, tg.kv_heads, tg.head_dim) != (4, 2, 32)  # not the source's shape: a mix-up would show
     sc = sidecar_factory(maps_dir=str(maps_dir))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=16)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, chunk_tokens=16, retry=Retry(retries=0))) as c:
         res = c.translate(kv, pair, "1.0.0", **_kw(s))
         assert (res.info.layers, res.info.kv_heads, res.info.head_dim) == (tg.layers, tg.kv_heads, tg.head_dim)
         _same(res.layers(), want)
@@ -112,7 +112,7 @@ def test_key_only_and_direct_reads_equal_apply(sidecar_factory, maps_dir, source
         maps_dir=str(maps_dir), redis_url=redis_url, prefix_secret=SECRET.decode(), prefix_block_size=BS
     )
     direct = DirectReader(RedisStore(redis_url), SECRET, BS)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0), direct=direct) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0)), direct=direct) as c:
 
         def ask():
             return c.translate(None, pair, "1.0.0", token_ids=ids, tenant="acme", prefix_key=key, **_kw(s))
@@ -146,7 +146,7 @@ def test_a_sidecar_hit_sends_the_stored_bytes_cut_to_the_message_limit(
         prefix_block_size=BS,
         max_message_bytes=1 << 20,
     )
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
 
         def ask():
             return c.translate(None, pair, "1.0.0", token_ids=ids, tenant="acme", prefix_key=key, **_kw(s))

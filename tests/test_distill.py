@@ -1,4 +1,5 @@
-"""Distillation through the frozen target (mappings/distill.py, kvferry distill), on the real cross-model map S -> T."""
+"""Distillation through the frozen target (mappings/lab/distill.py, kvferry distill), on the real cross-model map
+S -> T."""
 
 import json
 import random
@@ -11,9 +12,9 @@ from conftest import DATA, MODELS, ROOT, make_kv
 
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import LayerMap, MapSet, load
-from kvferry.mappings.capture import read_corpus, token_windows
-from kvferry.mappings.distill import DistillSettings, TrainableMaps, capture_tails, distill, tail_kl, with_repeat
 from kvferry.mappings.errors import InvalidInput
+from kvferry.mappings.lab.capture import read_corpus, token_windows
+from kvferry.mappings.lab.distill import DistillSettings, TrainableMaps, capture_tails, distill, tail_kl, with_repeat
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_a_temperature_softens_both_distributions(s_t, family):
     """tail_kl at temperature T is T² * KL(softmax(full / T) ‖ softmax(mapped / T)) on the reference's outcomes (its
     top tokens and "any other"), computed here by hand from both models' logits; T = 1 is the plain KL the held-out
     epochs are chosen by."""
-    from kvferry.mappings.capture import to_dynamic_cache
+    from kvferry.mappings.cache import to_dynamic_cache
 
     source, target = family["S"], family["T"]
     windows = token_windows(target.tokenizer, read_corpus([DATA / "calib.jsonl"]), 256, 256)
@@ -201,7 +202,7 @@ def test_kvferry_distill_writes_an_artifact_without_evidence(tmp_path, s_t):
 def test_a_stopped_distillation_resumes_where_it_stopped(s_t, family, tmp_path, monkeypatch):
     """Captured tails are kept per window and the training state is checkpointed: a run stopped mid-epoch and started
     again ends with exactly the maps of a run that was never stopped, and recaptures nothing."""
-    import kvferry.mappings.distill as d
+    import kvferry.mappings.lab.distill as d
 
     source, target = family["S"], family["T"]
     start = _degraded(s_t, 3)
@@ -247,7 +248,7 @@ def test_a_compact_reference_keeps_the_top_tokens_and_the_rest_mass():
     """TailRef: with every token kept its KL is the exact KL; with k of them it is the KL of the coarsened
     distributions, never above the exact one and close to it when the top tokens hold most of the mass; its size
     does not grow with the vocabulary."""
-    from kvferry.mappings.distill import TailRef
+    from kvferry.mappings.lab.distill import TailRef
 
     g = torch.Generator().manual_seed(0)
     full = torch.randn(8, 300, generator=g) * 3

@@ -6,11 +6,11 @@ import pytest
 from conftest import DATA, MODELS, ROOT
 
 from kvferry.mappings.artifact import load, save
-from kvferry.mappings.copy_probe import CopySettings
 from kvferry.mappings.errors import GateFailed, InvalidInput
-from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
-from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
+from kvferry.mappings.lab.copy_probe import CopySettings
+from kvferry.mappings.lab.evaluate import EvalSettings, evaluate, format_table
+from kvferry.mappings.lab.fit import identity_mapset
 
 HELDOUT = [str(DATA / "heldout.jsonl")]
 
@@ -150,7 +150,7 @@ def test_several_positions_per_prompt_past_the_refresh_window(family):
     the mean over its positions (one value per prompt, for the intervals)."""
     import torch
 
-    from kvferry.mappings.evaluate import NextTokenScores
+    from kvferry.mappings.lab.evaluate import NextTokenScores
 
     s = family["S"]
     ms = identity_mapset(s.identity)
@@ -183,7 +183,7 @@ def test_top10_overlap_is_counted_exactly_at_the_gate():
     as floats, 60 tenths read 0.79999…93 and failed it with a message saying "0.800 fails (>= 0.8)")."""
     import torch
 
-    from kvferry.mappings.evaluate import NextTokenScores
+    from kvferry.mappings.lab.evaluate import NextTokenScores
 
     gold = torch.arange(100, 0, -1).float()  # top 10: tokens 0..9
     arm = gold.clone()

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import DATA, MODELS, ROOT
 
-from kvferry.mappings.capture import read_corpus, token_windows
 from kvferry.mappings.gates import Gates, load_for_serving
+from kvferry.mappings.lab.capture import read_corpus, token_windows
 
 
 def test_family_geometry(family):

@@ -7,9 +7,10 @@ from conftest import DATA, MODELS
 
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load, save
-from kvferry.mappings.capture import capture_kv, load_model, to_dynamic_cache
+from kvferry.mappings.cache import to_dynamic_cache
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.fit import FitSettings, fit_pair
+from kvferry.mappings.lab.capture import capture_kv, load_model
+from kvferry.mappings.lab.fit import FitSettings, fit_pair
 
 CALIB = [str(DATA / "calib.jsonl")]
 
@@ -149,7 +150,7 @@ def test_joint_inputs_and_per_head_variants(family, tmp_path, inputs, per_head):
 def test_saved_sums_refit_without_capture_and_match(family, tmp_path, monkeypatch):
     """--stats: the second fit reads the sums instead of running the models, and solves the same maps;
     sums captured for other settings or another pair are not reused."""
-    import kvferry.mappings.fit as fit
+    import kvferry.mappings.lab.fit as fit
 
     s, t = family["S"], family["T"]
     stats = tmp_path / "sums.safetensors"
@@ -191,8 +192,8 @@ WINDOWED = dict(k=2, seq_len=128, max_tokens=4096, window=3, window_layers=(2, 4
 
 def _windowed_rows(s, t, settings):
     """The windowed maps' inputs and targets, materialised from both models' caches: (train X, Y), (held-out X, Y)."""
-    from kvferry.mappings.capture import read_corpus, token_windows
     from kvferry.mappings.features import to_features, window_inputs
+    from kvferry.mappings.lab.capture import read_corpus, token_windows
 
     sg, tg = s.identity.geometry, t.identity.geometry
     out = {True: ([], []), False: ([], [])}
@@ -242,7 +243,7 @@ def test_windowed_fit_solves_the_ridge_of_its_materialised_windows(family, tmp_p
 def test_windowed_sums_are_saved_and_reused(family, tmp_path, monkeypatch):
     """--stats keeps the windowed sums beside the per-token ones: a refit reads both and solves the same maps;
     another window is another capture."""
-    import kvferry.mappings.fit as fit
+    import kvferry.mappings.lab.fit as fit
 
     s, t = family["S"], family["T"]
     stats = tmp_path / "sums.safetensors"
@@ -324,7 +325,7 @@ def test_fit_command_writes_a_windowed_set(tmp_path):
 def test_kept_features_resume_a_capture_and_serve_other_windows(family, tmp_path, monkeypatch):
     """--features: each window's features are written as captured; a fit with other capture settings (a window)
     reads them instead of running the models, and solves what a fresh capture solves."""
-    import kvferry.mappings.fit as fit
+    import kvferry.mappings.lab.fit as fit
 
     s, t = family["S"], family["T"]
     feats = tmp_path / "features"

@@ -1,4 +1,4 @@
-"""The speed/quality frontier (mappings/frontier.py, kvferry frontier): operating points, their shares of the
+"""The speed/quality frontier (mappings/lab/frontier.py, kvferry frontier): operating points, their shares of the
 target's prefill, their measures against full prefill, and the plot."""
 
 import argparse
@@ -11,11 +11,11 @@ import torch
 from conftest import DATA, MODELS, ROOT
 
 from kvferry.commands.args import int_list as _int_list
-from kvferry.mappings.capture import capture_first_layers, capture_kv, read_corpus
-from kvferry.mappings.copy_probe import CopySettings
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.fit import identity_mapset
-from kvferry.mappings.frontier import (
+from kvferry.mappings.lab.capture import capture_first_layers, capture_kv, read_corpus
+from kvferry.mappings.lab.copy_probe import CopySettings
+from kvferry.mappings.lab.fit import identity_mapset
+from kvferry.mappings.lab.frontier import (
     FrontierSettings,
     copy_points,
     format_frontier,

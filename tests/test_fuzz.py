@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.mappings.artifact import save
-from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.lab.fit import identity_mapset
 from kvferry.v1 import translate_pb2 as pb
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 from conftest import save_tiny, tiny_config
 
-from kvferry.mappings.capture import load_model
 from kvferry.mappings.errors import Incompatible
 from kvferry.mappings.geometry import ModelIdentity, check_pair, geometry_of
+from kvferry.mappings.lab.capture import load_model
 from kvferry.mappings.rope import cos_sin, rotate, unrotate
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ROOT, make_kv, sample, spec_kw, wait_until
 
-from kvferry.client import AsyncTranslateClient, ClientOptions, TranslateClient
+from kvferry.client import AsyncTranslateClient, ClientOptions, Retry, TranslateClient
 from kvferry.client.importers import contiguous_layers, vllm_cpu_views
 from kvferry.client.layer_load import LayerLoad, write_stream
 from kvferry.common.errors import InvalidInput, Unavailable
@@ -174,7 +174,9 @@ def test_a_stream_is_retried_until_its_first_block_and_never_after(sidecar_facto
         return sample(sc, "kvferry_requests_total", method="Translate", code="OK")
 
     kv = _source_kv(geometry, 8192)
-    with TranslateClient(ClientOptions(a.address, endpoints=(b.address,), retries=3, chunk_tokens=64)) as c:
+    with TranslateClient(
+        ClientOptions(a.address, endpoints=(b.address,), chunk_tokens=64, retry=Retry(retries=3))
+    ) as c:
         stream = c.stream(kv, MAP, **spec_kw(family["S"]))
         next(stream)
         a.stop()

@@ -1,4 +1,4 @@
-"""The LCC-style next-line task (mappings/next_line.py): scoring on hand-made cases, task construction, the pinned
+"""The LCC-style next-line task (mappings/lab/next_line.py): scoring on hand-made cases, task construction, the pinned
 file list, and the arms on the tiny family."""
 
 import hashlib
@@ -8,9 +8,9 @@ import pytest
 from conftest import DATA, ROOT
 
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import read_corpus
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.next_line import (
+from kvferry.mappings.lab.capture import read_corpus
+from kvferry.mappings.lab.next_line import (
     NextLineSettings,
     edit_similarity,
     library_files,

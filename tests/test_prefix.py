@@ -10,13 +10,13 @@ import pytest
 import torch
 from conftest import ROOT, make_kv, sample, wait_until
 
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.common.prefix import CorruptBlock, Namespace, block_hashes, decode_block, encode_block, map_namespaces
 from kvferry.common.prefix_cache import PrefixCache, publish_source
 from kvferry.common.stores import MemoryStore, RedisStore, StoreUnavailable
 from kvferry.mappings.artifact import save
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.lab.fit import identity_mapset
 
 SECRET = b"test-secret"
 BS = 16
@@ -290,7 +290,7 @@ def test_prefix_reuse_across_lengths_and_tenants(sidecar_factory, maps_dir, fami
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)  # trusted callers publish
     kv = make_kv(layers=4, tokens=80, heads=2, head_dim=32, seed=3)
     ids = list(range(100, 180))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         short = [(k[:, :, :48], v[:, :, :48]) for k, v in kv]
         first = c.translate(short, "S__S-self", token_ids=ids[:48], tenant="acme", **_kw(family))
         assert first.stats.cached_blocks == 0
@@ -325,7 +325,7 @@ def test_key_only_translation_from_published_source(sidecar_factory, maps_dir, f
         kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS
     )
     assert key
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         res = c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
         assert res.info.num_tokens == 64 and res.stats.cached_blocks == 0  # 4 full blocks, mapped from Redis
         assert threads and all(t.startswith("kvferry-compute") for t in threads), threads  # not the default executor
@@ -354,7 +354,7 @@ def test_a_key_only_hit_starts_no_thread_per_call(sidecar_factory, maps_dir, fam
         started.append(self.name)
         real_start(self)
 
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         first = c.translate(
             None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family)
         )  # maps, stores
@@ -456,7 +456,7 @@ def test_the_client_falls_back_to_translate_on_a_sidecar_without_translate_by_ke
     kv = make_kv(layers=4, tokens=70, heads=2, head_dim=32, seed=6)
     ids = list(range(11, 81))
     key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         first = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
         assert c.endpoints.has_by_key == [False] and first.attempts == 1 and first.stats.cached_blocks == 0
         again = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
@@ -500,7 +500,7 @@ def test_all_tensor_work_runs_on_the_compute_thread(sidecar_factory, maps_dir, f
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)
     kv = make_kv(layers=4, tokens=48, heads=2, head_dim=32, seed=9)
     ids = list(range(300, 348))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # a miss, written back
         _wait_for_writes(sc, 3)
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 3  # sent as stored
@@ -522,7 +522,7 @@ def test_corrupt_blob_is_a_miss(sidecar_factory, maps_dir, family, redis_url, re
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, prefix_write_back=True)
     kv = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=5)
     ids = list(range(32))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
         _wait_for_writes(sc, 2)
         for key in redis_server.client.keys("kvf:*"):
@@ -543,7 +543,7 @@ def test_redis_down_then_back(sidecar_factory, maps_dir, family, redis_url, redi
     ids = list(range(32))
     key = publish_source(kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, block_size=BS)
     redis_server.stop()
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=20, retry=Retry(retries=0))) as c:
         res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # streamed KV: still served
         torch.testing.assert_close(res.layers()[3][1], kv[3][1])
         assert sample(sc, "kvferry_prefix_store_errors_total") >= 1
@@ -564,7 +564,7 @@ def test_in_memory_default(sidecar_factory, maps_dir, family):
     )  # no redis_url
     kv = make_kv(layers=4, tokens=40, heads=2, head_dim=32, seed=7)
     ids = list(range(40))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0
         _wait_for_writes(sc, 2)
         assert (
@@ -593,7 +593,7 @@ def test_a_corrupt_blob_is_replaced_by_a_good_copy(sidecar_factory, maps_dir, fa
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
     _kv, ids, key = _published(family, redis_url, 64, 9, 500)
     before = set(redis_server.client.keys("kvf:*"))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
 
         def ask():
             return c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
@@ -624,7 +624,7 @@ def test_direct_reads_serve_full_hits_without_the_sidecar(sidecar_factory, maps_
     def served():
         return sample(sc, "kvferry_tokens_total", map="S__S-self@1.0.0")
 
-    with TranslateClient(ClientOptions(target=sc.address, retries=0), direct=direct) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0)), direct=direct) as c:
 
         def ask(**kw):
             return c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family), **kw)
@@ -685,7 +685,8 @@ def test_async_client_reads_direct_hits_too(sidecar_factory, maps_dir, family, r
 
     async def main():
         async with AsyncTranslateClient(
-            ClientOptions(target=sc.address, retries=0), direct=DirectReader(RedisStore(redis_url), SECRET, BS)
+            ClientOptions(target=sc.address, retry=Retry(retries=0)),
+            direct=DirectReader(RedisStore(redis_url), SECRET, BS),
         ) as c:
             first = await c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
             second = await c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
@@ -710,7 +711,7 @@ def test_a_full_or_denying_redis_is_a_clean_status_never_internal(
     r.config_set("maxmemory", str(used))  # full: the write-back of the mapped blocks is refused (OOM)
     try:
         sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url)
-        with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
+        with TranslateClient(ClientOptions(target=sc.address, timeout=20, retry=Retry(retries=0))) as c:
             res = c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))  # mapped from source
             torch.testing.assert_close(res.layers()[2][0], kv[2][0])
         assert sample(sc, "kvferry_prefix_store_errors_total") >= 1
@@ -720,7 +721,7 @@ def test_a_full_or_denying_redis_is_a_clean_status_never_internal(
     try:
         denied_url = redis_url.replace("redis://", "redis://deny:deny-pass@")
         sc = _sidecar(sidecar_factory, maps_dir, redis_url=denied_url)
-        with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c:
+        with TranslateClient(ClientOptions(target=sc.address, timeout=20, retry=Retry(retries=0))) as c:
             res = c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # streamed: served without the store
             torch.testing.assert_close(res.layers()[1][1], kv[1][1])
             with pytest.raises(grpc.RpcError) as e:
@@ -747,7 +748,7 @@ def test_a_callers_claim_never_becomes_another_callers_answer(sidecar_factory, m
         sc = sidecar_factory(
             maps_dir=str(maps_dir), force_maps=True, prefix_block_size=BS, prefix_write_back=write_back
         )
-        with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+        with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
             c.translate(fake, "S__S-self", token_ids=ids, **_kw(family))  # caller X
             if write_back:
                 _wait_for_writes(sc, 2)
@@ -767,7 +768,10 @@ def test_key_only_requests_are_sized_before_any_store_work(sidecar_factory, maps
         kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=SECRET, tenant="acme", block_size=BS
     )
     sc = _sidecar(sidecar_factory, maps_dir, redis_url=redis_url, max_tokens=48)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c, pytest.raises(grpc.RpcError) as e:
+    with (
+        TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c,
+        pytest.raises(grpc.RpcError) as e,
+    ):
         c.translate(None, "S__S-self", token_ids=ids, tenant="acme", prefix_key=key, **_kw(family))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 48" in e.value.details()
     assert sample(sc, "kvferry_prefix_writes_total") == 0
@@ -850,7 +854,7 @@ def test_credentials_in_the_url_never_reach_a_caller_or_the_log(sidecar_factory,
     key = publish_source(kv, ids, family["S"].identity, store=MemoryStore(), secret=SECRET, block_size=BS)
     caplog.set_level(logging.DEBUG)
     with (
-        TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=20)) as c,
+        TranslateClient(ClientOptions(target=sc.address, timeout=20, retry=Retry(retries=0))) as c,
         pytest.raises(grpc.RpcError) as e,
     ):
         c.translate(None, "S__S-self", token_ids=ids, prefix_key=key, **_kw(family))
@@ -941,7 +945,7 @@ def test_stored_blocks_do_not_depend_on_who_asked_first(sidecar_factory, family,
     kw = dict(
         token_ids=ids, tenant="acme", prefix_key=key, source_geometry=g.fingerprint, tokenizer=ms.source.tokenizer
     )
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         for dt, src_dt in (
             (torch.bfloat16, torch.bfloat16),
             (torch.float16, torch.float16),
@@ -1002,7 +1006,7 @@ def test_a_hung_store_is_skipped_and_streamed_translations_do_not_queue_behind_i
     )
     assert check(sc.address, PREFIX_STORE_SERVICE) == "SERVING"
     kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6), list(range(32))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=30)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=30, retry=Retry(retries=0))) as c:
         with ThreadPoolExecutor(16) as ex:
             got = list(ex.map(lambda _: c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)), range(16)))
         for res in got:

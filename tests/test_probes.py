@@ -5,14 +5,14 @@ import json
 import pytest
 from conftest import DATA, ROOT
 
-from kvferry.mappings.capture import read_corpus, token_stream
-from kvferry.mappings.completion import CompletionSettings, completion_task, format_completion_table, make_tasks
-from kvferry.mappings.copy_probe import CopySettings, copy_probe, examples_for, make_examples
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.gates import Gates
-from kvferry.mappings.memo import Memo, Pin
-from kvferry.mappings.scramble import scramble
+from kvferry.mappings.lab.capture import read_corpus, token_stream
+from kvferry.mappings.lab.completion import CompletionSettings, completion_task, format_completion_table, make_tasks
+from kvferry.mappings.lab.copy_probe import CopySettings, copy_probe, examples_for, make_examples
+from kvferry.mappings.lab.fit import identity_mapset
+from kvferry.mappings.lab.memo import Memo, Pin
+from kvferry.mappings.lab.scramble import scramble
 
 CODE = list(read_corpus([DATA / "heldout.jsonl"]))
 PROSE = list(read_corpus([DATA / "prose_heldout.jsonl"]))

@@ -15,14 +15,14 @@ from conftest import DATA, ROOT
 
 from kvferry import pretrained
 from kvferry.client.cascade import Cascade
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.client.importers import PagedKVPool
 from kvferry.client.rollout import MapRollout
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import capture_kv, load_model, read_corpus
-from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, examples_for
 from kvferry.mappings.gates import Gates
+from kvferry.mappings.lab.capture import capture_kv, load_model, read_corpus
+from kvferry.mappings.lab.copy_probe import CopySettings, continuation_accuracy, examples_for
 from kvferry.mappings.versions import version_key
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
@@ -95,7 +95,7 @@ def test_the_1_5b_continues_through_the_sidecar_as_its_evidence_says(pair, sidec
     ms = _latest()
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True)
     checked = 0
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=300)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=300, retry=Retry(retries=0))) as c:
         for domain, evidence, data in (
             ("code", ms.evidence["copy"], "heldout.jsonl"),
             ("prose", ms.evidence["prose"]["copy"], "prose_heldout.jsonl"),
@@ -127,7 +127,7 @@ def test_the_gate_the_sidecar_and_the_cascade_agree(pair, sidecar_factory):
     s = CopySettings.from_dict(ms.evidence["copy"]["settings"])
     ex = examples_for(target.tokenizer, list(read_corpus([DATA / "heldout.jsonl"])), s)[0]
     ids = torch.tensor([ex.prompt])
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=300)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=300, retry=Retry(retries=0))) as c:
         listed = {(m.name, m.version): m for m in c.list_mappings("qwen")}
         info = listed[(ms.name, ms.version)]
         assert info.servable == serves and (serves or info.gate_reason.startswith(problems[0][:40]))

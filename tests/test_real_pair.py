@@ -15,14 +15,14 @@ from conftest import DATA, ROOT
 
 from kvferry import pretrained
 from kvferry.client.cascade import Cascade
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.client.importers import PagedKVPool
 from kvferry.client.rollout import MapRollout
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_stream
-from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
 from kvferry.mappings.gates import Gates
+from kvferry.mappings.lab.capture import capture_kv, load_model, read_corpus, token_stream
+from kvferry.mappings.lab.copy_probe import CopySettings, continuation_accuracy, make_examples
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
 
@@ -118,7 +118,7 @@ def test_gate_refuses_the_map_that_loses_copying_and_the_cascade_falls_back(real
     s, exs = examples
     ex = next(e for e in exs if e.gap == s.gaps[0])
     ids = torch.tensor([ex.prompt])
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         listed = {(m.name, m.version): m for m in c.list_mappings("smollm2")}
         loses, deep = (ms.name, ms.version), (_map(DEEP).name, SHORT_TOP10)
         assert not listed[loses].servable and "long-range copy" in listed[loses].gate_reason
@@ -157,7 +157,7 @@ def test_copy_probe_through_the_sidecar_matches_the_evidence(real, stream, sidec
     row = rows[str(gap)]
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True)
     accs = []
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         for i, ex in enumerate(e for e in exs if e.gap == gap):
             layout = "paged" if i % 2 else "contiguous"
             acc, layers = _sidecar_copy_accuracy(c, ms, source, target, ex, s.refresh, layout)

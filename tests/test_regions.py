@@ -9,7 +9,15 @@ import pytest
 import torch
 from conftest import ROOT, make_kv, sample, wait_until
 
-from kvferry.client.client import TRANSLATE_METHOD, ClientOptions, TranslateClient, encode_requests, make_spec
+from kvferry.client.client import (
+    TRANSLATE_METHOD,
+    ClientOptions,
+    Retry,
+    SharedMemory,
+    TranslateClient,
+    encode_requests,
+    make_spec,
+)
 from kvferry.client.importers import PagedKVPool
 from kvferry.client.regions import RegionPool, sweep
 from kvferry.common import wire
@@ -74,8 +82,12 @@ def test_an_answer_in_a_region_is_the_answer_in_the_messages(sidecar_factory, sh
     kv = _kv(ms, 300, seed=1)
     want = apply(ms, kv, 0)
     with (
-        TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=128)) as inline,
-        TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=128, shm_dir=str(shm))) as shared,
+        TranslateClient(ClientOptions(target=sc.address, chunk_tokens=128, retry=Retry(retries=0))) as inline,
+        TranslateClient(
+            ClientOptions(
+                target=sc.address, chunk_tokens=128, retry=Retry(retries=0), shared_memory=SharedMemory(dir=str(shm))
+            )
+        ) as shared,
     ):
         a, b = inline.translate(kv, "S__T64", "1.0.0", **_kw(ms)), shared.translate(kv, "S__T64", "1.0.0", **_kw(ms))
         assert not a.info.response_region and b.info.response_region
@@ -107,7 +119,9 @@ def test_what_does_not_fit_the_region_comes_in_the_messages(sidecar_factory, shm
     one = 2 * 200 * g.kv_heads * g.head_dim * 4  # a target layer's K and V, fp32: 64-byte multiples
     want = apply(ms, kv, 0)
     with TranslateClient(
-        ClientOptions(target=sc.address, retries=0, shm_dir=str(shm), shm_region_bytes=one + 164)
+        ClientOptions(
+            target=sc.address, retry=Retry(retries=0), shared_memory=SharedMemory(dir=str(shm), region_bytes=one + 164)
+        )
     ) as c:
         res = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
     assert res.info.response_region
@@ -131,7 +145,9 @@ def test_what_does_not_fit_the_region_comes_in_the_messages(sidecar_factory, shm
 def test_a_sidecar_without_shm_dir_answers_in_the_messages(sidecar_factory, shm, ms):
     sc = _sidecar(sidecar_factory)
     kv = _kv(ms, 40)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm))) as c:
+    with TranslateClient(
+        ClientOptions(target=sc.address, retry=Retry(retries=0), shared_memory=SharedMemory(dir=str(shm)))
+    ) as c:
         res = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
     assert not res.info.response_region and os.listdir(shm) == []  # the client removed the file nobody took
     for (k, v), (wk, wv) in zip(res.layers(), apply(ms, kv, 0)):
@@ -226,10 +242,10 @@ def test_a_key_only_hit_in_a_region(sidecar_factory, shm, ms, redis_url, family)
     key = publish_source(
         kv, ids, family["S"].identity, store=RedisStore(redis_url), secret=b"s", tenant="acme", block_size=16
     )
-    opts = dict(target=sc.address, retries=0)
+    opts = dict(target=sc.address, retry=Retry(retries=0))
     with (
         TranslateClient(ClientOptions(**opts)) as inline,
-        TranslateClient(ClientOptions(**opts, shm_dir=str(shm))) as shared,
+        TranslateClient(ClientOptions(**opts, shared_memory=SharedMemory(dir=str(shm)))) as shared,
     ):
         ask = dict(token_ids=ids, tenant="acme", prefix_key=key, **_kw(ms))
         mapped = shared.translate(None, "S__T64", "1.0.0", **ask)  # maps the stored source, writes the target's back
@@ -346,7 +362,9 @@ def test_a_region_that_vanishes_or_cannot_be_made_costs_only_that_calls_zero_cop
     sc = _sidecar(sidecar_factory, shm)
     kv = _kv(ms, 100, seed=5)
     want = apply(ms, kv, 0)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm))) as c:
+    with TranslateClient(
+        ClientOptions(target=sc.address, retry=Retry(retries=0), shared_memory=SharedMemory(dir=str(shm)))
+    ) as c:
         first = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
         assert first.info.response_region
         del first  # its file goes back to the pool, idle
@@ -395,7 +413,9 @@ def test_a_file_is_reused_once_its_answer_is_freed_and_never_under_a_live_one(si
     sc = _sidecar(sidecar_factory, shm)
     kvs = [_kv(ms, 100, seed=s) for s in (5, 6, 7)]
     wants = [apply(ms, kv, 0) for kv in kvs]
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm))) as c:
+    with TranslateClient(
+        ClientOptions(target=sc.address, retry=Retry(retries=0), shared_memory=SharedMemory(dir=str(shm)))
+    ) as c:
         first = c.translate(kvs[0], "S__T64", "1.0.0", **_kw(ms))
         second = c.translate(kvs[1], "S__T64", "1.0.0", **_kw(ms))  # the first answer is alive: another file
         before = _files(shm)
@@ -444,7 +464,9 @@ def test_naming_another_callers_file_writes_nothing_into_it(sidecar_factory, shm
     one she holds and the next one (her client rekeys the file before every call)."""
     sc = _sidecar(sidecar_factory, shm)
     kv, other = _kv(ms, 300, seed=1), _kv(ms, 300, seed=2)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm))) as alice:
+    with TranslateClient(
+        ClientOptions(target=sc.address, retry=Retry(retries=0), shared_memory=SharedMemory(dir=str(shm)))
+    ) as alice:
         held = alice.translate(kv, "S__T64", "1.0.0", **_kw(ms))
         assert held.info.response_region
         (name,) = os.listdir(shm)
@@ -517,7 +539,9 @@ def test_a_new_pool_removes_the_files_of_clients_that_died(shm):
 def test_a_closed_client_leaves_no_file_even_while_its_answer_lives(sidecar_factory, shm, ms):
     sc = _sidecar(sidecar_factory, shm)
     kv = _kv(ms, 100, seed=8)
-    c = TranslateClient(ClientOptions(target=sc.address, retries=0, shm_dir=str(shm)))
+    c = TranslateClient(
+        ClientOptions(target=sc.address, retry=Retry(retries=0), shared_memory=SharedMemory(dir=str(shm)))
+    )
     res = c.translate(kv, "S__T64", "1.0.0", **_kw(ms))
     assert res.info.response_region and len(os.listdir(shm)) == 1
     c.close()

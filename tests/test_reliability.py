@@ -9,7 +9,7 @@ import torch
 from conftest import make_kv, sample, spec_kw, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 
 WORKERS, PER_WORKER = 4, 12
 
@@ -60,7 +60,7 @@ def test_redis_killed_mid_load_fails_no_streamed_request(sidecar_factory, maps_d
         maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret="s" * 32, prefix_block_size=16
     )
     ok, errors = _load(
-        ClientOptions(target=sc.address, retries=0, timeout=30), family, redis_server.stop, token_ids=True
+        ClientOptions(target=sc.address, timeout=30, retry=Retry(retries=0)), family, redis_server.stop, token_ids=True
     )
     assert not errors, errors[:3]
     assert len(ok) == WORKERS * PER_WORKER
@@ -88,7 +88,7 @@ def test_sigterm_under_load_drains_and_clients_fail_over(sidecar_factory, maps_d
             health["a"] = check()
         done.join(30)
 
-    opts = ClientOptions(target=a.address, endpoints=(b.address,), retries=4, backoff=0.02, timeout=30)
+    opts = ClientOptions(target=a.address, endpoints=(b.address,), timeout=30, retry=Retry(retries=4, backoff=0.02))
     ok, errors = _load(opts, family, drain_a)
     assert not errors, errors[:3]
     assert len(ok) == WORKERS * PER_WORKER
@@ -105,7 +105,7 @@ def test_sigterm_under_load_drains_and_clients_fail_over(sidecar_factory, maps_d
 
 def test_failover_skips_an_endpoint_that_is_down(sidecar_factory, maps_dir, family):
     b = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
-    opts = ClientOptions(target="127.0.0.1:1", endpoints=(b.address,), retries=2, backoff=0.01, timeout=10)
+    opts = ClientOptions(target="127.0.0.1:1", endpoints=(b.address,), timeout=10, retry=Retry(retries=2, backoff=0.01))
     with TranslateClient(opts) as c:
         res = c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family))
     assert res.attempts == 2 and res.stats.tokens == 8

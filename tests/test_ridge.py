@@ -1,7 +1,7 @@
 import torch
 
-from kvferry.mappings.gram import GramStats
-from kvferry.mappings.ridge import cols, heldout_r2_path, select_and_fit, solve
+from kvferry.mappings.lab.gram import GramStats
+from kvferry.mappings.lab.ridge import cols, heldout_r2_path, select_and_fit, solve
 
 
 def _data(n, dx, dy, seed, noise=0.1):
@@ -95,7 +95,7 @@ def test_ranked_selection_can_miss_what_greedy_finds():
 
 def test_rounding_aware_path_matches_rounded_weights_and_prefers_smaller_weights():
     """The bf16 noise term predicts the held-out loss of maps applied with rounded inputs and weights."""
-    from kvferry.mappings.ridge import rounding_variance
+    from kvferry.mappings.lab.ridge import rounding_variance
 
     g = torch.Generator().manual_seed(5)
     n, dx, dy = 4000, 24, 6

@@ -9,14 +9,14 @@ import torch
 from conftest import DATA, PASSING_COPY, wait_until
 
 from kvferry.client.cascade import Cascade
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.client.rollout import MapRollout, PolicyStore, RolloutPolicy
 from kvferry.mappings.artifact import save, write_evidence
-from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_windows
 from kvferry.mappings.drift import QueryTap
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.fit import identity_mapset
 from kvferry.mappings.geometry import geometry_of
+from kvferry.mappings.lab.capture import capture_kv, load_model, read_corpus, token_windows
+from kvferry.mappings.lab.fit import identity_mapset
 
 EVIDENCE = {
     "arms": {
@@ -148,7 +148,7 @@ def test_a_degraded_map_is_caught_live_and_switched_off(sidecar_factory, maps_di
     s = family["S"]
     sc = sidecar_factory(maps_dir=str(maps_dir))  # gates on: both versions carry passing evidence
     f = tmp_path / "policy.toml"
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         _policy_file(f, version="1.0.0", refresh=8, min_tokens=32, shadow_percent=100.0, window=4, min_samples=3)
         good = Cascade(s.model, c, "S__S-self", PolicyStore(path=f, reload_seconds=0), s.identity, seed=0)
         ok = _run(good, family, prompts, 4)
@@ -190,7 +190,7 @@ def test_canary_share_and_kill_switch_under_load(sidecar_factory, maps_dir, fami
     f = tmp_path / "policy.toml"
     _policy_file(f, version="1.0.0", refresh=8, min_tokens=32, canary_percent=50.0)
     store = PolicyStore(path=f, reload_seconds=0)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         cascade = Cascade(s.model, c, "S__S-self", store, s.identity, seed=1)
         kv = capture_kv(s.model, prompts[0])
         paths = [cascade.generate(prompts[0], kv, max_new_tokens=1).path for _ in range(40)]
@@ -248,7 +248,7 @@ def test_a_map_for_another_target_model_is_never_used(sidecar_factory, maps_dir,
     """The S->S map offered to T: the response names S as the target geometry, so the cascade refuses it."""
     t = family["T"]
     sc = sidecar_factory(maps_dir=str(maps_dir))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         cascade = Cascade(
             t.model, c, "S__S-self", MapRollout(version="1.0.0", refresh=8, min_tokens=32), family["S"].identity
         )
@@ -263,7 +263,7 @@ def test_the_refresh_never_falls_below_the_one_the_evidence_measured(sidecar_fac
     s = family["S"]
     sc = sidecar_factory(maps_dir=str(maps_dir))
     ids = prompts[0][:, :80]
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         cascade = Cascade(s.model, c, "S__S-self", MapRollout(refresh=4, min_tokens=5, version="1.0.0"), s.identity)
         res = cascade.generate(ids, capture_kv(s.model, ids[:, :74]), max_new_tokens=4)
         assert res.path == "mapped" and res.reason.endswith("refresh r=8"), res.reason

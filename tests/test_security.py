@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, make_certs, make_kv, sample, spec_kw, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
+from kvferry.client.client import ClientOptions, Retry, Tls, TranslateClient, encode_requests, make_spec
 from kvferry.common.errors import PermissionDenied, Unauthenticated
 from kvferry.mappings.errors import InvalidInput
 from kvferry.sidecar.auth import Authenticator
@@ -44,15 +44,17 @@ def _code(fn) -> grpc.StatusCode:
 def test_bearer_tokens_gate_every_kvferry_call_but_not_health(sidecar_factory, maps_dir, tokens_file, family):
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, auth_tokens_file=str(tokens_file))
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, retry=Retry(retries=0))) as c:
         assert _code(lambda: c.translate(kv, "S__S-self", **_kw(family))) == grpc.StatusCode.UNAUTHENTICATED
         assert _code(lambda: c.list_mappings()) == grpc.StatusCode.UNAUTHENTICATED
         key_only = dict(token_ids=list(range(32)), prefix_key="ab" * 32, **_kw(family))  # goes as TranslateByKey
         assert _code(lambda: c.translate(None, "S__S-self", **key_only)) == grpc.StatusCode.UNAUTHENTICATED
         assert c.endpoints.has_by_key == [True]
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token="x" * 30)) as c:
+    with TranslateClient(
+        ClientOptions(target=sc.address, timeout=10, auth_token="x" * 30, retry=Retry(retries=0))
+    ) as c:
         assert _code(lambda: c.translate(kv, "S__S-self", **_kw(family))) == grpc.StatusCode.UNAUTHENTICATED
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, auth_token=ALICE, retry=Retry(retries=0))) as c:
         assert c.translate(kv, "S__S-self", **_kw(family)).stats.tokens == 8
         assert [m.name for m in c.list_mappings()] == ["S__S-self"]
         # a caller cannot pick another tenant's namespace
@@ -79,17 +81,17 @@ def test_the_token_picks_the_prefix_namespace(sidecar_factory, maps_dir, tokens_
         prefix_write_back=True,
     )
     kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32), list(range(100, 132))
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, auth_token=ALICE, retry=Retry(retries=0))) as c:
         c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))
     r = redis.Redis.from_url(redis_url)
     wait_until(lambda: r.keys("kvf:*"), 5, "the write-back")  # it runs off the critical path
     tenants = {k.decode().split(":")[1] for k in r.keys("kvf:*")}
     assert tenants == {"alice"}
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=BOB)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, auth_token=BOB, retry=Retry(retries=0))) as c:
         assert (
             c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 0
         )  # bob sees none of alice's
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10, auth_token=ALICE)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, auth_token=ALICE, retry=Retry(retries=0))) as c:
         assert c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)).stats.cached_blocks == 2
 
 
@@ -111,11 +113,9 @@ def test_mtls_identity_is_the_tenant(sidecar_factory, maps_dir, tmp_path, family
     )
     opts = ClientOptions(
         target=sc.address,
-        tls_root_certs=str(d / "ca.pem"),
-        tls_client_cert=str(d / "client.pem"),
-        tls_client_key=str(d / "client.key"),
-        retries=0,
         timeout=10,
+        retry=Retry(retries=0),
+        tls=Tls(root_certs=str(d / "ca.pem"), client_cert=str(d / "client.pem"), client_key=str(d / "client.key")),
     )
     kv, ids = make_kv(layers=4, tokens=16, heads=2, head_dim=32), list(range(16))
     with TranslateClient(opts) as c:
@@ -177,7 +177,9 @@ def test_a_stalled_stream_is_cut_off_by_the_server_deadline(sidecar_factory, map
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert not stalled_over.is_set()  # the server cut the stream off while its caller was still stalled
     release.set()
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:  # the slot was freed
+    with TranslateClient(
+        ClientOptions(target=sc.address, timeout=10, retry=Retry(retries=0))
+    ) as c:  # the slot was freed
         assert c.translate(kv, "S__S-self", **_kw(family)).stats.tokens == 8
     assert sample(sc, "kvferry_active_streams") == 0
 
@@ -195,7 +197,7 @@ def test_a_stalled_stream_is_cut_off_by_the_server_deadline(sidecar_factory, map
 def test_map_names_cannot_leave_the_registry(sidecar_factory, maps_dir, family, name, version):
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, retry=Retry(retries=0))) as c:
         assert _code(lambda: c.translate(kv, name, version, **_kw(family))) == grpc.StatusCode.NOT_FOUND
 
 
@@ -237,7 +239,7 @@ def test_non_finite_source_kv_is_refused(sidecar_factory, maps_dir, family, bad)
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
     kv[2][1][0, 1, 5, 7] = bad
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, retry=Retry(retries=0))) as c:
         with pytest.raises(grpc.RpcError) as e:
             c.translate(kv, "S__S-self", **_kw(family))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN or infinite" in e.value.details()
@@ -286,7 +288,7 @@ def test_a_caller_that_stops_reading_loses_its_slot_at_the_deadline(sidecar_fact
         wait_until(lambda: sample(sc, "kvferry_active_streams") == 1, what="the stalled stream holding the slot")
         wait_until(lambda: sample(sc, "kvferry_active_streams") == 0, timeout=15, what="the slot freed at the deadline")
         with TranslateClient(
-            ClientOptions(target=sc.address, retries=0, timeout=10)
+            ClientOptions(target=sc.address, timeout=10, retry=Retry(retries=0))
         ) as c:  # the one slot is free again
             assert (
                 c.translate(make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self", **_kw(family)).stats.tokens
@@ -345,7 +347,7 @@ def test_a_bad_tenant_is_refused_on_every_request(sidecar_factory, maps_dir, fam
     calls are authenticated, a tenant that is not a valid name is refused the same way, in one place."""
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True)
     kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, timeout=10)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, timeout=10, retry=Retry(retries=0))) as c:
         for ids in ((), tuple(range(8))):
             with pytest.raises(grpc.RpcError) as e:
                 c.translate(kv, "S__S-self", tenant=tenant, token_ids=ids, **_kw(family))

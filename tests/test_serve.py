@@ -14,7 +14,7 @@ from conftest import make_kv, wait_until
 from kvferry.client.client import encode_requests, make_spec
 from kvferry.mappings.artifact import save
 from kvferry.mappings.errors import InvalidInput
-from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.lab.fit import identity_mapset
 from kvferry.sidecar.config import SidecarConfig, from_sources
 from kvferry.v1 import translate_pb2_grpc as pb_grpc
 

@@ -5,13 +5,13 @@ import pytest
 import torch
 from conftest import make_kv, sample, wait_until
 
-from kvferry.client.client import ClientOptions, TranslateClient, encode_requests, make_spec
+from kvferry.client.client import ClientOptions, Retry, TranslateClient, encode_requests, make_spec
 from kvferry.client.importers import PagedKVPool, to_dynamic_cache
 from kvferry.common.listing import MappingInfo
 from kvferry.common.messages import ALL_PAGES
 from kvferry.mappings.artifact import save
-from kvferry.mappings.capture import capture_kv
-from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.lab.capture import capture_kv
+from kvferry.mappings.lab.fit import identity_mapset
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def sidecar(sidecar_factory, maps_dir):
 
 @pytest.fixture
 def client(sidecar):
-    with TranslateClient(ClientOptions(target=sidecar.address, chunk_tokens=50, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sidecar.address, chunk_tokens=50, retry=Retry(retries=0))) as c:
         yield c
 
 
@@ -110,7 +110,7 @@ def test_a_bfloat16_map_returns_bfloat16_unless_asked_otherwise(sidecar_factory,
     save(identity_mapset(s.identity, version="2.0.0").to(dtype=torch.bfloat16), tmp_path)
     sc = sidecar_factory(maps_dir=str(tmp_path), force_maps=True)
     kv = make_kv(layers=4, tokens=12, heads=2, head_dim=32)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         res = c.translate(kv, "S__S-self", **_spec_kw(s))
         assert res.info.dtype == torch.bfloat16 and res.layers()[0][1].dtype == torch.bfloat16
         torch.testing.assert_close(res.layers()[3][1], kv[3][1].bfloat16())
@@ -256,14 +256,14 @@ def test_stream_errors(sidecar):
 
 def test_limits_are_resource_exhausted(sidecar_factory, maps_dir, family):
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_tokens=16)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         code, msg = _code(c, make_kv(layers=4, tokens=17, heads=2, head_dim=32), "S__S-self")
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 16" in msg
 
 
 def test_gated_map_is_refused(sidecar_factory, maps_dir):
     sc = sidecar_factory(maps_dir=str(maps_dir))  # not forced: the identity map has no evidence
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         (m,) = c.list_mappings()
         assert not m.servable and "no evaluation evidence" in m.gate_reason
         code, msg = _code(c, make_kv(layers=4, tokens=8, heads=2, head_dim=32), "S__S-self")
@@ -403,7 +403,7 @@ def test_health_reflection_and_metrics(sidecar_factory, maps_dir, family):
             )
             assert resp.file_descriptor_response.file_descriptor_proto, version
     s = family["S"]
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         c.translate(make_kv(layers=4, tokens=12, heads=2, head_dim=32), "S__S-self", **_spec_kw(s))
         with pytest.raises(grpc.RpcError):
             c.translate(make_kv(layers=4, tokens=12, heads=2, head_dim=32), "missing")
@@ -462,7 +462,7 @@ def test_new_versions_are_picked_up_without_restart(sidecar_factory, tmp_path, f
     s = family["S"]
     save(identity_mapset(s.identity, version="1.0.0"), tmp_path)
     sc = sidecar_factory(maps_dir=str(tmp_path), force_maps=True)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         kv = make_kv(layers=4, tokens=8, heads=2, head_dim=32)
         assert c.translate(kv, "S__S-self").info.map_version == "1.0.0"
         save(identity_mapset(s.identity, version="1.1.0"), tmp_path)
@@ -500,7 +500,7 @@ def test_stream_cap_and_byte_limit_are_resource_exhausted(sidecar_factory, maps_
     t = threading.Thread(target=first)
     t.start()
     wait_until(lambda: sample(sc, "kvferry_active_streams") == 1, 10, "the first stream in flight")
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         code, msg = _code(c, kv, "S__S-self")
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in msg
         release.set()
@@ -517,7 +517,7 @@ def test_stream_cap_sends_retry_info_and_the_client_honours_it(sidecar_factory, 
     import threading
     import time
 
-    from kvferry.client.client import retry_hint
+    from kvferry.client.attempts import retry_hint
     from kvferry.v1 import translate_pb2_grpc as pb_grpc
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_streams=1)
@@ -533,7 +533,7 @@ def test_stream_cap_sends_retry_info_and_the_client_honours_it(sidecar_factory, 
         assert retry_hint(e.value) == pytest.approx(0.1)
         assert ("kvferry-retry-after-ms", "100") in tuple(e.value.trailing_metadata())
         threading.Timer(0.5, release.set).start()
-        with TranslateClient(ClientOptions(target=sc.address, retries=8, backoff=0.001)) as c:
+        with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=8, backoff=0.001))) as c:
             t0 = time.perf_counter()
             result = c.translate(kv, "S__S-self")
             waited = time.perf_counter() - t0
@@ -542,11 +542,14 @@ def test_stream_cap_sends_retry_info_and_the_client_honours_it(sidecar_factory, 
 
 
 def test_size_limits_carry_no_retry_hint(sidecar_factory, maps_dir):
-    from kvferry.client.client import retry_hint
+    from kvferry.client.attempts import retry_hint
 
     sc = sidecar_factory(maps_dir=str(maps_dir), force_maps=True, max_request_bytes=40000)
     big = make_kv(layers=4, tokens=40, heads=2, head_dim=32)
-    with TranslateClient(ClientOptions(target=sc.address, retries=3)) as c, pytest.raises(grpc.RpcError) as e:
+    with (
+        TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=3))) as c,
+        pytest.raises(grpc.RpcError) as e,
+    ):
         c.translate(big, "S__S-self")
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_hint(e.value) is None
 
@@ -574,7 +577,9 @@ def test_maps_run_in_token_lanes_answer_as_the_whole_map_does(sidecar_factory, f
         assert (compute.lanes.parts if compute.lanes else 1) == threads
         if threads > 1:
             assert compute.submit(torch.get_num_threads).result() == 1  # the compute thread runs torch on one core
-        with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:  # whole layers: 600-token steps
+        with TranslateClient(
+            ClientOptions(target=sc.address, retry=Retry(retries=0))
+        ) as c:  # whole layers: 600-token steps
             for (k, v), (wk, wv) in zip(c.translate(kv, "S__T", "1.0.0", **kw).layers(), want):
                 (
                     torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4),
@@ -755,7 +760,9 @@ def test_responses_are_cut_to_the_message_limit(sidecar_factory, family):
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"), max_message_bytes=limit)
     s = family["S"].identity
     kw = dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer)
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=2048)) as c:  # 512 KiB request chunks
+    with TranslateClient(
+        ClientOptions(target=sc.address, chunk_tokens=2048, retry=Retry(retries=0))
+    ) as c:  # 512 KiB request chunks
         res = c.translate(kv, "S__T64", "1.0.0", **kw)
         assert max(b.key.numel() * b.key.element_size() * 2 for b in res.blocks) <= limit
         for (k, v), (wk, wv) in zip(res.layers(), apply(ms, kv, 0)):

@@ -16,8 +16,8 @@ from conftest import DATA, MODELS, PASSING_COPY, sample
 from kvferry.bench.vllm_driver import EngineProcess
 from kvferry.client.rollout import update_policy_file
 from kvferry.mappings.artifact import save, write_evidence
-from kvferry.mappings.capture import read_corpus, token_windows
-from kvferry.mappings.fit import identity_mapset
+from kvferry.mappings.lab.capture import read_corpus, token_windows
+from kvferry.mappings.lab.fit import identity_mapset
 from kvferry.sidecar.background import BackgroundSidecar
 from kvferry.sidecar.config import SidecarConfig
 
@@ -30,7 +30,7 @@ def _published_kv_is_the_models_own(model, redis_url, ids):
     import torch
 
     from kvferry.common.prefix import Namespace, block_hashes, decode_block, model_id
-    from kvferry.mappings.capture import capture_kv
+    from kvferry.mappings.lab.capture import capture_kv
 
     g = model.identity.geometry
     ns = Namespace("default", model_id(model.identity))

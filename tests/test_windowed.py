@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, make_kv, sample
 
-from kvferry.client.client import ClientOptions, TranslateClient
+from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.mappings.apply import StreamingApplier, apply
 from kvferry.mappings.artifact import LayerMap, MapSet, load, save
 from kvferry.mappings.errors import ArtifactError, InvalidInput
@@ -189,7 +189,7 @@ def test_sidecar_maps_past_a_cached_prefix_with_its_context(sidecar_factory, map
         prefix_block_size=BS,
         prefix_write_back=True,
     )
-    with TranslateClient(ClientOptions(target=sc.address, retries=0, chunk_tokens=16)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, chunk_tokens=16, retry=Retry(retries=0))) as c:
         first = c.translate([(k[:, :, :48], v[:, :, :48]) for k, v in kv], "S__T", "2.0.0", token_ids=ids[:48], **kw)
         assert first.stats.cached_blocks == 0
         assert {(m.version, m.context_tokens) for m in c.list_mappings("S__T")} == {("1.0.0", 0), ("2.0.0", 2)}
@@ -227,7 +227,7 @@ def test_key_only_past_stored_target_blocks_reads_their_source_as_context(
     sc = sidecar_factory(
         maps_dir=str(maps_dir), force_maps=True, redis_url=redis_url, prefix_secret=SECRET, prefix_block_size=BS
     )
-    with TranslateClient(ClientOptions(target=sc.address, retries=0)) as c:
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         first = c.translate(None, "S__T", "2.0.0", token_ids=ids[:32], prefix_key=short, **kw)
         assert first.info.num_tokens == 32
         longer = c.translate(None, "S__T", "2.0.0", token_ids=ids, prefix_key=full, **kw)

@@ -147,7 +147,7 @@ def shm_folder():
 
 
 def long_ids(tokenizer, n: int) -> torch.Tensor:
-    from kvferry.mappings.capture import read_corpus
+    from kvferry.mappings.lab.capture import read_corpus
 
     ids: list[int] = []
     for text in read_corpus([paths.data_file("heldout.jsonl")]):
@@ -159,7 +159,7 @@ def long_ids(tokenizer, n: int) -> torch.Tensor:
 
 def tiny_pair():
     """The shipped tiny family's latest S__T map and both models (LoadedModel): what the hit-path scripts read."""
-    from kvferry.mappings.capture import load_model
+    from kvferry.mappings.lab.capture import load_model
     from kvferry.sidecar.registry import MapRegistry
 
     registry = MapRegistry(paths.maps_dir(), force=True)
@@ -171,7 +171,7 @@ def published_prefix(source, target, ms, store, secret: bytes, n: int, block_siz
     """The full blocks of an ``n``-token held-out prompt (16 tokens left to recompute), with the source's KV of them
     published to ``store``: (their token ids, the prefix key, the keyword arguments of a key-only translate)."""
     from kvferry.common.prefix_cache import publish_source
-    from kvferry.mappings.capture import capture_kv
+    from kvferry.mappings.lab.capture import capture_kv
 
     ids = long_ids(target.tokenizer, n)
     prefix = ids[0, : (n - 16) // block_size * block_size].tolist()

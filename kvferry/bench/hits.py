@@ -40,13 +40,13 @@ def run(a: argparse.Namespace) -> int:
     import redis
     import torch
 
-    from kvferry.client.client import ClientOptions, TranslateClient
+    from kvferry.client.client import ClientOptions, SharedMemory, TranslateClient
     from kvferry.client.direct import DirectReader
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.common.prefix import map_id, map_namespaces, model_id
     from kvferry.common.prefix_cache import PrefixCache, publish_source
     from kvferry.common.stores import RedisStore
-    from kvferry.mappings.capture import capture_kv, load_model
+    from kvferry.mappings.lab.capture import capture_kv, load_model
     from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.registry import MapRegistry
 
@@ -81,7 +81,9 @@ def run(a: argparse.Namespace) -> int:
                 a.maps_dir, redis_url=url, prefix_secret=secret.decode(), prefix_block_size=bs, shm_dir=shm
             ) as sc,
             TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client,
-            TranslateClient(ClientOptions(target=sc.address, timeout=300, shm_dir=shm)) as shared,
+            TranslateClient(
+                ClientOptions(target=sc.address, timeout=300, shared_memory=SharedMemory(dir=shm))
+            ) as shared,
             TranslateClient(
                 ClientOptions(target=sc.address, timeout=300), direct=DirectReader(RedisStore(url), secret, bs)
             ) as near,

@@ -33,7 +33,7 @@ async def _drive(address: str, a: argparse.Namespace, ms, pid: int) -> dict:
     import grpc
     import torch
 
-    from kvferry.client.client import AsyncTranslateClient, ClientOptions
+    from kvferry.client.client import AsyncTranslateClient, ClientOptions, Retry
 
     sg = ms.source.geometry
     g = torch.Generator().manual_seed(0)
@@ -47,7 +47,7 @@ async def _drive(address: str, a: argparse.Namespace, ms, pid: int) -> dict:
     errors: collections.Counter = collections.Counter()
     checkpoints: list[dict] = []
     done = 0
-    opts = ClientOptions(target=address, timeout=a.timeout, retries=a.retries, chunk_tokens=a.chunk_tokens)
+    opts = ClientOptions(target=address, timeout=a.timeout, chunk_tokens=a.chunk_tokens, retry=Retry(retries=a.retries))
 
     async def client(c: AsyncTranslateClient) -> None:
         nonlocal done

@@ -27,9 +27,9 @@ VARIANTS = {
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvferry.mappings.capture import load_model
-    from kvferry.mappings.evaluate import EvalSettings, evaluate
-    from kvferry.mappings.fit import FitSettings, fit_pair
+    from kvferry.mappings.lab.capture import load_model
+    from kvferry.mappings.lab.evaluate import EvalSettings, evaluate
+    from kvferry.mappings.lab.fit import FitSettings, fit_pair
     from kvferry.quiet import quiet_transformers
 
     quiet_transformers()

@@ -41,7 +41,7 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.client.client import ClientOptions, TranslateClient
     from kvferry.client.rollout import MapRollout
     from kvferry.mappings.artifact import load, save
-    from kvferry.mappings.capture import capture_kv, load_model, read_corpus, token_windows
+    from kvferry.mappings.lab.capture import capture_kv, load_model, read_corpus, token_windows
     from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.background import BackgroundSidecar
     from kvferry.sidecar.config import SidecarConfig

@@ -37,11 +37,18 @@ def run(a: argparse.Namespace) -> int:
     import torch
 
     from kvferry.client.attention import IMPLEMENTATION, use_folded_gqa
-    from kvferry.client.client import ClientOptions, TranslateClient, chunk_tokens_for, encode_requests, make_spec
+    from kvferry.client.client import (
+        ClientOptions,
+        SharedMemory,
+        TranslateClient,
+        chunk_tokens_for,
+        encode_requests,
+        make_spec,
+    )
     from kvferry.client.importers import to_dynamic_cache
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import MapSet
-    from kvferry.mappings.capture import capture_kv, load_model
+    from kvferry.mappings.lab.capture import capture_kv, load_model
     from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.compute import ComputeThread
     from kvferry.sidecar.registry import MapRegistry
@@ -64,7 +71,9 @@ def run(a: argparse.Namespace) -> int:
         with (
             TranslateClient(ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client,
             TranslateClient(
-                ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300, shm_dir=shm)
+                ClientOptions(
+                    target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300, shared_memory=SharedMemory(dir=shm)
+                )
             ) as shared,
         ):
             for n in a.sizes:

@@ -25,7 +25,7 @@ from kvferry.pretrained import model_path
 def run(a: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from kvferry.mappings.capture import read_corpus
+    from kvferry.mappings.lab.capture import read_corpus
 
     from .harness import RedisServer, ServerProcess
     from .vllm_driver import EngineProcess

@@ -62,7 +62,7 @@ def check_references(a: argparse.Namespace, command: str) -> None:
 def references(a: argparse.Namespace, target):
     """The run's references (``--references``, added to with ``--update-references``), pinned to ``target`` and
     ``--precision``; None without ``--references``."""
-    from kvferry.mappings.memo import Memo, Pin
+    from kvferry.mappings.lab.memo import Memo, Pin
 
     return Memo(a.references, Pin.of(target, a.precision), frozen=not a.update_references) if a.references else None
 

@@ -110,8 +110,8 @@ def run(a: argparse.Namespace) -> int:
     import random
 
     from kvferry.mappings.artifact import load, save
-    from kvferry.mappings.capture import load_model, read_corpus, token_windows
-    from kvferry.mappings.distill import DistillSettings, capture_tails, distill
+    from kvferry.mappings.lab.capture import load_model, read_corpus, token_windows
+    from kvferry.mappings.lab.distill import DistillSettings, capture_tails, distill
 
     quiet_transformers()
     if not a.version and not a.capture_only:
@@ -135,7 +135,7 @@ def run(a: argparse.Namespace) -> int:
     settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})  # unset: DistillSettings' defaults
     ms = load(a.map)
     if a.code_mlp is not None:
-        from kvferry.mappings.distill import with_code_mlp
+        from kvferry.mappings.lab.distill import with_code_mlp
 
         ms = with_code_mlp(ms, a.code_mlp, settings.seed)
     src, tgt = load_model(a.source, ms.source.name), load_model(a.target, ms.target.name)

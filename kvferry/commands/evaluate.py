@@ -75,8 +75,8 @@ def run(a: argparse.Namespace) -> int:
     import time
 
     from kvferry.mappings.artifact import load, write_evidence
-    from kvferry.mappings.capture import load_model
-    from kvferry.mappings.copy_probe import format_copy_table
+    from kvferry.mappings.lab.capture import load_model
+    from kvferry.mappings.lab.copy_probe import format_copy_table
     from kvferry.mappings.precision import autocast
 
     quiet_transformers()
@@ -107,7 +107,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _copy_settings(a: argparse.Namespace):
-    from kvferry.mappings.copy_probe import CopySettings
+    from kvferry.mappings.lab.copy_probe import CopySettings
 
     if a.copy_gaps.strip().lower() == "none":
         return None
@@ -117,11 +117,11 @@ def _copy_settings(a: argparse.Namespace):
 
 def _evaluate(a: argparse.Namespace, ms, src, tgt, copy, memo) -> dict:
     """``kvferry eval``'s measurements (printing each table but the copy probe's), in the caller's precision."""
-    from kvferry.mappings.capture import read_corpus
-    from kvferry.mappings.completion import CompletionSettings, format_completion_table
-    from kvferry.mappings.copy_probe import copy_probe
-    from kvferry.mappings.evaluate import EvalSettings, evaluate, format_table
-    from kvferry.mappings.next_line import NextLineSettings, format_next_line_table
+    from kvferry.mappings.lab.capture import read_corpus
+    from kvferry.mappings.lab.completion import CompletionSettings, format_completion_table
+    from kvferry.mappings.lab.copy_probe import copy_probe
+    from kvferry.mappings.lab.evaluate import EvalSettings, evaluate, format_table
+    from kvferry.mappings.lab.next_line import NextLineSettings, format_next_line_table
 
     if a.only_copy:
         if copy is None:

@@ -101,8 +101,8 @@ def run(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from kvferry.mappings.artifact import save
-    from kvferry.mappings.capture import load_model
-    from kvferry.mappings.fit import FitSettings, fit_pair
+    from kvferry.mappings.lab.capture import load_model
+    from kvferry.mappings.lab.fit import FitSettings, fit_pair
 
     quiet_transformers()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():

@@ -39,9 +39,16 @@ def run(a: argparse.Namespace) -> int:
     import time
 
     from kvferry.mappings.artifact import load
-    from kvferry.mappings.capture import load_model, read_corpus
-    from kvferry.mappings.copy_probe import CopySettings
-    from kvferry.mappings.frontier import FrontierSettings, copy_points, format_frontier, plot, summarize, top10_points
+    from kvferry.mappings.lab.capture import load_model, read_corpus
+    from kvferry.mappings.lab.copy_probe import CopySettings
+    from kvferry.mappings.lab.frontier import (
+        FrontierSettings,
+        copy_points,
+        format_frontier,
+        plot,
+        summarize,
+        top10_points,
+    )
     from kvferry.mappings.precision import autocast
 
     quiet_transformers()

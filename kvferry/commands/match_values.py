@@ -38,8 +38,8 @@ def add_parser(sub) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from kvferry.mappings.artifact import load, save
-    from kvferry.mappings.attention_match import MatchSettings, match_values
-    from kvferry.mappings.capture import load_model, read_corpus, token_windows
+    from kvferry.mappings.lab.attention_match import MatchSettings, match_values
+    from kvferry.mappings.lab.capture import load_model, read_corpus, token_windows
 
     quiet_transformers()
     settings = MatchSettings(

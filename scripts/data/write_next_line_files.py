@@ -1,4 +1,4 @@
-"""Write data/next_line_files.json: the files of the next-line task (kvferry.mappings.next_line), from the installed
+"""Write data/next_line_files.json: the files of the next-line task (kvferry.mappings.lab.next_line), from the installed
 torch (pinned ==2.13.0 by the project): its .py files of at least 12,000 bytes outside test and _vendor folders,
 ordered by the sha256 of their relative path, the first 140, each with its own sha256 (the task refuses a file that
 differs). No map is fitted, distilled or evaluated on them elsewhere.
@@ -33,7 +33,7 @@ def main() -> None:
         "license": "BSD-3-Clause (PyTorch)",
         "rule": "the package's .py files of at least 12,000 bytes outside test and _vendor folders, ordered by sha256 "
         "of their relative path; the first 140",
-        "purpose": "the next-line task (kvferry.mappings.next_line): "
+        "purpose": "the next-line task (kvferry.mappings.lab.next_line): "
         "files no map was fitted, distilled or evaluated on",
         "files": [
             {"path": str(p.relative_to(root)), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files

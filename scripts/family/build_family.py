@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from kvferry.mappings import recall
+from kvferry.mappings.lab import recall
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -542,7 +542,7 @@ def cmd_card(out: Path) -> None:
         "What should work with more compute: a much longer run (hours on CPU, minutes on a GPU) that keeps "
         "copy/recall rows",
         "throughout at a low, decaying LR, with checkpoints chosen by the copy probe. The probe "
-        "(`kvferry.mappings.recall`)",
+        "(`kvferry.mappings.lab.recall`)",
         "and `kvferry eval`'s recall column stay in place for when a family that recalls is trained.",
         "",
         "## Training curves (every few evaluations)",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvferry.mappings.capture import load_model, read_corpus, token_windows
+from kvferry.mappings.lab.capture import load_model, read_corpus, token_windows
 from kvferry.mappings.precision import autocast
 from kvferry.pretrained import model_path
 

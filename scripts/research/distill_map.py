@@ -1,4 +1,4 @@
-"""A map set distilled through the frozen target (kvferry.mappings.distill), scored side by side.
+"""A map set distilled through the frozen target (kvferry.mappings.lab.distill), scored side by side.
 
 ``kvferry distill`` is the product command; this script runs the same distillation and then the copy probe on
 fresh held-out prompts, with the starting map and the distilled one side by side (the target recomputes the last
@@ -32,9 +32,10 @@ from write_split import split_texts
 from kvferry import paths
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import save
-from kvferry.mappings.capture import capture_kv, kv_slice, read_corpus, token_windows
-from kvferry.mappings.copy_probe import continuation_accuracy
-from kvferry.mappings.distill import DistillSettings, capture_tails, distill
+from kvferry.mappings.cache import kv_slice
+from kvferry.mappings.lab.capture import capture_kv, read_corpus, token_windows
+from kvferry.mappings.lab.copy_probe import continuation_accuracy
+from kvferry.mappings.lab.distill import DistillSettings, capture_tails, distill
 
 
 def main() -> None:

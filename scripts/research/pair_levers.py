@@ -22,9 +22,10 @@ import torch
 from kvferry import paths
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import load
-from kvferry.mappings.capture import capture_kv, load_model, read_corpus, to_dynamic_cache, token_windows
-from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, examples_for
-from kvferry.mappings.memo import Memo, Pin, remembered
+from kvferry.mappings.cache import to_dynamic_cache
+from kvferry.mappings.lab.capture import capture_kv, load_model, read_corpus, token_windows
+from kvferry.mappings.lab.copy_probe import CopySettings, continuation_accuracy, examples_for
+from kvferry.mappings.lab.memo import Memo, Pin, remembered
 
 DOMAINS = {"code": "heldout.jsonl", "prose": "prose_heldout.jsonl"}
 

@@ -28,10 +28,11 @@ from tables import write_results  # scripts/research/tables.py (beside this scri
 from kvferry import paths
 from kvferry.mappings.apply import apply
 from kvferry.mappings.artifact import LayerMap, MapSet, load, save
-from kvferry.mappings.capture import capture_kv, kv_slice, load_model, read_corpus, token_stream, token_windows
-from kvferry.mappings.copy_probe import CopySettings, continuation_accuracy, make_examples
+from kvferry.mappings.cache import kv_slice
 from kvferry.mappings.drift import QueryTap
 from kvferry.mappings.features import from_features, to_features
+from kvferry.mappings.lab.capture import capture_kv, load_model, read_corpus, token_stream, token_windows
+from kvferry.mappings.lab.copy_probe import CopySettings, continuation_accuracy, make_examples
 
 LAMBDAS = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
 

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .apply import apply
-from .artifact import LayerMap, MapSet
-from .capture import LayerKV, capture_kv
+from ..apply import apply
+from ..artifact import LayerMap, MapSet
+from ..cache import LayerKV
+from ..drift import QueryTap
+from ..errors import InvalidInput
+from ..features import to_features, window_inputs
+from .capture import capture_kv
 from .distill import with_repeat
-from .drift import QueryTap
-from .errors import InvalidInput
-from .features import to_features, window_inputs
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import InvalidInput
-from .geometry import digest
+from ..errors import InvalidInput
+from ..geometry import digest
 
 
 @dataclass(frozen=True)

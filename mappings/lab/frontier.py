@@ -22,12 +22,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .apply import apply
-from .artifact import MapSet
-from .capture import LayerKV, LoadedModel, capture_first_layers, capture_kv, kv_slice, to_dynamic_cache, token_windows
+from ..apply import apply
+from ..artifact import MapSet
+from ..cache import LayerKV, kv_slice, to_dynamic_cache
+from ..errors import InvalidInput
+from ..intervals import mean_interval, ratio_interval
+from .capture import LoadedModel, capture_first_layers, capture_kv, token_windows
 from .copy_probe import CopySettings, continuation_accuracy, examples_for
-from .errors import InvalidInput
-from .intervals import mean_interval, ratio_interval
 from .memo import Memo, remembered
 
 
@@ -241,7 +242,7 @@ def plot(front: dict, path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .gates import Gates
+    from ..gates import Gates
 
     gates = Gates()
     bars = {"copy kept": gates.min_copy_retention, "top-10": gates.min_top10}

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import InvalidInput
-from .geometry import ModelIdentity, geometry_of, tokenizer_fingerprint
-
-# One layer's cache: (keys, values), each [batch, kv_heads, tokens, head_dim], keys post-RoPE.
-LayerKV = tuple[torch.Tensor, torch.Tensor]
+from ..cache import LayerKV
+from ..errors import InvalidInput
+from ..geometry import ModelIdentity, geometry_of, tokenizer_fingerprint
 
 
 @dataclass
@@ -93,39 +91,6 @@ def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int
     n = len(stream) // seq_len
     ids = torch.tensor(stream[: n * seq_len], dtype=torch.long)
     return list(ids.view(n, seq_len)) if n else []
-
-
-def kv_slice(kv: list[LayerKV], start: int, stop: int) -> list[LayerKV]:
-    """Every layer's (K, V) for tokens [start, stop) (views, no copy)."""
-    return [(k[:, :, start:stop], v[:, :, start:stop]) for k, v in kv]
-
-
-def kv_join(head: list[LayerKV], tail: list[LayerKV]) -> list[LayerKV]:
-    """Every layer's (K, V) of ``head`` followed by ``tail`` along the tokens."""
-    return [(torch.cat([hk, tk], 2), torch.cat([hv, tv], 2)) for (hk, hv), (tk, tv) in zip(head, tail)]
-
-
-def cache_layers(cache) -> list[LayerKV]:
-    """An HF cache (anything with ``.layers`` of keys/values), a list of (K, V), or None, as a list of (K, V)."""
-    if cache is None:
-        return []
-    if hasattr(cache, "layers") and not isinstance(cache, list):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(cache)
-
-
-def to_dynamic_cache(layers: list[LayerKV], config, device=None, dtype=None):
-    """An HF transformers (5.x) DynamicCache holding ``layers``, ready for ``model(..., past_key_values=)``."""
-    from transformers import DynamicCache
-
-    if len(layers) != config.num_hidden_layers:
-        raise InvalidInput(f"{len(layers)} layers for a model with {config.num_hidden_layers}")
-    cache = DynamicCache(config=config)
-    for i, (k, v) in enumerate(layers):
-        if device is not None or dtype is not None:
-            k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
-        cache.update(k, v, i)
-    return cache
 
 
 @torch.no_grad()

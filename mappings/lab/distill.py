@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from .apply import apply
-from .artifact import Basis, CodeMLP, LayerMap, MapSet
-from .capture import LayerKV, capture_kv, to_dynamic_cache
-from .errors import InvalidInput
-from .features import from_features, to_features, window_inputs
-from .precision import autocast, check_precision
+from ..apply import apply
+from ..artifact import Basis, CodeMLP, LayerMap, MapSet
+from ..cache import LayerKV, to_dynamic_cache
+from ..errors import InvalidInput
+from ..features import from_features, to_features, window_inputs
+from ..precision import autocast, check_precision
+from .capture import capture_kv
 
 REF_TOP_K = 64
 """Tokens per tail position whose full-prefill log-probability a reference keeps (the rest's mass is kept as one)."""
@@ -395,13 +396,13 @@ def _ends(n: int, s: DistillSettings) -> list[int]:
 
 
 def _model_key(identity, what: str) -> str:
-    from .geometry import digest
+    from ..geometry import digest
 
     return digest({"model": identity.as_dict(), "what": what})[:24]
 
 
 def _pair_key(ms: MapSet) -> str:
-    from .geometry import digest
+    from ..geometry import digest
 
     return digest({"source": ms.source.as_dict(), "target": ms.target.as_dict()})[:24]
 
@@ -606,7 +607,8 @@ def _load_checkpoint(path: str | Path, key: str) -> dict | None:
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f}
+        names = f.keys()  # a safe_open handle is not iterable itself
+        tensors = {name: f.get_tensor(name) for name in names}
         meta = json.loads(f.metadata()["state"])
 
     def get(obj):

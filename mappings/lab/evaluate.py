@@ -16,24 +16,15 @@ from fractions import Fraction
 
 import torch
 
-from .apply import apply
-from .artifact import MapSet
-from .capture import (
-    LayerKV,
-    LoadedModel,
-    cache_layers,
-    capture_kv,
-    kv_join,
-    kv_slice,
-    read_corpus,
-    to_dynamic_cache,
-    token_windows,
-)
+from ..apply import apply
+from ..artifact import MapSet
+from ..cache import LayerKV, cache_layers, kv_join, kv_slice, to_dynamic_cache
+from ..drift import Drift, QueryTap, tail_drift
+from ..errors import InvalidInput
+from ..features import to_features
+from .capture import LoadedModel, capture_kv, read_corpus, token_windows
 from .completion import CompletionSettings, completion_task
 from .copy_probe import CopySettings, copy_probe
-from .drift import Drift, QueryTap, tail_drift
-from .errors import InvalidInput
-from .features import to_features
 from .memo import Memo
 from .next_line import NextLineSettings, library_files, next_line_task
 from .recall import make_probe, probe_fillers
@@ -231,7 +222,7 @@ def evaluate(
     """Run every arm on held-out text, the recall and copy probes (and prose, if given); returns the evidence dict.
     ``memo`` keeps the target's own arms of the copy probe and the completion task across evaluations of the pair."""
     s = settings or EvalSettings()
-    from .artifact import check_identity
+    from ..artifact import check_identity
 
     check_identity(source.identity, ms.source, "source")
     check_identity(target.identity, ms.target, "target")

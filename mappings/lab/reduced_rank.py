@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidInput
+from ..errors import InvalidInput
 from .gram import GramStats
 
 
@@ -51,7 +51,7 @@ def reduced_rank(stats: GramStats, blocks: list[torch.Tensor], lambdas: list[flo
     """The rank-``rank`` projection of the every-source ridge map fitted on ``stats``.
 
     ``blocks``: each target map's columns of the y side (they partition it); ``lambdas``: each one's relative ridge
-    strength (times the mean eigenvalue of the centred Gram, as :class:`kvferry.mappings.ridge.RidgeSolver`)."""
+    strength (times the mean eigenvalue of the centred Gram, as :class:`kvferry.mappings.lab.ridge.RidgeSolver`)."""
     if len(blocks) != len(lambdas):
         raise InvalidInput("one lambda per target block")
     if not 1 <= rank <= min(stats.dx, stats.dy):
@@ -95,7 +95,7 @@ def heldout_r2(
     """Held-out R² of each target block at each rank in ``ranks`` (each at most the fit's), from held-out sums alone.
 
     Errors are measured about the fit's own means (its biases), the R²'s total about the held-out mean, as
-    :class:`kvferry.mappings.ridge.RidgeSolver` does."""
+    :class:`kvferry.mappings.lab.ridge.RidgeSolver` does."""
     n = heldout.n
     mx = train.sx / train.n
     my = fit.decoder_bias

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .apply import apply
-from .artifact import MapSet
-from .capture import LayerKV, LoadedModel, capture_kv, kv_slice, to_dynamic_cache, token_stream
-from .errors import InvalidInput
+from ..apply import apply
+from ..artifact import MapSet
+from ..cache import LayerKV, kv_slice, to_dynamic_cache
+from ..errors import InvalidInput
+from .capture import LoadedModel, capture_kv, token_stream
 from .memo import Memo, remembered
 from .scramble import scramble
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from .artifact import MapSet
+from ..artifact import MapSet
+from ..errors import InvalidInput
 from .capture import LoadedModel
 from .completion import written_lines
-from .errors import InvalidInput
 from .memo import Memo
 from .scramble import scramble
 

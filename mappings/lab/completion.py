@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .apply import apply
-from .artifact import MapSet
-from .capture import LoadedModel, capture_kv, to_dynamic_cache
-from .errors import InvalidInput
+from ..apply import apply
+from ..artifact import MapSet
+from ..cache import to_dynamic_cache
+from ..errors import InvalidInput
+from .capture import LoadedModel, capture_kv
 from .memo import Memo, remembered
 from .scramble import scramble
 

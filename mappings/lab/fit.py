@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .artifact import KINDS, MAX_WINDOW, Basis, LayerMap, MapSet
+from ..artifact import KINDS, MAX_WINDOW, Basis, LayerMap, MapSet
+from ..errors import InvalidInput
+from ..features import to_features, window_inputs
+from ..geometry import Geometry, ModelIdentity, check_pair
 from .capture import LoadedModel, capture_kv, corpus_digest, read_corpus, token_windows
-from .errors import InvalidInput
-from .features import to_features, window_inputs
-from .geometry import Geometry, ModelIdentity, check_pair
 from .gram import GramStats, all_reduce
 from .reduced_rank import heldout_r2 as rr_heldout_r2
 from .reduced_rank import reduced_rank
@@ -71,7 +71,7 @@ class FitSettings:
     """Which of those layers' maps are windowed: "k" (the keys, where copying is lost) or "kv"."""
     basis_rank: int | None = None
     """A shared-basis set (:class:`kvferry.mappings.artifact.Basis`): every source layer's K and V coded into this many
-    numbers per token, which every target map reads (reduced-rank regression, :mod:`kvferry.mappings.reduced_rank`);
+    numbers per token, which every target map reads (reduced-rank regression, :mod:`kvferry.mappings.lab.reduced_rank`);
     None: each map reads its own k source layers. ``k`` and ``selection`` do not apply to it."""
     window_sources: int = 6
     """A windowed map reads the K and V of the source's last this-many layers (all, if it has fewer): one set for
@@ -224,7 +224,7 @@ class FeatureCache:
     Files are keyed by both models' identities (weights included) and the window's token ids."""
 
     def __init__(self, folder: str | Path, source: ModelIdentity, target: ModelIdentity):
-        from .geometry import digest
+        from ..geometry import digest
 
         self.folder = Path(folder) / digest({"source": source.as_dict(), "target": target.as_dict(), "layout": 1})[:24]
 
@@ -468,7 +468,7 @@ def _per_head(solver: RidgeSolver, sg, tg, t: int, kind: str, chosen: list[int],
 
 def stats_key(source: ModelIdentity, target: ModelIdentity, corpus_sha256: str, settings: FitSettings) -> str:
     """What captured Gram sums depend on: both models, the corpus, and the capture settings (not k, lambdas, dtype)."""
-    from .geometry import digest
+    from ..geometry import digest
 
     capture = {
         k: v
@@ -517,7 +517,8 @@ def load_stats(path: str | Path, key: str) -> GramSet | None:
         meta = f.metadata() or {}
         if meta.get("key") != key:
             return None
-        t = {name: f.get_tensor(name) for name in f}
+        names = f.keys()  # a safe_open handle is not iterable itself
+        t = {name: f.get_tensor(name) for name in names}
 
     def sides(prefix: str) -> list[GramStats]:
         out = []
