@@ -3,7 +3,7 @@ there (``add_parser``), the benchmarks under ``kvferry bench`` likewise in kvfer
 
 - the offline lab: ``fit``, ``distill``, ``match-values``, ``eval``, ``frontier``;
 - artifacts and models: ``maps inspect``, ``maps fetch``, ``models fetch|cut|path``;
-- serving: ``serve``, ``health``, ``rollout``;
+- serving: ``serve``, ``health``, ``rollout``, ``shm-folder``;
 - ``bench ...`` and ``demo``.
 
 Building the parser imports no torch, gRPC or transformers (``kvferry --help`` stays fast); each command imports
@@ -28,9 +28,24 @@ from kvferry.commands import (
     models,
     rollout,
     serve,
+    shm_folder,
 )
 
-COMMANDS = (fit, distill, match_values, evaluate, frontier, maps, models, serve, health, rollout, bench, demo)
+COMMANDS = (
+    fit,
+    distill,
+    match_values,
+    evaluate,
+    frontier,
+    maps,
+    models,
+    serve,
+    health,
+    rollout,
+    shm_folder,
+    bench,
+    demo,
+)
 """Every subcommand's module, in the order ``kvferry --help`` lists them."""
 
 

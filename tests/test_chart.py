@@ -83,12 +83,19 @@ def test_modes_and_options():
     docs = render(CHART / "ci" / "pod-sidecar-values.yaml")
     pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["kvferry", "model-server"]
-    # response regions: one memory volume, mounted by both containers where the sidecar's shm_dir and the model
-    # server's KVFERRY_SHM_DIR (and its connector's shm_dir) say
+    # response regions: one memory volume, mounted by both containers; on it the folder that the sidecar's shm_dir,
+    # the model server's KVFERRY_SHM_DIR and its connector's shm_dir name, which an init container prepares for
+    # several users (`kvferry shm-folder`: group-writable, sticky, set-group-ID)
     shm_dir = tomllib.loads(_one(docs, "ConfigMap")["data"]["kvferry.toml"])["sidecar"]["shm_dir"]
     (volume,) = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
-    for c in pod["containers"]:
-        assert {"name": volume["name"], "mountPath": shm_dir} in c["volumeMounts"], c["name"]
+    (prepare,) = [c for c in pod["initContainers"] if c["name"] == "kvferry-shm"]
+    assert (
+        prepare["args"] == ["shm-folder", shm_dir]
+        and prepare["securityContext"] == pod["containers"][0]["securityContext"]
+    )
+    for c in [*pod["containers"], prepare]:
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+        assert shm_dir.startswith(mount["mountPath"] + "/"), c["name"]
     (server,) = [c for c in pod["containers"] if c["name"] == "model-server"]
     assert {"name": "KVFERRY_SHM_DIR", "value": shm_dir} in server["env"] and f'"shm_dir":"{shm_dir}"' in server[
         "args"

@@ -549,3 +549,103 @@ def test_a_closed_client_leaves_no_file_even_while_its_answer_lives(sidecar_fact
     _check(res, apply(ms, kv, 0))
     del res
     assert _open_under(shm) == []
+
+
+def test_the_shared_folder_is_prepared_for_several_users(tmp_path):
+    """`kvferry shm-folder` (the chart's init container): group-writable, sticky and set-group-ID, made if missing,
+    the same when made again; a relative path, a file or a link in its place is refused."""
+    import stat
+
+    from kvferry.common.region_format import REGION_FOLDER_MODE, prepare_region_folder
+
+    folder = prepare_region_folder(tmp_path / "shm" / "regions")
+    assert stat.S_IMODE(os.stat(folder).st_mode) == REGION_FOLDER_MODE == 0o3770
+    assert prepare_region_folder(folder) == folder and stat.S_IMODE(os.stat(folder).st_mode) == 0o3770
+    (tmp_path / "file").write_text("")
+    (tmp_path / "link").symlink_to(folder)
+    for bad, words in (
+        ("relative/regions", "absolute"),
+        (tmp_path / "file", "not a folder"),
+        (tmp_path / "link", "link"),
+    ):
+        with pytest.raises(InvalidInput, match=words):
+            prepare_region_folder(bad)
+
+
+def _as_user(uid: int, work, *args):
+    """Run ``work(*args)`` in a forked child as ``uid`` (group 0, the folder's); returns (the child's pid, a pipe
+    that yields what ``work`` returned as text, then its end)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no return from here
+        code = 0
+        try:
+            os.close(r)
+            os.setgid(0)
+            os.setgroups([0])
+            os.setuid(uid)
+            for line in work(*args):
+                os.write(w, f"{line}\n".encode())
+        except BaseException as e:
+            os.write(w, f"error {e!r}\n".encode())
+            code = 1
+        os._exit(code)
+    os.close(w)
+    return pid, os.fdopen(r)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs clients as two other users (needs root to switch)")
+def test_a_client_of_another_user_can_neither_remove_nor_sweep_this_ones_regions():
+    """Two users share the prepared folder (the pod's group): another user's client cannot unlink this client's
+    live region file, and its sweep on start leaves it; this client's sweep passes over the other's dead file
+    (not its own to remove), without failing."""
+    import shutil
+    import tempfile
+
+    from kvferry.common.region_format import prepare_region_folder
+
+    base = tempfile.mkdtemp(prefix="kvf-users-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.chmod(base, 0o755)
+    folder = str(prepare_region_folder(os.path.join(base, "regions")))
+    go_r, go_w = os.pipe()
+
+    def hold():  # a live client: one leased region, held until told to go (or the test ends)
+        os.close(go_w)  # so the test's end, closing its own copy, ends the read below
+        pool = RegionPool(folder, 1 << 16, mode=0o660)
+        yield pool.lease().name
+        os.read(go_r, 1)
+
+    def intrude(victim):  # another user's client: its sweep runs at start; then it tries to remove the file
+        pool = RegionPool(folder, 1 << 16, mode=0o660)
+        assert pool.lease() is not None
+        try:
+            os.unlink(os.path.join(folder, victim))
+            yield "removed"
+        except PermissionError:
+            yield "refused"  # and it dies holding its file: a dead client's file of another user
+
+    def sweep_as_me():
+        yield sweep(folder)
+
+    holder = None
+    try:
+        holder, said = _as_user(65533, hold)
+        live = said.readline().strip()
+        assert live.startswith("kvf-"), live
+        pid, out = _as_user(65534, intrude, live)
+        assert out.read().strip() == "refused" and os.waitpid(pid, 0)[1] == 0
+        assert live in os.listdir(folder)
+        dead = [n for n in os.listdir(folder) if n != live]
+        assert len(dead) == 1 and os.stat(os.path.join(folder, dead[0])).st_uid == 65534
+        pid, out = _as_user(65533, sweep_as_me)
+        assert out.read().strip() == "0" and os.waitpid(pid, 0)[1] == 0  # not its own: passed over, no failure
+        assert sorted(os.listdir(folder)) == sorted([live, *dead])
+        os.write(go_w, b"x")
+        assert os.waitpid(holder, 0)[1] == 0
+        holder = None
+    finally:
+        os.close(go_w)
+        os.close(go_r)
+        if holder is not None:
+            os.waitpid(holder, 0)  # its read ends with the pipe's last writer gone
+        shutil.rmtree(base, ignore_errors=True)

@@ -12,7 +12,7 @@ import sys
 import grpc
 import pytest
 import torch
-from conftest import ROOT, make_kv, sample
+from conftest import ROOT, make_kv, sample, wait_until
 
 from kvferry.client.client import ClientOptions, Retry, TranslateClient
 from kvferry.mappings.apply import StreamingApplier, apply
@@ -172,7 +172,6 @@ def maps_dir(tmp_path, per_token):
 
 def test_sidecar_maps_past_a_cached_prefix_with_its_context(sidecar_factory, maps_dir, family, per_token, redis_url):
     """A prefix hit covers the first blocks; the mapped rest reads the cached tokens just before it, as context."""
-    import time
 
     s = family["S"].identity
     kw = dict(source_geometry=s.geometry.fingerprint, tokenizer=s.tokenizer)
@@ -193,9 +192,7 @@ def test_sidecar_maps_past_a_cached_prefix_with_its_context(sidecar_factory, map
         first = c.translate([(k[:, :, :48], v[:, :, :48]) for k, v in kv], "S__T", "2.0.0", token_ids=ids[:48], **kw)
         assert first.stats.cached_blocks == 0
         assert {(m.version, m.context_tokens) for m in c.list_mappings("S__T")} == {("1.0.0", 0), ("2.0.0", 2)}
-        deadline = time.time() + 10
-        while sample(sc, "kvferry_prefix_writes_total") < 3 and time.time() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: sample(sc, "kvferry_prefix_writes_total") >= 3, 10, "the first call's write-back")
         longer = c.translate(kv, "S__T", "2.0.0", token_ids=ids, **kw)
         assert longer.stats.cached_blocks == 3
         for (k, v), (wk, wv) in zip(longer.layers(), want):

@@ -164,6 +164,30 @@ volumeMounts:
 {{- end -}}
 
 {{/* initContainer that fills the maps volume from an image or a URL. */}}
+{{/* The response regions' folder on the shared memory volume: what the sidecar's shm_dir, the model server's
+KVFERRY_SHM_DIR and its connector's shm_dir name. The init container below makes it group-writable, sticky and
+set-group-ID (kvferry shm-folder), so several clients and users share it without removing each other's files. */}}
+{{- define "kvferry.shmDir" -}}
+{{- printf "%s/regions" (trimSuffix "/" .Values.sharedMemory.mountPath) -}}
+{{- end -}}
+
+{{- define "kvferry.shmInit" -}}
+{{- if and .Values.sharedMemory.enabled (eq .Values.mode "podSidecar") }}
+- name: kvferry-shm
+  image: {{ include "kvferry.image" . | toJson }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args: ["shm-folder", {{ include "kvferry.shmDir" . | toJson }}]
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  resources:
+    requests: {cpu: 10m, memory: 32Mi}
+    limits: {cpu: 200m, memory: 256Mi}
+  volumeMounts:
+    - name: kvferry-shm
+      mountPath: {{ .Values.sharedMemory.mountPath | toJson }}
+{{- end }}
+{{- end -}}
+
 {{- define "kvferry.mapsInit" -}}
 {{- if eq .Values.maps.source "image" }}
 - name: kvferry-maps
