@@ -58,6 +58,22 @@ def test_settings_read_alike_in_the_sidecar_and_the_connector():
     assert read_setting("timeout", "float", "2.5") == 2.5 and read_setting("tenant", "str", 7) == "7"
 
 
+def test_the_connector_takes_its_rollout_defaults_and_checks_from_the_rollout():
+    """min_tokens and refresh have one home (MapRollout): the connector's defaults are its, and so is the check that
+    min_tokens exceeds refresh; the policy file's reload interval is a checked number."""
+    from kvferry.client.connector_config import ConnectorConfig
+    from kvferry.client.rollout import MapRollout
+
+    base = {"redis_url": "redis://r", "prefix_secret": "x"}
+    cfg = ConnectorConfig.from_extra(base)
+    assert (cfg.min_tokens, cfg.refresh) == (MapRollout().min_tokens, MapRollout().refresh)
+    with pytest.raises(InvalidInput, match="kvferry connector: min_tokens must exceed refresh"):
+        ConnectorConfig.from_extra({**base, "min_tokens": 16, "refresh": 16})
+    with pytest.raises(InvalidInput, match=r"policy_reload_seconds must be in \[0, 3600\]"):
+        ConnectorConfig.from_extra({**base, "policy_reload_seconds": -1})
+    assert ConnectorConfig.from_extra({**base, "policy_reload_seconds": 0}).policy_reload_seconds == 0
+
+
 def _serve(maps_dir, *flags: str) -> tuple[subprocess.Popen, int, int | None]:
     """`kvferry serve` in its own process: (the process, its gRPC port, its metrics port if it has one)."""
     proc = subprocess.Popen(
