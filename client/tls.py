@@ -16,5 +16,7 @@ def tls_credentials(root_certs: str, client_key: str = "", client_cert: str = ""
         return read_small_file(path, what, PEM_LIMIT) if path else None
 
     return grpc.ssl_channel_credentials(
-        read(root_certs, "tls_root_certs"), read(client_key, "tls_client_key"), read(client_cert, "tls_client_cert")
+        read(root_certs, "the TLS CA bundle"),
+        read(client_key, "the TLS client key"),
+        read(client_cert, "the TLS client certificate"),
     )

@@ -23,7 +23,7 @@ REGION_FOLDER_MODE = 0o3770
 its owner and group may create files (the group is the pod's fsGroup, so a sidecar and a model server running as
 different users both belong), nobody else may enter; sticky, so each user may remove only its own files (a client
 of another uid can neither sweep nor replace this client's regions); set-group-ID, so every file in it takes the
-folder's group (what shm_file_mode 0o660 shares)."""
+folder's group (what SharedMemory.file_mode 0o660 shares)."""
 
 
 def prepare_region_folder(path: str | Path) -> Path:

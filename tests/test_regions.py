@@ -106,7 +106,7 @@ def test_an_answer_in_a_region_is_the_answer_in_the_messages(sidecar_factory, sh
             torch.testing.assert_close(k, wk), torch.testing.assert_close(v, wv)
         assert len(os.listdir(shm)) == 2  # one file each for the two answers still held
         del b, paged, pool
-        assert len(os.listdir(shm)) == 2  # freed: both kept for reuse (shm_idle_files)
+        assert len(os.listdir(shm)) == 2  # freed: both kept for reuse (SharedMemory.idle_files)
     _settled(sc)
     assert os.listdir(shm) == [] and _open_under(shm) == []  # the closed client removed them; nobody holds one open
     assert sample(sc, "kvferry_response_regions_total", outcome="taken") == 2
