@@ -4,7 +4,7 @@ there (``add_parser``), the benchmarks under ``kvferry bench`` likewise in kvfer
 - the offline lab: ``fit``, ``distill``, ``match-values``, ``eval``, ``frontier``;
 - artifacts and models: ``maps inspect``, ``maps fetch``, ``models fetch|cut|path``;
 - serving: ``serve``, ``health``, ``rollout``, ``shm-folder``;
-- ``bench ...`` and ``demo``.
+- ``bench ...``, ``demo``, and ``family`` (builds the shipped tiny family).
 
 Building the parser imports no torch, gRPC or transformers (``kvferry --help`` stays fast); each command imports
 what it needs when it runs.
@@ -20,6 +20,7 @@ from kvferry.commands import (
     demo,
     distill,
     evaluate,
+    family,
     fit,
     frontier,
     health,
@@ -43,6 +44,7 @@ COMMANDS = (
     health,
     rollout,
     shm_folder,
+    family,
     bench,
     demo,
 )

@@ -97,3 +97,14 @@ def test_inspect_prints_the_manifest_r2_and_the_gate_verdict():
         and "serving gates (defaults): fail: " in gated.stdout
         and "long-range copy" in gated.stdout
     )
+
+
+def test_the_family_command_builds_the_family_it_names():
+    """`kvferry family` (its flags built without torch) offers exactly the builder's members, and its steps parse."""
+    from kvferry.cli import build_parser
+    from kvferry.commands.family import FAMILY_MODELS
+    from kvferry.mappings.lab.family import FAMILY
+
+    assert set(FAMILY_MODELS) == set(FAMILY)
+    a = build_parser().parse_args(["--threads", "1", "family", "train", "--model", "T64", "--warmup-copy", "0"])
+    assert (a.step, a.model, a.warmup_copy) == ("train", "T64", 0)

@@ -2,15 +2,15 @@
 
 Everything is offline and seeded. The corpus is the running interpreter's standard-library
 sources (PSF License); its file list and sha256 are recorded in data/corpus.json so a rebuild
-can be checked. Steps (each writes under --out, default the repo root):
+can be checked. Steps (each writes under --out, default kvferry's root; `kvferry family --help`):
 
-    python scripts/family/build_family.py corpus
-    python scripts/family/build_family.py tokenizer
-    KVF_THREADS=1 python scripts/family/build_family.py train --model S --warmup-copy 300 --steps 400 --lr 1e-3
-    KVF_THREADS=1 python scripts/family/build_family.py train --model T --warmup-copy 700 --steps 600 --lr 6e-4
-    KVF_THREADS=2 python scripts/family/build_family.py train --model T --resume --steps 400 --lr 4e-4 --seed 1
-    KVF_THREADS=1 python scripts/family/build_family.py train --model T64 --warmup-copy 0 --steps 500 --lr 8e-4
-    python scripts/family/build_family.py card
+    kvferry family corpus
+    kvferry family tokenizer
+    kvferry --threads 1 family train --model S --warmup-copy 300 --steps 400 --lr 1e-3
+    kvferry --threads 1 family train --model T --warmup-copy 700 --steps 600 --lr 6e-4
+    kvferry --threads 2 family train --model T --resume --steps 400 --lr 4e-4 --seed 1
+    kvferry --threads 1 family train --model T64 --warmup-copy 0 --steps 500 --lr 8e-4
+    kvferry family card
 
 Training starts with a warm-up whose odd steps are pure copy batches (32 random 64-token spans,
 each repeated, loss on the repeat only) drawn from an id pool that doubles from 256 to the whole
@@ -23,11 +23,9 @@ logged to models/<name>/curve.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import sysconfig
@@ -36,9 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kvferry.mappings.lab import recall
-
-ROOT = Path(__file__).resolve().parents[2]
+from . import recall
 
 VOCAB = 4096
 SEQ = 512
@@ -486,7 +482,7 @@ def cmd_card(out: Path) -> None:
         "# The kvferry family: S, T, T64",
         "",
         "Three Llama-architecture causal LMs that share one byte-level BPE tokenizer (4096 ids) and one corpus,",
-        "trained from scratch on CPU by `scripts/family/build_family.py` (seeded). They exist so that kvferry's",
+        "trained from scratch on CPU by `kvferry family` (seeded). They exist so that kvferry's",
         "tests, demo and benchmarks run the real transformers code path offline. They are tiny: do not expect",
         "them to write good code, only to behave like a family.",
         "",
@@ -568,36 +564,3 @@ def cmd_card(out: Path) -> None:
         lines.append("")
     (out / "models" / "README.md").write_text("\n".join(lines) + "\n")
     print("wrote", out / "models" / "README.md")
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["corpus", "tokenizer", "train", "card"])
-    ap.add_argument("--out", type=Path, default=ROOT)
-    ap.add_argument("--model", choices=sorted(FAMILY))
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument(
-        "--warmup-copy", type=int, default=200, help="pure copy steps before the mix (forms induction heads)"
-    )
-    ap.add_argument("--resume", action="store_true", help="continue models/<name> on the mix (a second stage)")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("KVF_THREADS", "2")))
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    if a.step == "corpus":
-        cmd_corpus(a.out)
-    elif a.step == "tokenizer":
-        cmd_tokenizer(a.out)
-    elif a.step == "card":
-        cmd_card(a.out)
-    else:
-        if not a.model:
-            ap.error("train needs --model")
-        cmd_train(a.out, a.model, a.steps, a.batch, a.lr, a.seed, a.eval_every, a.warmup_copy, a.resume)
-
-
-if __name__ == "__main__":
-    main()
