@@ -81,7 +81,8 @@ def test_chunks_in_token_or_layer_order_equal_apply(sidecar_factory, maps_dir, s
     translate alike through a real cross-model map, and a chunk sent twice is refused."""
     import grpc
 
-    from kvferry.client.client import TRANSLATE_METHOD, contiguous_layers, encode_requests, make_spec
+    from kvferry.client.client import TRANSLATE_METHOD, encode_requests, make_spec
+    from kvferry.client.importers import contiguous_layers
     from kvferry.common import wire
     from kvferry.common.messages import Block
 

@@ -99,12 +99,9 @@ class ServerProcess:
         from kvferry.client.client import (
             SINGLE_THREADED_STREAMS,  # the client's own transport setting: the floor stays its best
         )
+        from kvferry.common.channel import MAX_MESSAGE_BYTES, message_size_options
 
-        opts = [
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            SINGLE_THREADED_STREAMS,
-        ]
+        opts = [*message_size_options(MAX_MESSAGE_BYTES), SINGLE_THREADED_STREAMS]
         self.channel = grpc.insecure_channel(self.address, opts)
         from kvferry.bench.server import ECHO_METHOD, REPLAY_METHOD, SINK_METHOD
 
