@@ -21,7 +21,8 @@ def test_wheel_maps_folders_to_kvferry_subpackages(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert top == {"kvferry", next(t for t in top if t.endswith(".dist-info"))}
     for module in (
-        "kvferry/mappings/fit.py",
+        "kvferry/mappings/lab/fit.py",
+        "kvferry/mappings/apply.py",
         "kvferry/common/wire.py",
         "kvferry/sidecar/server.py",
         "kvferry/client/client.py",
