@@ -119,6 +119,12 @@ class SidecarConfig:
     prefix_store_timeout_seconds: float = 1.0
     """How long one call to the prefix store may take: a store that does not answer in time counts as down (a miss
     for streamed requests, UNAVAILABLE for key-only ones)."""
+    prefix_probe_seconds: float = 0.1
+    """The most a streamed request waits on the prefix store: for its first answer (which of the request's blocks are
+    stored, one EXISTS round trip). A store that answers in time is alive, and its stored blocks are then read within
+    prefix_store_timeout_seconds; a store that does not is a miss for this request (the probe still ends on the
+    store's own timeout, which opens the circuit). A streamed request carries its source KV, so a hung store costs it
+    this long at most. 0: streamed requests never consult the store. At most prefix_store_timeout_seconds."""
     prefix_store_cooldown_seconds: float = 10.0
     """After the prefix store fails, how long it is not called at all (its circuit is open: metrics
     kvferry_prefix_store_open, health service kvferry.v1.PrefixStore NOT_SERVING); 0 calls it every time."""
@@ -168,6 +174,7 @@ class SidecarConfig:
             raise InvalidInput("prefix_block_size and prefix_memory_bytes must be positive")
         check_range("prefix_ttl_seconds", self.prefix_ttl_seconds, 0, YEAR, low_open=True)
         check_range("prefix_store_timeout_seconds", self.prefix_store_timeout_seconds, 0, 60, low_open=True)
+        check_range("prefix_probe_seconds", self.prefix_probe_seconds, 0, self.prefix_store_timeout_seconds)
         check_range("prefix_store_cooldown_seconds", self.prefix_store_cooldown_seconds, 0, HOUR)
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise InvalidInput(f"shm_dir {self.shm_dir} must be an absolute path (the folder both containers mount)")

@@ -60,11 +60,15 @@ class TranslateFlow:
         return Opened(session, ms, plan if write_back else None, len(plan.lookup.blocks) if plan else 0, initial)
 
     async def _plan(self, spec: TranslateSpec, ms: MapSet):
-        """The stored blocks of a streamed request, or None: at once while the store is skipped, and after at most
-        the store's timeout otherwise (a slower answer is a miss; the lookup's thread ends on its own timeout)."""
-        if self.prefix.skipping:
+        """The stored blocks of a streamed request, or None. It waits at most prefix_probe_seconds on a store that
+        does not answer (the probe's thread ends on the store's own timeout, which opens its circuit), and not at all
+        while the circuit is open; a store that answers the probe is then read within its timeout."""
+        if not self.prefix.consulted(spec):
             return None
         try:
+            stored = await asyncio.wait_for(asyncio.to_thread(self.prefix.probe, spec, ms), self.prefix.probe_seconds)
+            if not stored:
+                return None
             return await asyncio.wait_for(asyncio.to_thread(self.prefix.plan, spec, ms), self.prefix.timeout)
         except TimeoutError:
             return None

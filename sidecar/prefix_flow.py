@@ -39,6 +39,7 @@ class PrefixService:
     def __init__(self, config, metrics):
         self.metrics = metrics
         self.timeout = config.prefix_store_timeout_seconds
+        self.probe_seconds = config.prefix_probe_seconds
         self.on_breaker = None  # set by the server: the health service hears the breaker too
         self.store = open_store(
             config.redis_url,
@@ -84,6 +85,25 @@ class PrefixService:
             return
         self.metrics.prefix_store_errors.inc()
         log.warning("prefix store unavailable, serving without it: %s", getattr(e, "detail", e))
+
+    def consulted(self, spec) -> bool:
+        """Whether a streamed request reads the store: it has token ids from position 0, the store is not skipped
+        (its circuit is closed), and streamed requests may wait on it at all (prefix_probe_seconds > 0)."""
+        return bool(spec.token_ids) and spec.start_position == 0 and self.probe_seconds > 0 and not self.skipping
+
+    def probe(self, spec, ms: MapSet) -> int:
+        """How many leading target blocks of a streamed request are stored (one EXISTS round trip; 0 when the store
+        is unavailable)."""
+        _, tgt_ns = self.namespaces(ms, spec.tenant)
+        keys = [tgt_ns.key(h) for h in self.cache.hashes(tgt_ns, spec.token_ids)]
+        if not keys:
+            return 0
+        try:
+            present = self.store.exists_many(keys)
+        except StoreUnavailable as e:
+            self._store_error(e)
+            return 0
+        return next((i for i, p in enumerate(present) if not p), len(present))
 
     def plan(self, spec, ms: MapSet) -> Plan | None:
         """For a streamed request with token ids: the stored target blocks of its longest prefix."""

@@ -155,6 +155,9 @@ def RunningSidecar(**config):
     config.setdefault("reload_seconds", 0)
     config.setdefault("drain_seconds", 1)
     config.setdefault("drain_notice_seconds", 0.5)
+    # the tests assert stored blocks are found on a loaded 2-core runner: give the probe the store's whole timeout
+    # (the hung-store tests set their own)
+    config.setdefault("prefix_probe_seconds", config.get("prefix_store_timeout_seconds", 1.0))
     return BackgroundSidecar(SidecarConfig(**config))
 
 

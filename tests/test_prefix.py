@@ -1020,6 +1020,38 @@ def test_a_hung_store_is_skipped_and_streamed_translations_do_not_queue_behind_i
         assert check(sc.address) == "SERVING"  # the sidecar itself serves on
 
 
+def test_a_streamed_request_waits_on_a_hung_store_for_the_probe_alone(sidecar_factory, maps_dir, family, hung_store):
+    """The store's timeout is 5 s, its probe's budget 0.05 s: 16 concurrent streamed requests against a store that
+    never answers are each served under a 2.5 s deadline (the store a miss), so none waited for the store's timeout;
+    the probes still end on that timeout and open the circuit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sc = _sidecar(
+        sidecar_factory,
+        maps_dir,
+        redis_url=hung_store,
+        prefix_store_timeout_seconds=5,
+        prefix_probe_seconds=0.05,
+        prefix_store_cooldown_seconds=60,
+    )
+    kv, ids = make_kv(layers=4, tokens=32, heads=2, head_dim=32, seed=6), list(range(32))
+    with TranslateClient(ClientOptions(target=sc.address, timeout=2.5, retry=Retry(retries=0))) as c:
+        c.translate(kv, "S__S-self", token_ids=ids, **_kw(family))  # warm: the map is loaded and the channel up
+        with ThreadPoolExecutor(16) as ex:
+            got = list(ex.map(lambda _: c.translate(kv, "S__S-self", token_ids=ids, **_kw(family)), range(16)))
+    for res in got:
+        torch.testing.assert_close(res.layers()[3][1], kv[3][1])
+        assert res.stats.cached_blocks == 0
+    wait_until(lambda: sample(sc, "kvferry_prefix_store_open") == 1, timeout=30, what="the probes' timeout")
+
+
+def test_a_prefix_probe_longer_than_the_store_timeout_is_refused():
+    from kvferry.sidecar.config import SidecarConfig
+
+    with pytest.raises(InvalidInput, match=r"prefix_probe_seconds must be in \[0, 0.5\]"):
+        SidecarConfig(prefix_store_timeout_seconds=0.5, prefix_probe_seconds=1)
+
+
 def test_the_circuit_opens_on_a_failure_and_closes_on_the_next_answer():
     now = [0.0]
     changes = []
