@@ -16,15 +16,18 @@ from kvferry.mappings.lab.capture import capture_first_layers, capture_kv, read_
 from kvferry.mappings.lab.copy_probe import CopySettings
 from kvferry.mappings.lab.fit import identity_mapset
 from kvferry.mappings.lab.frontier import (
+    NEXT_LINE,
     FrontierSettings,
     copy_points,
     format_frontier,
+    next_line_points,
     operating_points,
     plot,
     share,
     summarize,
     top10_points,
 )
+from kvferry.mappings.lab.next_line import NextLineSettings
 
 CODE = list(read_corpus([DATA / "heldout.jsonl"]))
 
@@ -63,7 +66,7 @@ def test_the_first_layers_alone_are_a_prefills_first_layers(family):
 
 def test_an_exact_map_keeps_everything_at_every_point_and_truncation_pays_for_less(family, tmp_path):
     """The identity map of a model onto itself is exact: each of its refresh and hybrid points keeps full prefill's
-    copying and top-10 (within float noise), while every point's share is what it spends."""
+    copying, top-10 and next lines (within float noise), while every point's share is what it spends."""
     s = family["S"]
     ms = identity_mapset(s.identity)
     ms.target = s.identity
@@ -74,13 +77,18 @@ def test_an_exact_map_keeps_everything_at_every_point_and_truncation_pays_for_le
         next_token_prompts=2,
         min_len=40,
         max_len=80,
+        next_line=NextLineSettings(tasks=2, min_context=300, max_context=600, max_new_tokens=16),
     )
     raw = {
         "code": {
             "copy": copy_points({"1.0.0": ms}, s, s, CODE, fs),
             "top10": top10_points({"1.0.0": ms}, s, s, CODE, fs),
-        }
+        },
+        "next_line": next_line_points({"1.0.0": ms}, s, s, CODE, fs),
     }
+    lines = raw["next_line"]
+    assert len(lines["full"]) == 2 and lines["points"]["1.0.0 refresh r=8"] == pytest.approx(lines["full"], abs=0.2)
+    assert all(0 < x <= 8 / 300 for x in lines["share"]["truncate r=8"])
     row = raw["code"]["copy"]["150"]
     for name in ("1.0.0 refresh r=8", "1.0.0 refresh r=64", "1.0.0 hybrid L=2"):
         assert row["points"][name] == pytest.approx(row["full"], abs=0.03)
@@ -90,6 +98,8 @@ def test_an_exact_map_keeps_everything_at_every_point_and_truncation_pays_for_le
     cell = front["measures"]["copy kept, code, gap 150"]["1.0.0 refresh r=8"]
     assert cell["interval"][0] <= cell["value"] <= cell["interval"][1] and cell["value"] == pytest.approx(1.0, abs=0.05)
     assert "| 1.0.0 hybrid L=2 |" in format_frontier(front)
+    nl = front["measures"][NEXT_LINE]["1.0.0 refresh r=8"]
+    assert nl["interval"][0] <= nl["value"] <= nl["interval"][1] and nl["value"] == pytest.approx(0.0, abs=0.2)
     plot(front, tmp_path / "f.png", "tiny")
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -118,6 +128,8 @@ def test_kvferry_frontier_writes_json_and_a_plot(tmp_path):
             "--hybrid",
             "2",
             "--next-token-prompts",
+            "0",
+            "--next-line-tasks",
             "0",
             "--out",
             str(out),

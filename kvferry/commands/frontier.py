@@ -29,6 +29,13 @@ def add_parser(sub) -> None:
     fr.add_argument("--copy-gaps", type=int_list, default=(500, 1000, 3000))
     fr.add_argument("--copy-prompts", type=int, default=12)
     fr.add_argument("--next-token-prompts", type=int, default=20, help="per domain (0: no top-10 measure)")
+    fr.add_argument(
+        "--next-line-tasks",
+        type=int,
+        default=24,
+        help="the downstream task's files (a file's next line after 2,000+ tokens of it, data/next_line_files.json; "
+        "0: not measured)",
+    )
     add_references(fr)
     fr.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.png")
     fr.add_argument("--quiet", action="store_true")
@@ -45,10 +52,12 @@ def run(a: argparse.Namespace) -> int:
         FrontierSettings,
         copy_points,
         format_frontier,
+        next_line_points,
         plot,
         summarize,
         top10_points,
     )
+    from kvferry.mappings.lab.next_line import NextLineSettings, library_files
     from kvferry.mappings.precision import autocast
 
     quiet_transformers()
@@ -63,6 +72,7 @@ def run(a: argparse.Namespace) -> int:
         hybrid_layers=a.hybrid,
         next_token_prompts=a.next_token_prompts,
         copy=CopySettings(gaps=a.copy_gaps, prompts=a.copy_prompts),
+        next_line=NextLineSettings(tasks=a.next_line_tasks) if a.next_line_tasks else None,
     )
     src, tgt = load_model(a.source, first.source.name), load_model(a.target, first.target.name)
     memo = references(a, tgt)
@@ -74,6 +84,9 @@ def run(a: argparse.Namespace) -> int:
             raw[domain] = {"copy": copy_points(maps, src, tgt, texts, s, memo, progress=not a.quiet)}
             if s.next_token_prompts:
                 raw[domain]["top10"] = top10_points(maps, src, tgt, texts, s)
+        if s.next_line is not None:
+            files = library_files(paths.data_file("next_line_files.json"))
+            raw["next_line"] = next_line_points(maps, src, tgt, files, s, memo, progress=not a.quiet)
     front = summarize(raw, s, list(maps), tgt.identity.geometry.layers) | {
         "pair": first.name,
         "precision": a.precision,

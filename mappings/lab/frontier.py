@@ -10,9 +10,10 @@ the same prompts and scored against the target's own full prefill:
   full prefill       share 1
 
 The source's own prefill is not counted: in a cascade it has run already. Measures: copy kept (the unguessable copy
-probe's accuracy over full prefill's, per domain and gap) and next-token top-10 overlap (per domain), each with its
-paired 95% interval (:mod:`intervals`). The target's own copy arms come from the evaluation's references
-(:mod:`memo`) where given.
+probe's accuracy over full prefill's, per domain and gap), next-token top-10 overlap (per domain) and the downstream
+task (:mod:`next_line`: a file's next line after 2,000+ tokens of it, its edit similarity minus full prefill's, the
+gate's downstream measure), each with its paired 95% interval (:mod:`intervals`). The target's own arms (copy, the
+next line under full prefill and truncation) come from the evaluation's references (:mod:`memo`) where given.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ from ..apply import apply
 from ..artifact import MapSet
 from ..cache import LayerKV, kv_slice, to_dynamic_cache
 from ..errors import InvalidInput
-from ..intervals import mean_interval, ratio_interval
+from ..intervals import difference_interval, mean_interval, ratio_interval
 from .capture import LoadedModel, capture_first_layers, capture_kv, token_windows
+from .completion import write_line
 from .copy_probe import CopySettings, continuation_accuracy, examples_for
 from .memo import Memo, remembered
+from .next_line import NextLineSettings, edit_similarity, make_tasks
+
+NEXT_LINE = "next line: edit similarity minus full prefill's"
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class FrontierSettings:
     """Next-token prompts per domain, of ``min_len``-``max_len`` tokens (0: no top-10 measure)."""
     min_len: int = 128
     max_len: int = 384
+    next_line: NextLineSettings | None = None
+    """The downstream task's files and lengths (its ``refresh`` is not read: ``refreshes`` are); None: not measured."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,7 +68,7 @@ class FrontierSettings:
             raise InvalidInput("need next_token_prompts >= 0, 2 <= min_len <= max_len and refreshes[0] < min_len")
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"copy": self.copy.as_dict()}
+        return asdict(self) | {"copy": self.copy.as_dict(), "next_line": self.next_line and self.next_line.as_dict()}
 
 
 def operating_points(versions: list[str], s: FrontierSettings, layers: int) -> list[tuple[str, str | None, int, int]]:
@@ -187,10 +194,61 @@ def top10_points(
     return out
 
 
+@torch.no_grad()
+def next_line_points(
+    maps: dict[str, MapSet],
+    source: LoadedModel,
+    target: LoadedModel,
+    files: list[str],
+    s: FrontierSettings,
+    memo: Memo | None = None,
+    progress: bool = False,
+) -> dict:
+    """Full prefill's per-task edit similarity on the next-line task, each point's, and each point's per-task share.
+    The target's own lines are remembered under the keys ``kvferry eval``'s next-line task uses, so one set of
+    references serves both."""
+    if s.next_line is None:
+        raise InvalidInput("the frontier's next-line points need FrontierSettings.next_line")
+    layers = target.identity.geometry.layers
+    points = operating_points(list(maps), s, layers)
+    tok, most = target.tokenizer, s.next_line.max_new_tokens
+    who = (target.identity.weights, target.identity.geometry.fingerprint, most)
+    tasks = make_tasks(tok, files, s.next_line)
+    if progress:
+        from tqdm import tqdm
+
+        tasks = tqdm(tasks, desc="frontier: next line", unit="task")
+    out = {"full": [], "points": {point_name(*p): [] for p in points}, "share": {point_name(*p): [] for p in points}}
+    for task in tasks:
+        prompt, n = task.prompt, len(task.prompt)
+        full = remembered(
+            memo, ("next-line-full", *who, prompt), lambda: write_line(target.model, tok, prompt, None, most) or ""
+        )
+        out["full"].append(edit_similarity(full, task.answer))
+        caches = _caches(maps, source, target, prompt, s, layers)
+        for arm, v, r, L in points:
+            name = point_name(arm, v, r, L)
+            if arm == "truncate":
+                ids = prompt[max(n - r, 0) :]
+                line = remembered(
+                    memo,
+                    ("next-line-truncate", *who, ids),
+                    lambda: write_line(target.model, tok, ids, None, most) or "",
+                )
+            else:
+                kv, _ = _prefix(caches, arm, v, r, L, n)
+                line = write_line(target.model, tok, prompt, kv, most)
+            out["points"][name].append(edit_similarity(line, task.answer))
+            out["share"][name].append(share(arm, r, L, n, layers))
+    return out
+
+
 def summarize(raw: dict, s: FrontierSettings, versions: list[str], layers: int) -> dict:
     """The frontier's JSON: per measure, each point's share, value and interval."""
     measures: dict[str, dict] = {}
     for domain, got in raw.items():
+        if domain == "next_line":
+            continue
         for gap, row in got.get("copy", {}).items():
             if sum(row["full"]) == 0:
                 continue
@@ -205,6 +263,13 @@ def summarize(raw: dict, s: FrontierSettings, versions: list[str], layers: int) 
                 for name, v in t["points"].items()
                 if v
             }
+    if "next_line" in raw:
+        t = raw["next_line"]
+        measures[NEXT_LINE] = {
+            name: _cell(sum(t["share"][name]) / len(t["share"][name]), difference_interval(v, t["full"]))
+            for name, v in t["points"].items()
+            if v
+        }
     points = [
         {"name": point_name(*p), "arm": p[0], "map": p[1], "r": p[2], "layers": p[3]}
         for p in operating_points(versions, s, layers)
@@ -236,7 +301,7 @@ def format_frontier(front: dict) -> str:
 def plot(front: dict, path, title: str = "") -> None:
     """One panel per measure: each point's value (with its interval as an error bar) against its share of the
     target's prefill, a line per series (truncation; each map's refresh; each map's hybrid), full prefill at (1, 1)
-    and the gate's default bar dashed."""
+    ((1, 0) on the next line's difference) and the gate's default bar dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,7 +310,7 @@ def plot(front: dict, path, title: str = "") -> None:
     from ..gates import Gates
 
     gates = Gates()
-    bars = {"copy kept": gates.min_copy_retention, "top-10": gates.min_top10}
+    bars = {"copy kept": gates.min_copy_retention, "top-10": gates.min_top10, NEXT_LINE: -gates.max_completion_drop}
     names = list(front["measures"])
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
@@ -266,9 +331,17 @@ def plot(front: dict, path, title: str = "") -> None:
                 [max(c["interval"][1] - c["value"], 0) for c, _ in got],
             ]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
-        ax.plot([1], [1], marker="*", markersize=10, color="black", linestyle="none", label="full prefill")
+        ax.plot(
+            [1],
+            [0 if m == NEXT_LINE else 1],
+            marker="*",
+            markersize=10,
+            color="black",
+            linestyle="none",
+            label="full prefill",
+        )
         bar = next((v for prefix, v in bars.items() if m.startswith(prefix)), None)
-        if bar:
+        if bar is not None:
             ax.axhline(bar, color="grey", linestyle="--", linewidth=1, label="the gate's bar")
         ax.set_xscale("log")
         ax.set_xlabel("share of the target's prefill spent")
