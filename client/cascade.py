@@ -2,19 +2,20 @@
 
 ``Cascade.generate`` translates the source cache, imports all but the last ``refresh`` tokens into
 the target's HF cache, lets the target recompute the last ``refresh`` tokens on top, and decodes.
-The rollout policy decides per request whether the mapped path is taken (kill switch, canary share,
-minimum prompt length, pinned version); whenever it is not, or cannot be (sidecar unreachable, map
-gated off or unknown), the target runs its own prefill and the result says why. Mapped requests feed
-live quality monitoring: the drift of the refreshed tail (free) and, for a share, a shadow full
-prefill off the critical path. A map whose live quality crosses its gate is switched off.
+The rollout policy decides per request whether the mapped path is taken (``PolicyStore.plan``, the
+decision every engine shares: kill switch, canary share, minimum prompt length, pinned version,
+refresh); whenever it is not, or cannot be (sidecar unreachable, map gated off or unknown), the
+target runs its own prefill and the result says why. Mapped requests feed live quality monitoring:
+the drift of the refreshed tail (free) and, for a share, a shadow full prefill off the critical
+path. A map whose live quality crosses its gate is switched off.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from .attention import use_folded_gqa
 from .client import TranslateClient, TranslateResult, serving_mapping
 from .importers import to_dynamic_cache
 from .monitor import QualityMonitor, Thresholds, shadow_scores
-from .rollout import MapRollout, PolicyStore, effective_refresh
+from .rollout import MapRollout, PolicyStore, Unresolved
 
 log = logging.getLogger("kvferry.cascade")
 
@@ -48,10 +49,6 @@ _REASONS = {
     grpc.StatusCode.NOT_FOUND: "map_not_found",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "sidecar_overloaded",
 }
-
-
-class _NoVersion(LookupError):
-    """ "latest" found nothing servable; the message starts with the fallback reason code."""
 
 
 @dataclass
@@ -96,7 +93,6 @@ class Cascade:
         map_name: str,
         rollout: MapRollout | PolicyStore | None = None,
         source_identity=None,
-        seed: int | None = None,
         fold_gqa: bool = False,
     ):
         self.target = target_model
@@ -108,7 +104,6 @@ class Cascade:
         self.store = rollout if isinstance(rollout, PolicyStore) else PolicyStore.static(map_name, rollout)
         self.monitor = QualityMonitor(self.store)
         self.source_identity = source_identity
-        self._rng = random.Random(seed)
         self._shadow = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-shadow")
         self._evidence: dict[tuple[str, str], object] = {}
         from kvferry.mappings.geometry import geometry_of
@@ -133,11 +128,17 @@ class Cascade:
         return self.full_prefill(prompt_ids, max_new_tokens, reason)
 
     def _latest(self) -> str:
-        listed = [m for m in self.client.list_mappings(self.map_name) if m.name == self.map_name]
+        """The version the sidecar serves for "latest" (rollout.Unresolved when none, or when it cannot be asked)."""
+        if self.client is None:
+            raise Unresolved("no_sidecar: no client configured")
+        try:
+            listed = [m for m in self.client.list_mappings(self.map_name) if m.name == self.map_name]
+        except grpc.RpcError as err:
+            raise Unresolved(_rpc_reason(err)) from None
         chosen = serving_mapping(listed, self.map_name)
         if chosen is None:
             code = "map_gated_or_incompatible" if listed else "map_not_found"
-            raise _NoVersion(
+            raise Unresolved(
                 f"{code}: no servable version of {self.map_name} on the sidecar"
                 + "".join(f"; {m.version}: {m.gate_reason}" for m in listed)
             )
@@ -162,38 +163,28 @@ class Cascade:
     def _thresholds(self, version: str, rollout: MapRollout) -> Thresholds:
         return Thresholds.resolve(rollout, self._evidence_of(version))
 
-    def refresh_for(self, version: str, rollout: MapRollout) -> int:
-        """The refresh of a request mapped with ``version`` (rollout.effective_refresh)."""
+    def measured_refresh(self, version: str) -> int:
+        """The refresh ``version``'s evidence was measured with (0: none listed, or no sidecar to ask)."""
+        if self.client is None:
+            return 0
         ev = self._evidence_of(version)
-        return effective_refresh(rollout.refresh, int(ev.recommended_refresh) if ev is not None else 0)
+        return int(ev.recommended_refresh) if ev is not None else 0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, source_kv, max_new_tokens: int = 32) -> CascadeResult:
+    def generate(
+        self, prompt_ids: torch.Tensor, source_kv, max_new_tokens: int = 32, request_id: str | None = None
+    ) -> CascadeResult:
         """``source_kv``: the source's cache for the prompt: all n tokens (then the refreshed tail is also
-        translated and feeds the drift signal), or at least the first n - refresh."""
+        translated and feeds the drift signal), or at least the first n - refresh. ``request_id``: the engine's id
+        of the request, which the canary and shadow draws are stable functions of (None: a fresh random one)."""
         name, n = self.map_name, prompt_ids.shape[1]
-        rollout = self.store.get(name)
-        off = self.store.off_reason(name)
-        if off:
-            return self._fallback(prompt_ids, max_new_tokens, off)
-        if n < rollout.min_tokens:
-            return self._fallback(prompt_ids, max_new_tokens, f"short_prompt: {n} < min_tokens {rollout.min_tokens}")
-        if self.client is None:
-            return self._fallback(prompt_ids, max_new_tokens, "no_sidecar: no client configured")
-        if self._rng.random() * 100 >= rollout.canary_percent:
-            return self._fallback(
-                prompt_ids, max_new_tokens, f"canary_holdout: outside the {rollout.canary_percent:g}% canary"
-            )
         t0 = time.perf_counter()
-        try:
-            version = self.store.pinned_version(name, self._latest)
-        except grpc.RpcError as err:
-            return self._fallback(prompt_ids, max_new_tokens, _rpc_reason(err))
-        except _NoVersion as err:
-            return self._fallback(prompt_ids, max_new_tokens, str(err))
-        r = self.refresh_for(version, rollout)
-        if n <= r:
-            return self._fallback(prompt_ids, max_new_tokens, f"short_prompt: {n} tokens <= refresh r={r}")
+        plan = self.store.plan(name, request_id or uuid.uuid4().hex, n, self._latest, self.measured_refresh)
+        if not plan.mapped:
+            return self._fallback(prompt_ids, max_new_tokens, plan.reason)
+        if self.client is None:  # a pinned version needs no resolving: the translation itself needs the sidecar
+            return self._fallback(prompt_ids, max_new_tokens, "no_sidecar: no client configured")
+        rollout, version, r = plan.rollout, plan.version, plan.refresh
         layers = cache_layers(source_kv)
         send = min(int(layers[0][0].shape[2]), n) if layers else 0
         if send < n - r:
@@ -259,7 +250,7 @@ class Cascade:
         if drift is not None:
             self.monitor.observe_drift(name, res.info.map_version, drift, thresholds)
         shadow = None
-        if rollout.shadow_percent and self._rng.random() * 100 < rollout.shadow_percent:
+        if plan.shadow:
             shadow = self._shadow.submit(
                 self._shadow_check, prompt_ids, logits.detach().clone(), res.info.map_version, thresholds
             )

@@ -36,7 +36,7 @@ class ConnectorConfig:
     map_name: str = ""
     """Consumer: the map to use, <source>__<target>."""
     map_version: str = ""
-    """Consumer: exact version, or "" for the newest servable one."""
+    """Consumer: exact version, or "" for the newest servable one (resolved once, then pinned: see rollout.py)."""
     min_tokens: int = MapRollout.min_tokens
     """Consumer: shorter prompts are left to vLLM's own prefill."""
     refresh: int = MapRollout.refresh

@@ -13,15 +13,22 @@ file (a mounted ConfigMap)::
 
 ``PolicyStore`` re-reads it when it changes. A map the quality monitor switches off stays off until its
 entry in the file changes (say, a rollback to the previous version) or ``reenable`` is called.
+
+``PolicyStore.plan`` is the one rollout decision: every engine (the cascade, the vLLM connector) asks it whether a
+request takes the mapped path and why, with which version and which refresh, and whether it is shadow-checked. Its
+draws are stable functions of the request id, and "latest" is pinned once per policy generation, so the same request
+under the same policy gets the same answer from every engine, and from one engine however often it asks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -46,6 +53,19 @@ def effective_refresh(configured: int, measured: int) -> int:
     map's evidence was measured with (its recommended_refresh; 0: none recorded). The evidence, and so the gate that
     let the map serve, says nothing of a shorter refresh."""
     return max(configured, measured)
+
+
+def draw(request_id: str, purpose: str) -> float:
+    """A stable point in [0, 100) for one request and one purpose ("canary", "shadow"): a share p takes the requests
+    whose draw is below p, so every engine, every time it asks, puts a request on the same side (sha256 of
+    ``purpose:request_id``; the purposes are independent)."""
+    digest = hashlib.sha256(f"{purpose}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100
+
+
+class Unresolved(LookupError):
+    """The version to serve could not be found: "latest" names nothing servable, or the sidecar could not be asked.
+    Its message is the fallback's reason, "code: detail"."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,25 @@ class MapRollout:
             raise InvalidInput(f"version {self.version!r}: use 'latest' or a semantic version such as 1.1.0")
         if self.window < 1 or not 1 <= self.min_samples <= self.window:
             raise InvalidInput("window must be >= 1 and min_samples within 1..window")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request's rollout decision (``PolicyStore.plan``)."""
+
+    mapped: bool
+    """Whether the request takes the mapped path."""
+    reason: str
+    """Why: "mapped <map> <version>, refresh r=<r>", or the fallback's "code: detail" (disabled, auto_disabled,
+    short_prompt, canary_holdout, or what resolving the version gave)."""
+    rollout: MapRollout
+    """The policy entry the decision read (the quality monitor's thresholds come from it)."""
+    version: str = ""
+    """Mapped: the version to request (the policy's, or "latest" as pinned for this policy generation)."""
+    refresh: int = 0
+    """Mapped: the prompt tokens the target recomputes (``effective_refresh`` of the policy's and the evidence's)."""
+    shadow: bool = False
+    """Mapped: whether the request is also shadow-checked (its own stable draw against ``shadow_percent``)."""
 
 
 @dataclass(frozen=True)
@@ -269,3 +308,36 @@ class PolicyStore:
             self._resolved.setdefault(name, version)
             log.info("rollout: %s latest resolved to %s, pinned until the policy changes", name, version)
             return self._resolved[name]
+
+    def plan(
+        self,
+        name: str,
+        request_id: str,
+        prompt_tokens: int,
+        resolve: Callable[[], str],
+        measured_refresh: Callable[[str], int],
+    ) -> Plan:
+        """Whether request ``request_id`` of ``prompt_tokens`` tokens takes map ``name``'s mapped path, and how.
+
+        In order: the kill switch and the quality monitor's switch-off, ``min_tokens``, the canary draw, the version
+        ("latest": ``resolve()``, once per policy generation; it raises Unresolved when nothing can serve), the
+        refresh (the policy's, raised to ``measured_refresh(version)``, the evidence's), and a prompt longer than
+        that refresh. The engine's own conditions (a source cache long enough, a target of the map's geometry) come
+        after it."""
+        r = self.get(name)
+        off = self.off_reason(name)
+        if off:
+            return Plan(False, off, r)
+        if prompt_tokens < r.min_tokens:
+            return Plan(False, f"short_prompt: {prompt_tokens} < min_tokens {r.min_tokens}", r)
+        if draw(request_id, "canary") >= r.canary_percent:
+            return Plan(False, f"canary_holdout: outside the {r.canary_percent:g}% canary", r)
+        try:
+            version = self.pinned_version(name, resolve)
+            refresh = effective_refresh(r.refresh, measured_refresh(version))
+        except Unresolved as e:
+            return Plan(False, str(e), r)
+        if prompt_tokens <= refresh:
+            return Plan(False, f"short_prompt: {prompt_tokens} tokens <= refresh r={refresh}", r)
+        shadow = draw(request_id, "shadow") < r.shadow_percent
+        return Plan(True, f"mapped {name} {version}, refresh r={refresh}", r, version, refresh, shadow)

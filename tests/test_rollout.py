@@ -10,7 +10,7 @@ from conftest import DATA, PASSING_COPY, wait_until
 
 from kvferry.client.cascade import Cascade
 from kvferry.client.client import ClientOptions, Retry, TranslateClient
-from kvferry.client.rollout import MapRollout, PolicyStore, RolloutPolicy
+from kvferry.client.rollout import MapRollout, PolicyStore, RolloutPolicy, Unresolved, draw
 from kvferry.mappings.artifact import save, write_evidence
 from kvferry.mappings.drift import QueryTap
 from kvferry.mappings.errors import InvalidInput
@@ -107,6 +107,91 @@ def test_store_reloads_pins_latest_once_per_rollout_and_clears_auto_off(tmp_path
     assert store.get("S__S-self").enabled is False and store.get("S__S-self").refresh == 8
 
 
+def test_one_plan_decides_every_request(tmp_path):
+    """PolicyStore.plan: the switches, then min_tokens, then the canary draw, then the version ("latest" resolved once
+    per policy generation), then the refresh (raised to the evidence's) and a prompt longer than it; the canary and
+    shadow draws are stable, independent functions of the request id."""
+    f = tmp_path / "policy.toml"
+    _policy_file(f, refresh=8, min_tokens=32, canary_percent=50.0, shadow_percent=30.0)
+    store = PolicyStore(path=f, reload_seconds=0)
+    calls = []
+
+    def resolve():
+        calls.append(1)
+        return "1.0.0"
+
+    def plan(request_id, n=100, measured=12):
+        return store.plan("S__S-self", request_id, n, resolve, lambda v: measured)
+
+    ids = [f"req-{i}" for i in range(400)]
+    plans = [plan(i) for i in ids]
+    assert [p.mapped for p in plans] == [draw(i, "canary") < 50 for i in ids]
+    assert 150 < sum(p.mapped for p in plans) < 250 and calls == [1]  # "latest" resolved once
+    mapped = [p for p in plans if p.mapped]
+    assert all(
+        p.version == "1.0.0" and p.refresh == 12 and p.reason == "mapped S__S-self 1.0.0, refresh r=12" for p in mapped
+    )
+    assert 0.15 < sum(p.shadow for p in mapped) / len(mapped) < 0.45  # its own draw, not the canary's
+    assert all(p.reason == "canary_holdout: outside the 50% canary" for p in plans if not p.mapped)
+    assert [p.mapped for p in (plan(i) for i in ids)] == [p.mapped for p in plans]  # stable
+    inside = next(i for i in ids if draw(i, "canary") < 50)
+    assert plan(inside, n=31).reason == "short_prompt: 31 < min_tokens 32"
+    assert plan(inside, n=40, measured=40).reason == "short_prompt: 40 tokens <= refresh r=40"
+    assert plan(inside, measured=0).refresh == 8  # no evidence: the policy's own refresh
+
+    def unresolved():
+        raise Unresolved("map_not_found: nothing")
+
+    _policy_file(f, refresh=8, min_tokens=32, canary_percent=100.0)  # a new generation: resolved again
+    assert store.plan("S__S-self", inside, 100, unresolved, lambda v: 0).reason == "map_not_found: nothing"
+    assert plan(inside).mapped and calls == [1, 1]
+    store.disable("S__S-self", "drift")
+    assert plan(inside).reason.startswith("auto_disabled: drift")
+    _policy_file(f, refresh=8, min_tokens=32, enabled=False)
+    assert plan(inside).reason.startswith("disabled: kill switch") and not plan(inside).mapped
+
+
+def test_the_cascade_and_the_vllm_connector_decide_alike(sidecar_factory, maps_dir, family, prompts, tmp_path):
+    """The same requests under the same policy file: the cascade (HF) and the vLLM connector's scheduler side each
+    ask the sidecar for "latest" and the evidence's refresh themselves, and take the same decision for every
+    request; the cascade's path follows it."""
+    from types import SimpleNamespace
+
+    from kvferry.client.connector_config import ConnectorConfig
+    from kvferry.client.vllm_scheduler import ConnectorScheduler
+
+    s = family["S"]
+    sc = sidecar_factory(maps_dir=str(maps_dir))
+    f = tmp_path / "policy.toml"
+    _policy_file(f, refresh=4, min_tokens=32, canary_percent=50.0, shadow_percent=25.0)
+    cfg = ConnectorConfig(
+        sidecar=sc.address,
+        map_name="S__S-self",
+        redis_url="redis://127.0.0.1:1/0",
+        prefix_secret="x" * 32,
+        policy_file=str(f),
+        policy_reload_seconds=0,
+    )
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
+        connector = ConnectorScheduler(cfg, 16, True, False, lambda: c, lambda: None)
+        cascade = Cascade(s.model, c, "S__S-self", PolicyStore(path=f, reload_seconds=0), s.identity)
+        ids = prompts[0][:, :80]
+        requests = [SimpleNamespace(request_id=f"r{i}", prompt_token_ids=ids[0].tolist()) for i in range(24)]
+        short = [SimpleNamespace(request_id=f"s{i}", prompt_token_ids=ids[0, :20].tolist()) for i in range(4)]
+        for req in requests + short:
+            n = len(req.prompt_token_ids)
+            mine = cascade.store.plan("S__S-self", req.request_id, n, cascade._latest, cascade.measured_refresh)
+            assert connector.plan(req) == mine, req.request_id
+        plans = [connector.plan(r) for r in requests]
+        assert {p.mapped for p in plans} == {True, False}
+        assert {(p.version, p.refresh) for p in plans if p.mapped} == {("2.0.0", 8)}  # latest; the evidence's r = 8
+        kv = capture_kv(s.model, ids)
+        for req, p in list(zip(requests, plans))[:6]:
+            res = cascade.generate(ids, kv, 1, request_id=req.request_id)
+            assert res.path == ("mapped" if p.mapped else "fallback") and (p.mapped or res.reason == p.reason)
+        cascade.close()
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_query_tap_sees_the_queries_the_attention_used(tiny_models, arch):
     """Attention recomputed from tapped queries and the cached K/V equals the model's own (the input of o_proj)."""
@@ -150,7 +235,7 @@ def test_a_degraded_map_is_caught_live_and_switched_off(sidecar_factory, maps_di
     f = tmp_path / "policy.toml"
     with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
         _policy_file(f, version="1.0.0", refresh=8, min_tokens=32, shadow_percent=100.0, window=4, min_samples=3)
-        good = Cascade(s.model, c, "S__S-self", PolicyStore(path=f, reload_seconds=0), s.identity, seed=0)
+        good = Cascade(s.model, c, "S__S-self", PolicyStore(path=f, reload_seconds=0), s.identity)
         ok = _run(good, family, prompts, 4)
         assert all(r.path == "mapped" for r in ok)
         assert all(r.drift.mean_attn_cos > 0.9999 and r.drift.mean_rel_err < 1e-4 for r in ok)  # exact map: no drift
@@ -161,7 +246,7 @@ def test_a_degraded_map_is_caught_live_and_switched_off(sidecar_factory, maps_di
             f, version="2.0.0", refresh=8, min_tokens=32, shadow_percent=100.0, window=4, min_samples=3, **only_shadow
         )
         store = PolicyStore(path=f, reload_seconds=0)
-        bad = Cascade(s.model, c, "S__S-self", store, s.identity, seed=0)
+        bad = Cascade(s.model, c, "S__S-self", store, s.identity)
         runs = _run(bad, family, prompts, 8)
         mapped = [r for r in runs if r.path == "mapped"]
         assert mapped and mapped[0].translate.info.map_version == "2.0.0"
@@ -191,10 +276,12 @@ def test_canary_share_and_kill_switch_under_load(sidecar_factory, maps_dir, fami
     _policy_file(f, version="1.0.0", refresh=8, min_tokens=32, canary_percent=50.0)
     store = PolicyStore(path=f, reload_seconds=0)
     with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
-        cascade = Cascade(s.model, c, "S__S-self", store, s.identity, seed=1)
+        cascade = Cascade(s.model, c, "S__S-self", store, s.identity)
         kv = capture_kv(s.model, prompts[0])
-        paths = [cascade.generate(prompts[0], kv, max_new_tokens=1).path for _ in range(40)]
-        assert 10 <= paths.count("mapped") <= 30  # about half, seeded
+        paths = [cascade.generate(prompts[0], kv, 1, request_id=f"req-{i}").path for i in range(40)]
+        assert 10 <= paths.count("mapped") <= 30  # about half (the draws of these 40 ids are fixed)
+        again = [cascade.generate(prompts[0], kv, 1, request_id=f"req-{i}").path for i in range(40)]
+        assert again == paths  # a stable function of the request id
         _policy_file(f, version="1.0.0", refresh=8, min_tokens=32)  # full rollout
         gold = cascade.full_prefill(prompts[0], 6).tokens
         results, errors, flipped = [], [], threading.Event()

@@ -73,7 +73,7 @@ def run(a: argparse.Namespace) -> int:
             rollout = MapRollout(
                 version=version, refresh=a.refresh, min_tokens=a.refresh + 1, shadow_percent=100.0, **never
             )
-            cascade = Cascade(target.model, client, name, rollout, source.identity, seed=0)
+            cascade = Cascade(target.model, client, name, rollout, source.identity)
             level = []
             for ids in prompts:
                 with torch.no_grad():

@@ -1,0 +1,216 @@
+"""The vLLM connector's scheduler side: which requests load a translation, and which prompts are published.
+
+It lives in vLLM's scheduler (the engine core), apart from the worker side (vllm_worker.py), and holds only
+scheduler state: each request's rollout plan (``PolicyStore.plan``, the decision the cascade takes too), the
+store's answer to how much of a prompt is published, the loads chosen but not yet handed to the workers, and the
+prompts of a producer that are still prefilling. It needs no vLLM import: vLLM's request and scheduler-output objects
+are read by attribute, so it runs (and is tested) without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvferry.common.prefix import Namespace, block_hashes, model_key
+
+from .connector_config import ConnectorConfig
+from .rollout import MapRollout, Plan, PolicyStore, Unresolved
+from .vllm_steps import Load, MapSource, Save, Steps
+
+log = logging.getLogger("kvferry.vllm")
+
+
+@dataclass(frozen=True)
+class Servable:
+    """A map version the sidecar serves, as its ListMappings answer says."""
+
+    version: str
+    source: MapSource
+    refresh: int
+    """The refresh its evidence was measured with (0: none recorded)."""
+
+
+def connector_policy(cfg: ConnectorConfig) -> PolicyStore:
+    """The consumer's rollout policy: the policy file when one is configured, else the connector's own fields
+    (map_version, "" meaning "latest"; min_tokens; refresh), as a one-map policy."""
+    if cfg.policy_file:
+        return PolicyStore(path=cfg.policy_file, reload_seconds=cfg.policy_reload_seconds)
+    return PolicyStore.static(
+        cfg.map_name, MapRollout(version=cfg.map_version or "latest", min_tokens=cfg.min_tokens, refresh=cfg.refresh)
+    )
+
+
+class ConnectorScheduler:
+    """``client``: a TranslateClient factory (called once, when the sidecar is first asked); ``store``: the prefix
+    store's factory, likewise."""
+
+    def __init__(self, cfg: ConnectorConfig, block_size: int, consumer: bool, producer: bool, client, store):
+        self.cfg, self.block_size, self.consumer, self.producer = cfg, block_size, consumer, producer
+        self._make_client, self._make_store = client, store
+        self._client = self._store = None
+        self._secret = cfg.secret()
+        self.policy = connector_policy(cfg) if consumer else None
+        self._servable: dict[str, tuple[float, Servable | None]] = {}  # version ("": latest) -> (when asked, answer)
+        self._matched: dict[str, tuple[str, MapSource]] = {}  # request -> the version and source its tokens are from
+        self._pending: dict[str, Load] = {}  # loads chosen this step, handed to the workers by steps()
+        self._prefilling: dict[str, Save] = {}  # a producer's prompts whose prefill has not finished
+        self._loaded_once: set[str] = set()  # requests given an asynchronous load already
+        self._probed: dict[str, tuple[float, int]] = {}  # request -> (when, published blocks)
+
+    def client(self):
+        if self._client is None:
+            self._client = self._make_client()
+        return self._client
+
+    def store(self):
+        if self._store is None:
+            self._store = self._make_store()
+        return self._store
+
+    # ---- the map and the rollout ---------------------------------------------------------------
+    def servable(self, version: str) -> Servable | None:
+        """What the sidecar serves for ``version`` ("": the newest servable), or None; from ListMappings, each answer
+        (a failed call included) kept for status_seconds, so a sidecar outage costs one call per status_seconds."""
+        seen = self._servable.get(version)
+        if seen is not None and time.monotonic() - seen[0] < self.cfg.status_seconds:
+            return seen[1]
+        found = None
+        try:
+            from .client import serving_mapping
+
+            chosen = serving_mapping(self.client().list_mappings(self.cfg.map_name), self.cfg.map_name, version)
+            if chosen is not None:  # the version the sidecar will serve, not the first servable one listed
+                found = Servable(
+                    chosen.version,
+                    MapSource(chosen.source.fingerprint, chosen.tokenizer_fingerprint),
+                    int(chosen.evidence.recommended_refresh),
+                )
+        except Exception as e:  # a sidecar outage means "no match", never a failed request
+            log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
+        self._servable[version] = (time.monotonic(), found)
+        return found
+
+    def _latest(self) -> str:
+        found = self.servable("")
+        if found is None:
+            raise Unresolved(
+                f"map_gated_or_incompatible: no servable version of {self.cfg.map_name} on the sidecar "
+                "(or the sidecar could not be asked)"
+            )
+        return found.version
+
+    def _measured(self, version: str) -> int:
+        found = self.servable(version)
+        return found.refresh if found is not None else 0
+
+    def plan(self, request) -> Plan:
+        """This request's rollout decision (``PolicyStore.plan``: the cascade's too, for the same request id)."""
+        prompt = request.prompt_token_ids or []
+        return self.policy.plan(self.cfg.map_name, str(request.request_id), len(prompt), self._latest, self._measured)
+
+    # ---- vLLM's scheduler hooks (see the connector's docstrings) --------------------------------
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.consumer or request.request_id in self._loaded_once:
+            return 0, False  # a request back from an asynchronous load (failed, or preempted since) prefills itself
+        plan = self.plan(request)
+        if not plan.mapped:
+            return 0, False
+        found = self.servable(plan.version)
+        if found is None:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        bs = self.cfg.prefix_block_size
+        usable = (len(prompt) - plan.refresh) // bs  # whole prefix blocks before the refreshed tail
+        if usable < 1:
+            return 0, False
+        ns = Namespace(self.cfg.tenant, model_key(found.source.geometry, found.source.tokenizer))
+        blocks = self._published_blocks(request.request_id, ns, prompt[: usable * bs])
+        if blocks is None:
+            return 0, False
+        matched = max(0, blocks * bs - num_computed_tokens)
+        if matched:
+            self._matched[request.request_id] = (plan.version, found.source)
+        return matched, bool(matched and self.cfg.async_loads)
+
+    def _published_blocks(self, req_id: str, ns: Namespace, prefix: list[int]) -> int | None:
+        """How many leading prefix blocks of ``prefix`` are published (None: the store is unreachable). vLLM asks
+        again for a request on every step it cannot yet schedule; the answer is kept for status_seconds, so a waiting
+        request costs one store round trip, not one a step."""
+        seen = self._probed.get(req_id)
+        if seen is not None and time.monotonic() - seen[0] < self.cfg.status_seconds:
+            return seen[1]
+        hashes = block_hashes(self._secret, ns, prefix, self.cfg.prefix_block_size)
+        try:
+            present = self.store().exists_many([ns.key(h) for h in hashes])
+        except Exception as e:
+            log.warning("kvferry: prefix store unavailable (%s); prefilling normally", e)
+            return None
+        blocks = next((i for i, p in enumerate(present) if not p), len(present))
+        self._probed[req_id] = (time.monotonic(), blocks)
+        return blocks
+
+    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        self._probed.pop(request.request_id, None)
+        if num_external_tokens <= 0:  # (called again with 0 once an asynchronous load is done: nothing to do then)
+            return
+        version, source = self._matched.pop(request.request_id, ("", None))
+        total = request.num_computed_tokens + num_external_tokens
+        load = Load(
+            request.request_id,
+            version,
+            source,  # None only if vLLM allocated tokens this side never matched: the worker reports a load error
+            list(request.prompt_token_ids[:total]),
+            [],
+            request.num_computed_tokens,
+            self.cfg.async_loads,
+        )
+        if load.asynchronous:  # the request waits, unscheduled: its blocks are known now, not from the step
+            load.block_ids = list(block_ids)
+            self._loaded_once.add(request.request_id)
+        self._pending[request.request_id] = load
+
+    def steps(self, scheduler_output) -> Steps:
+        out = Steps()
+        out.loads += [self._pending.pop(r) for r in [r for r, load in self._pending.items() if load.asynchronous]]
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self._pending.pop(new.req_id, None)
+            if load is not None:
+                load.block_ids = list(new.block_ids[0])
+                out.loads.append(load)
+            elif self.producer and new.prompt_token_ids and len(new.prompt_token_ids) >= self.cfg.prefix_block_size:
+                self._prefilling[new.req_id] = Save(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0]))
+                self._maybe_save(
+                    out, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+                )
+        if self.producer and self._prefilling:  # chunked prefill: a prompt completes in a later step
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                save = self._prefilling.get(req_id)
+                if save is None:
+                    continue
+                if req_id in cached.resumed_req_ids:  # preempted and resumed: its blocks were replaced
+                    self._prefilling.pop(req_id)
+                    continue
+                if cached.new_block_ids[i]:
+                    save.block_ids += list(cached.new_block_ids[i][0])
+                self._maybe_save(
+                    out, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+                )
+        self._pending.clear()
+        return out
+
+    def _maybe_save(self, out: Steps, req_id: str, computed_after_step: int) -> None:
+        """Publish once the whole prompt is in vLLM's cache (at the end of this step's forward): its whole prefix
+        blocks, and the vLLM blocks that hold them."""
+        save = self._prefilling[req_id]
+        if computed_after_step >= len(save.token_ids):
+            del self._prefilling[req_id]
+            n = len(save.token_ids) // self.cfg.prefix_block_size * self.cfg.prefix_block_size
+            out.saves.append(Save(req_id, save.token_ids[:n], save.block_ids[: n // self.block_size]))
+
+    def finished(self, request) -> None:
+        for state in (self._prefilling, self._matched, self._probed):
+            state.pop(request.request_id, None)
+        self._loaded_once.discard(request.request_id)
