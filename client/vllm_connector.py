@@ -87,7 +87,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 cfg,
                 block_size,
                 vllm_config.model_config.model,
-                lambda: _client(cfg, self.worker.store() if cfg.direct_reads else None),
+                lambda: _client(cfg, self.worker.io.store if cfg.direct_reads else None),
                 lambda: _store(cfg),
             )
 
@@ -179,10 +179,12 @@ class KvferryConnector(KVConnectorBase_V1):
         return self.worker.load_errors()
 
     def shutdown(self):
-        """vLLM: the worker is shutting down; complete or cancel what is running. kvferry: joins the loads and closes
+        """vLLM: the process is shutting down; complete or cancel what is running. kvferry: joins the loads and closes
         the sidecar client."""
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
 
 def _store(cfg: ConnectorConfig):

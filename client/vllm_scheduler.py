@@ -17,6 +17,7 @@ from kvferry.common.prefix import Namespace, block_hashes, model_key
 
 from .connector_config import ConnectorConfig
 from .rollout import MapRollout, Plan, PolicyStore, Unresolved
+from .vllm_connections import Connections
 from .vllm_steps import Load, MapSource, Save, Steps
 
 log = logging.getLogger("kvferry.vllm")
@@ -48,8 +49,7 @@ class ConnectorScheduler:
 
     def __init__(self, cfg: ConnectorConfig, block_size: int, consumer: bool, producer: bool, client, store):
         self.cfg, self.block_size, self.consumer, self.producer = cfg, block_size, consumer, producer
-        self._make_client, self._make_store = client, store
-        self._client = self._store = None
+        self.io = Connections(client, store)
         self._secret = cfg.secret()
         self.policy = connector_policy(cfg) if consumer else None
         self._servable: dict[str, tuple[float, Servable | None]] = {}  # version ("": latest) -> (when asked, answer)
@@ -58,16 +58,6 @@ class ConnectorScheduler:
         self._prefilling: dict[str, Save] = {}  # a producer's prompts whose prefill has not finished
         self._loaded_once: set[str] = set()  # requests given an asynchronous load already
         self._probed: dict[str, tuple[float, int]] = {}  # request -> (when, published blocks)
-
-    def client(self):
-        if self._client is None:
-            self._client = self._make_client()
-        return self._client
-
-    def store(self):
-        if self._store is None:
-            self._store = self._make_store()
-        return self._store
 
     # ---- the map and the rollout ---------------------------------------------------------------
     def servable(self, version: str) -> Servable | None:
@@ -80,7 +70,7 @@ class ConnectorScheduler:
         try:
             from .client import serving_mapping
 
-            chosen = serving_mapping(self.client().list_mappings(self.cfg.map_name), self.cfg.map_name, version)
+            chosen = serving_mapping(self.io.client.list_mappings(self.cfg.map_name), self.cfg.map_name, version)
             if chosen is not None:  # the version the sidecar will serve, not the first servable one listed
                 found = Servable(
                     chosen.version,
@@ -143,7 +133,7 @@ class ConnectorScheduler:
             return seen[1]
         hashes = block_hashes(self._secret, ns, prefix, self.cfg.prefix_block_size)
         try:
-            present = self.store().exists_many([ns.key(h) for h in hashes])
+            present = self.io.store.exists_many([ns.key(h) for h in hashes])
         except Exception as e:
             log.warning("kvferry: prefix store unavailable (%s); prefilling normally", e)
             return None
@@ -214,3 +204,6 @@ class ConnectorScheduler:
         for state in (self._prefilling, self._matched, self._probed):
             state.pop(request.request_id, None)
         self._loaded_once.discard(request.request_id)
+
+    def close(self) -> None:
+        self.io.close()

@@ -22,6 +22,7 @@ from kvferry.common.prefix import Namespace, block_hashes, model_key
 from .connector_config import ConnectorConfig
 from .importers import vllm_cpu_views
 from .layer_load import LayerLoad, write_stream
+from .vllm_connections import Connections
 from .vllm_steps import Load, Steps
 
 log = logging.getLogger("kvferry.vllm")
@@ -40,8 +41,7 @@ class ConnectorWorker:
 
     def __init__(self, cfg: ConnectorConfig, block_size: int, model_path: str, client, store):
         self.cfg, self.block_size, self.model_path = cfg, block_size, model_path
-        self._make_client, self._make_store = client, store
-        self._client = self._store = None
+        self.io = Connections(client, store)
         self._secret = cfg.secret()
         self._identity = None  # a producer's ModelIdentity, read once
         self._load_errors: set[int] = set()
@@ -53,16 +53,6 @@ class ConnectorWorker:
         self._waited: set[int] = set()  # the layers this step's forward waited for
         self._waiting = 0.0  # seconds this step's forward spent waiting for them
         self._collected: dict[str, tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # K, V by layer
-
-    def client(self):
-        if self._client is None:
-            self._client = self._make_client()
-        return self._client
-
-    def store(self):
-        if self._store is None:
-            self._store = self._make_store()
-        return self._store
 
     # ---- loads ---------------------------------------------------------------------------------
     @staticmethod
@@ -125,7 +115,7 @@ class ConnectorWorker:
         # Contiguous blocks, paged here: a paged answer is a message per page, which made a key-only hit 3x / 4x
         # slower than the same hit contiguous at 2048 / 8192 tokens in pages of 128 (vLLM's CPU default), 15x / 23x
         # in pages of 16 (its GPU default).
-        stream = self.client().stream(
+        stream = self.io.client.stream(
             None,
             self.cfg.map_name,
             load.version,
@@ -230,7 +220,7 @@ class ConnectorWorker:
             [(k[None], v[None]) for k, v in layers],
             token_ids,
             self._model_identity(),
-            store=self.store(),
+            store=self.io.store,
             secret=self._secret,
             tenant=self.cfg.tenant,
             block_size=self.cfg.prefix_block_size,
@@ -252,5 +242,4 @@ class ConnectorWorker:
         self.end_step()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
-        if self._client is not None:
-            self._client.close()
+        self.io.close()
