@@ -74,11 +74,13 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         code: str = "",
         cwd: str | None = None,
+        serve_refused_maps: bool = False,
         **extra,
     ):
         """``env``: variables added to the server process's environment; ``code``: Python run in place of
         ``-m kvferry.bench.server`` (it must end by calling that module's main(): side-by-side variants); ``cwd``: the
-        folder it runs in (another than a checkout, for a kvferry found on PYTHONPATH before the checkout's)."""
+        folder it runs in (another than a checkout, for a kvferry found on PYTHONPATH before the checkout's);
+        ``serve_refused_maps``: the sidecar serves maps its gates refuse (kvferry.bench.refused)."""
         cmd = [
             sys.executable,
             *(["-c", code] if code else ["-m", "kvferry.bench.server"]),
@@ -89,6 +91,8 @@ class ServerProcess:
         ]
         for k, v in extra.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
+        if serve_refused_maps:  # kvferry.bench.refused: the bench asked for it, and says so in its results
+            cmd.append("--serve-refused-maps")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
         line = self.proc.stdout.readline()
         m = re.search(r"listening on ([\d.]+:\d+)", line)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from kvferry import paths
+from kvferry.bench.refused import add_flag, banner, bench_map
 from kvferry.pretrained import model_path
 
 
@@ -48,7 +49,6 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.common.stores import RedisStore
     from kvferry.mappings.lab.capture import capture_kv, load_model
     from kvferry.quiet import quiet_transformers
-    from kvferry.sidecar.registry import MapRegistry
 
     from .harness import (
         RedisClusterServers,
@@ -71,14 +71,20 @@ def run(a: argparse.Namespace) -> int:
     rows = []
     cluster = RedisClusterServers() if a.cluster else None
     try:
-        registry = MapRegistry(a.maps_dir, force=True)
-        registry.scan()
-        ms = registry.resolve(f"{source.identity.name}__{target.identity.name}", a.version)
+        ms, served = bench_map(
+            a.maps_dir, f"{source.identity.name}__{target.identity.name}", a.version, a.serve_refused_maps
+        )
+        refused = served is not None
         with (
             shm_folder() as shm,
             contextlib.ExitStack() as stack,
             ServerProcess(
-                a.maps_dir, redis_url=url, prefix_secret=secret.decode(), prefix_block_size=bs, shm_dir=shm
+                a.maps_dir,
+                redis_url=url,
+                prefix_secret=secret.decode(),
+                prefix_block_size=bs,
+                shm_dir=shm,
+                serve_refused_maps=refused,
             ) as sc,
             TranslateClient(ClientOptions(target=sc.address, timeout=300)) as client,
             TranslateClient(
@@ -93,7 +99,11 @@ def run(a: argparse.Namespace) -> int:
             if cluster is not None:
                 csc = stack.enter_context(
                     ServerProcess(
-                        a.maps_dir, redis_url=cluster.url, prefix_secret=secret.decode(), prefix_block_size=bs
+                        a.maps_dir,
+                        redis_url=cluster.url,
+                        prefix_secret=secret.decode(),
+                        prefix_block_size=bs,
+                        serve_refused_maps=refused,
                     )
                 )
                 on_cluster = stack.enter_context(TranslateClient(ClientOptions(target=csc.address, timeout=300)))
@@ -198,6 +208,7 @@ def run(a: argparse.Namespace) -> int:
                     row["hit_vs_cluster_hit_paired"] = paired_ratio(
                         times, ("hit",), ("cluster",)
                     )  # single node's time / cluster's
+                row["refused_map_served"] = served
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     finally:
@@ -205,6 +216,8 @@ def run(a: argparse.Namespace) -> int:
             redis_server.stop()
         if cluster is not None:
             cluster.stop()
+    if served:
+        print("\n" + banner(served))
     print(
         f"\nmap {ms.name} {ms.version}; prefix blocks of {bs} tokens; r={r}; medians of {a.reps} (hit, GET, floor, "
         "direct "
@@ -253,6 +266,7 @@ def add_parser(sub) -> None:
     b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--version", default="")
+    add_flag(b)
     b.add_argument("--redis-url", default="")
     b.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
     b.add_argument("--block-size", type=int, default=256)

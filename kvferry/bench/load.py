@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from kvferry import paths
+from kvferry.bench.refused import add_flag, banner, bench_map
 
 
 def proc_memory(pid: int) -> dict[str, int]:
@@ -99,19 +100,18 @@ async def _drive(address: str, a: argparse.Namespace, ms, pid: int) -> dict:
 
 
 def run(a: argparse.Namespace) -> int:
-    from kvferry.sidecar.registry import MapRegistry
-
     from .harness import ServerProcess
 
-    registry = MapRegistry(a.maps_dir, force=True)
-    registry.scan()
-    ms = registry.resolve(a.map, a.version)
-    with ServerProcess(a.maps_dir, a.threads or 0, max_streams=a.max_streams) as server:
+    ms, served = bench_map(a.maps_dir, a.map, a.version, a.serve_refused_maps)
+    with ServerProcess(
+        a.maps_dir, a.threads or 0, max_streams=a.max_streams, serve_refused_maps=served is not None
+    ) as server:
         row = asyncio.run(_drive(server.address, a, ms, server.proc.pid))
-    row.update(map=ms.name, version=ms.version, max_streams=a.max_streams)
+    row.update(map=ms.name, version=ms.version, max_streams=a.max_streams, refused_map_served=served)
     mib = 1 << 20
     quarters = ", ".join(f"{c['VmRSS'] / mib:.0f}" for c in row["server_rss_by_quarter"])
     lines = [
+        *([banner(served), ""] if served else []),
         f"map {ms.name} {ms.version}; {a.clients} clients x {a.requests} translates of {a.tokens} tokens; "
         f"server max_streams {a.max_streams}",
         "",
@@ -133,6 +133,7 @@ def add_parser(sub) -> None:
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--map", default="S__T")
     b.add_argument("--version", default="")
+    add_flag(b)
     b.add_argument("--clients", type=int, default=32)
     b.add_argument("--requests", type=int, default=200, help="translates per client")
     b.add_argument("--tokens", type=int, default=2048)

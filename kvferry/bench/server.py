@@ -12,6 +12,7 @@ import struct
 
 import grpc
 
+from kvferry.bench.refused import add_flag
 from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.server import Sidecar
 
@@ -57,7 +58,7 @@ async def _main(a: argparse.Namespace) -> None:
         maps_dir=a.maps_dir,
         port=0,
         reload_seconds=0,
-        force_maps=True,
+        force_maps=a.serve_refused_maps,
         redis_url=a.redis_url,
         prefix_secret=a.prefix_secret,
         prefix_block_size=a.prefix_block_size,
@@ -82,6 +83,7 @@ def main() -> None:
     ap.add_argument("--map-threads", type=int, default=0)
     ap.add_argument("--max-streams", type=int, default=64)
     ap.add_argument("--shm-dir", default="", help="the sidecar's shm_dir (response regions)")
+    add_flag(ap)
     asyncio.run(_main(ap.parse_args()))
 
 

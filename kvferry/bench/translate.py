@@ -30,6 +30,7 @@ import statistics
 from pathlib import Path
 
 from kvferry import paths
+from kvferry.bench.refused import add_flag, banner, bench_map
 from kvferry.pretrained import model_path
 
 
@@ -51,7 +52,6 @@ def run(a: argparse.Namespace) -> int:
     from kvferry.mappings.lab.capture import capture_kv, load_model
     from kvferry.quiet import quiet_transformers
     from kvferry.sidecar.compute import ComputeThread
-    from kvferry.sidecar.registry import MapRegistry
 
     from .harness import ServerProcess, long_ids, median_seconds, paired_ratio, round_robin_ms, shm_folder, spread
 
@@ -63,11 +63,15 @@ def run(a: argparse.Namespace) -> int:
     name = f"{source.identity.name}__{target.identity.name}"
     r = a.refresh
     rows = []
-    registry = MapRegistry(a.maps_dir, force=True)
-    registry.scan()
-    ms: MapSet = registry.resolve(name, a.version)
+    ms: MapSet
+    ms, served = bench_map(a.maps_dir, name, a.version, a.serve_refused_maps)
     laned = ComputeThread(a.map_threads or torch.get_num_threads())  # the sidecar's default: as many as torch's threads
-    with shm_folder() as shm, ServerProcess(a.maps_dir, a.threads or 0, map_threads=a.map_threads, shm_dir=shm) as echo:
+    with (
+        shm_folder() as shm,
+        ServerProcess(
+            a.maps_dir, a.threads or 0, map_threads=a.map_threads, shm_dir=shm, serve_refused_maps=served is not None
+        ) as echo,
+    ):
         with (
             TranslateClient(ClientOptions(target=echo.address, chunk_tokens=a.chunk_tokens, timeout=300)) as client,
             TranslateClient(
@@ -193,6 +197,7 @@ def run(a: argparse.Namespace) -> int:
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         peak_mb = echo.peak_rss_mb()
     table = [
+        *([banner(served), ""] if served else []),
         f"map {name} {ms.version}; sidecar peak RSS {peak_mb:.0f} MB; torch threads {torch.get_num_threads()}; "
         f"map_threads {laned.lanes.parts if laned.lanes else 1}; medians of {a.reps} "
         f"(both applies, echo, RPC and (f) taken in turn each round); r={r}; wire {a.wire_dtype}; "
@@ -227,6 +232,7 @@ def run(a: argparse.Namespace) -> int:
                 {
                     "map": name,
                     "version": ms.version,
+                    "refused_map_served": served,
                     "attention": target.model.config._attn_implementation,
                     "sidecar_peak_rss_mb": peak_mb,
                     "reps": a.reps,
@@ -245,6 +251,7 @@ def add_parser(sub) -> None:
     b.add_argument("--target", type=model_path, default=paths.model_dir("T"))
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--version", default="")
+    add_flag(b)
     b.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])
     b.add_argument("--refresh", type=int, default=16)
     b.add_argument("--reps", type=int, default=5)

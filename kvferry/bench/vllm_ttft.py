@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 
 from kvferry import paths
+from kvferry.bench.refused import add_flag, banner, bench_map
 from kvferry.pretrained import model_path
 
 
@@ -37,17 +38,24 @@ def run(a: argparse.Namespace) -> int:
         ids += tok(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= max(a.sizes) + a.reps:
             break
+    ms, served = bench_map(a.maps_dir, a.map, a.version, a.serve_refused_maps)
     redis_server = RedisServer()
     url = redis_server.url
     rows = []
     try:
-        with ServerProcess(a.maps_dir, redis_url=url, prefix_secret=secret, prefix_block_size=a.prefix_block) as sc:
+        with ServerProcess(
+            a.maps_dir,
+            redis_url=url,
+            prefix_secret=secret,
+            prefix_block_size=a.prefix_block,
+            serve_refused_maps=served is not None,
+        ) as sc:
             common = {"redis_url": url, "prefix_secret": secret, "prefix_block_size": a.prefix_block}
             consumer = {
                 **common,
                 "sidecar": sc.address,
                 "map_name": a.map,
-                "map_version": a.version,
+                "map_version": ms.version,
                 "refresh": a.refresh,
             }
             with (
@@ -74,13 +82,15 @@ def run(a: argparse.Namespace) -> int:
                         / len(own),
                     }
                     row["speedup"] = row["vllm_full_prefill_ttft_ms"] / row["vllm_kvferry_ttft_ms"]
+                    row["refused_map_served"] = served
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             loads = _blocking_vs_async(a, ids, consumer)
     finally:
         redis_server.stop()
     lines = [
-        f"map {a.map} {a.version or '(newest)'}; vLLM CPU, float32, block size from the engine; prefix blocks of "
+        *([banner(served), ""] if served else []),
+        f"map {a.map} {ms.version}; vLLM CPU, float32, block size from the engine; prefix blocks of "
         f"{a.prefix_block}; r >= {a.refresh}; medians of {a.reps} prompts",
         "",
         "| n | vLLM T own prefill TTFT ms | vLLM T + kvferry TTFT ms | speedup | prompt tokens loaded | "
@@ -109,7 +119,13 @@ def run(a: argparse.Namespace) -> int:
         )
     print("\n".join(lines))
     if a.json:
-        Path(a.json).write_text(json.dumps({"map": a.map, "rows": rows, "loads": loads}, indent=1) + "\n")
+        Path(a.json).write_text(
+            json.dumps(
+                {"map": a.map, "version": ms.version, "refused_map_served": served, "rows": rows, "loads": loads},
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 
@@ -158,6 +174,7 @@ def add_parser(sub) -> None:
     b.add_argument("--maps-dir", type=Path, default=paths.maps_dir())
     b.add_argument("--map", default="S__T")
     b.add_argument("--version", default="")
+    add_flag(b)
     b.add_argument("--sizes", type=int, nargs="+", default=[2048, 8000])
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--refresh", type=int, default=16)
