@@ -105,7 +105,7 @@ class KvferryConnector(KVConnectorBase_V1):
         """vLLM: the request's blocks are allocated, ``num_external_tokens`` of them for this connector to fill
         (called again with 0 after an asynchronous load). kvferry: records the load (the plan's version and source,
         the tokens, and for an asynchronous load its blocks) for build_connector_meta."""
-        self.scheduler.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+        self.scheduler.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """vLLM: this step's metadata for the workers, without changing ``scheduler_output``. kvferry: the loads

@@ -141,7 +141,8 @@ class ConnectorScheduler:
         self._probed[req_id] = (time.monotonic(), blocks)
         return blocks
 
-    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+    def allocated(self, request, blocks, num_external_tokens: int) -> None:
+        """``blocks``: vLLM's KVCacheBlocks of the request (read only for an asynchronous load)."""
         self._probed.pop(request.request_id, None)
         if num_external_tokens <= 0:  # (called again with 0 once an asynchronous load is done: nothing to do then)
             return
@@ -157,7 +158,7 @@ class ConnectorScheduler:
             self.cfg.async_loads,
         )
         if load.asynchronous:  # the request waits, unscheduled: its blocks are known now, not from the step
-            load.block_ids = list(block_ids)
+            load.block_ids = list(blocks.get_block_ids()[0])
             self._loaded_once.add(request.request_id)
         self._pending[request.request_id] = load
 
