@@ -67,9 +67,9 @@ class TranslateFlow:
             return None
         try:
             stored = await asyncio.wait_for(asyncio.to_thread(self.prefix.probe, spec, ms), self.prefix.probe_seconds)
-            if not stored:
+            if stored is None:
                 return None
-            return await asyncio.wait_for(asyncio.to_thread(self.prefix.plan, spec, ms), self.prefix.timeout)
+            return await asyncio.wait_for(asyncio.to_thread(self.prefix.plan, spec, ms, stored), self.prefix.timeout)
         except TimeoutError:
             return None
 

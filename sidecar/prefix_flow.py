@@ -91,9 +91,9 @@ class PrefixService:
         (its circuit is closed), and streamed requests may wait on it at all (prefix_probe_seconds > 0)."""
         return bool(spec.token_ids) and spec.start_position == 0 and self.probe_seconds > 0 and not self.skipping
 
-    def probe(self, spec, ms: MapSet) -> int:
-        """How many leading target blocks of a streamed request are stored (one EXISTS round trip; 0 when the store
-        is unavailable)."""
+    def probe(self, spec, ms: MapSet) -> int | None:
+        """How many leading target blocks of a streamed request are stored (one EXISTS round trip; None when the
+        store is unavailable)."""
         _, tgt_ns = self.namespaces(ms, spec.tenant)
         keys = [tgt_ns.key(h) for h in self.cache.hashes(tgt_ns, spec.token_ids)]
         if not keys:
@@ -102,25 +102,25 @@ class PrefixService:
             present = self.store.exists_many(keys)
         except StoreUnavailable as e:
             self._store_error(e)
-            return 0
+            return None
         return next((i for i, p in enumerate(present) if not p), len(present))
 
-    def plan(self, spec, ms: MapSet) -> Plan | None:
-        """For a streamed request with token ids: the stored target blocks of its longest prefix."""
+    def plan(self, spec, ms: MapSet, stored: int | None = None) -> Plan | None:
+        """For a streamed request with token ids: the stored target blocks of its longest prefix, and where new ones
+        would be written. ``stored``: the probe's count, when it ran (0: nothing is read, the plan only says where
+        to write)."""
         if not spec.token_ids or spec.start_position != 0:
             return None
         _, tgt_ns = self.namespaces(ms, spec.tenant)
         tg = ms.target.geometry
+        dtype = target_dtype(spec, ms)
         try:
-            look = self.cache.lookup(
-                tgt_ns,
-                spec.token_ids,
-                tg.layers,
-                tg.kv_heads,
-                tg.head_dim,
-                dtype=target_dtype(spec, ms),
-                stored_dtype=ms.dtype,
-            )
+            if stored == 0:
+                look = Lookup(self.cache.hashes(tgt_ns, spec.token_ids), 0, [], 0, dtype)
+            else:
+                look = self.cache.lookup(
+                    tgt_ns, spec.token_ids, tg.layers, tg.kv_heads, tg.head_dim, dtype=dtype, stored_dtype=ms.dtype
+                )
         except StoreUnavailable as e:
             self._store_error(e)
             return None
