@@ -25,7 +25,9 @@ def test_the_bench_sidecar_serves_a_refused_map_only_when_asked(tmp_path):
     ms = load(ROOT / "maps" / "S__T" / "1.1.0")
     write_evidence(save(ms, tmp_path), {"arms": {"mapped_refresh": {"top10": 0.1, "top1": 0.1, "kl": 9.0}}})
     for asked in (False, True):
-        with ServerProcess(tmp_path, serve_refused_maps=asked) as sc:
-            with TranslateClient(ClientOptions(target=sc.address)) as c:
-                (info,) = c.list_mappings("S__T")
+        with (
+            ServerProcess(tmp_path, serve_refused_maps=asked) as sc,
+            TranslateClient(ClientOptions(target=sc.address)) as c,
+        ):
+            (info,) = c.list_mappings("S__T")
         assert info.servable is asked

@@ -97,6 +97,24 @@ def test_distillation_lowers_the_heldout_tail_kl_and_trains_only_its_layers(s_t,
     assert out.fit["distilled"]["base_version"] == "1.0.0" and out.maps[(3, "k")].weight.dtype == s_t.dtype
 
 
+def test_the_last_epoch_can_be_kept_instead_of_the_best(s_t, family, tmp_path):
+    """keep="last" returns the weights the training reached, and says so in the log; a finished run's checkpoint
+    gives them again without training (a rerun with another keep)."""
+    source, target = family["S"], family["T"]
+    windows = token_windows(target.tokenizer, read_corpus([DATA / "calib.jsonl"]), 256, 256 * 3)
+    s = DistillSettings(from_layer=3, tail=16, repeat_span=0, epochs=1, lr=3e-4, seed=0)
+    train, held = (capture_tails(s_t, source, target, w, s, random.Random(0)) for w in (windows[:2], windows[2:]))
+    ckpt = tmp_path / "run.ckpt"
+    last, log = distill(s_t, source, target, train, held, s, checkpoint=ckpt, keep="last")
+    assert log[-1] == {"kept_epoch": 1}
+    _, relog = distill(s_t, source, target, train, held, s, checkpoint=ckpt, keep="best")  # resumed: no steps
+    assert relog[:-1] == log[:-1] and relog[-1]["kept_epoch"] == (1 if log[1]["held_kl"] < log[0]["held_kl"] else 0)
+    moved = [k for k in last.keys if not torch.equal(last.mapset("9.9.9", {}).maps[k].weight, s_t.maps[k].weight)]
+    assert moved
+    with pytest.raises(InvalidInput, match="keep must be"):
+        distill(s_t, source, target, train, held, s, keep="first")
+
+
 def test_a_temperature_softens_both_distributions(s_t, family):
     """tail_kl at temperature T is T² * KL(softmax(full / T) ‖ softmax(mapped / T)) on the reference's outcomes (its
     top tokens and "any other"), computed here by hand from both models' logits; T = 1 is the plain KL the held-out

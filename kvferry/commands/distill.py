@@ -101,6 +101,13 @@ def add_parser(sub) -> None:
         "same map, settings and text resumes from it",
     )
     dl.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    dl.add_argument(
+        "--keep",
+        choices=("best", "last"),
+        default="best",
+        help="the epoch written: the one with the lowest held-out tail KL (default), or the last one (to measure "
+        "what the training reached; with --checkpoint of a finished run it is written without training again)",
+    )
     dl.add_argument("--overwrite", action="store_true")
     dl.add_argument("--quiet", action="store_true")
     dl.set_defaults(func=run, **LAB)
@@ -165,6 +172,7 @@ def run(a: argparse.Namespace) -> int:
         progress=None if a.quiet else say,
         checkpoint=a.checkpoint,
         checkpoint_every=a.checkpoint_minutes * 60,
+        keep=a.keep,
     )
     record = (
         settings.as_dict()

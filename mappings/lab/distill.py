@@ -470,15 +470,20 @@ def distill(
     maps: TrainableMaps | None = None,
     checkpoint: str | Path | None = None,
     checkpoint_every: float = 600.0,
+    keep: str = "best",
 ) -> tuple[TrainableMaps, list[dict]]:
     """Adam on the maps' weights from the set's own (or on ``maps.params()``, a TrainableMaps of ``ms`` given by the
-    caller); returns the maps at the epoch with the lowest held-out KL and the per-epoch log (train and held-out KL).
+    caller); returns the maps at the epoch with the lowest held-out KL (``keep`` "best") or at the last epoch ("last":
+    to measure what the training reached, even where it is worse than where it started), and the per-epoch log
+    (train and held-out KL).
 
     ``checkpoint``: the whole training state (weights, optimiser, schedule, position in the epoch, the best epoch
     so far) is written there at least every ``checkpoint_every`` seconds and after each epoch; a run started with
     the same map, settings and tails resumes from it and ends where an uninterrupted run would."""
     if not train or not held:
         raise InvalidInput("distillation needs training and held-out tails; give it more text")
+    if keep not in ("best", "last"):
+        raise InvalidInput(f"keep must be 'best' or 'last', got {keep!r}")
     for p in target.model.parameters():
         p.requires_grad_(False)
     maps = maps or TrainableMaps(ms, s.from_layer)
@@ -554,8 +559,9 @@ def distill(
         if checkpoint:
             save()
             last_save = time.monotonic()
-    maps.load_state(best[1])
-    log.append({"kept_epoch": best[2]})
+    if keep == "best":
+        maps.load_state(best[1])
+    log.append({"kept_epoch": best[2] if keep == "best" else epoch - 1})
     return maps, log
 
 
