@@ -80,6 +80,8 @@ class ConnectorScheduler:
         except Exception as e:  # a sidecar outage means "no match", never a failed request
             log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
         self._servable[version] = (time.monotonic(), found)
+        if version == "" and found is not None:  # the same listing answers for the version "latest" resolved to
+            self._servable[found.version] = self._servable[""]
         return found
 
     def _latest(self) -> str:

@@ -117,6 +117,12 @@ def _prefix(caches: dict[str, list[LayerKV]], arm: str, v: str | None, r: int, L
     return kv_slice(caches[v] if arm == "refresh" else caches[f"{v}@{L}"], 0, stop), stop
 
 
+def _per_point(points: list[tuple], full: bool = False) -> dict:
+    """Empty per-prompt lists: each point's measure and share (and, with ``full``, full prefill's measure)."""
+    out = {"points": {point_name(*p): [] for p in points}, "share": {point_name(*p): [] for p in points}}
+    return {"full": [], **out} if full else out
+
+
 @torch.no_grad()
 def copy_points(
     maps: dict[str, MapSet],
@@ -141,7 +147,7 @@ def copy_points(
         n = len(ex.prompt)
         row = out.setdefault(
             str(ex.gap),
-            {"full": [], "points": {point_name(*p): [] for p in points}, "share": {point_name(*p): [] for p in points}},
+            _per_point(points, full=True),
         )
         row["full"].append(
             remembered(
@@ -178,7 +184,7 @@ def top10_points(
     if not windows:
         raise InvalidInput(f"held-out text is shorter than one {s.max_len}-token prompt")
     rng = random.Random(s.seed + 1)
-    out = {"points": {point_name(*p): [] for p in points}, "share": {point_name(*p): [] for p in points}}
+    out = _per_point(points)
     for i in range(s.next_token_prompts):
         ids = windows[i % len(windows)][: rng.randint(s.min_len, s.max_len)].tolist()
         n = len(ids)
@@ -218,7 +224,7 @@ def next_line_points(
         from tqdm import tqdm
 
         tasks = tqdm(tasks, desc="frontier: next line", unit="task")
-    out = {"full": [], "points": {point_name(*p): [] for p in points}, "share": {point_name(*p): [] for p in points}}
+    out = _per_point(points, full=True)
     for task in tasks:
         prompt, n = task.prompt, len(task.prompt)
         full = remembered(
