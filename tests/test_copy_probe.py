@@ -44,8 +44,19 @@ def test_settings_are_validated():
         CopySettings(gaps=())
     with pytest.raises(InvalidInput):
         CopySettings(cue=120, passage=120)
-    with pytest.raises(InvalidInput):
-        CopySettings(refresh=41, cue=40)
+    with pytest.raises(InvalidInput, match="passage stays in the mapped cache"):
+        CopySettings(gaps=(500, 1000), refresh=541, cue=40)  # would recompute the passage's last token
+    assert CopySettings(gaps=(500, 1000), refresh=540, cue=40).refresh == 540  # the cue and the whole gap
+
+
+def test_a_refresh_past_the_cue_recomputes_gap_tokens_and_still_scores_the_map(family):
+    s = family["S"]
+    ms = identity_mapset(s.identity)
+    ms.target = s.identity
+    cs = CopySettings(gaps=(100,), prompts=2, refresh=140)  # the cue (40) and the whole gap
+    ev = copy_probe(ms, s, s, list(read_corpus(HELDOUT)), cs)
+    row = ev["gaps"]["100"]
+    assert row["mapped_refresh"] == row["full"] and ev["settings"]["refresh"] == 140
 
 
 def test_an_exact_map_keeps_exactly_what_full_prefill_has(family):

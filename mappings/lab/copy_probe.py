@@ -48,7 +48,9 @@ class CopySettings:
     score: int = 40
     """Passage tokens after the cue whose next-token accuracy is scored."""
     refresh: int = 16
-    """r: tokens the target recomputes in the truncate and mapped_refresh arms."""
+    """r: tokens the target recomputes in the truncate and mapped_refresh arms: the cue, then the gap's last
+    ``r - cue`` tokens when r exceeds the cue. At most ``cue + min(gaps)``, so the passage is read only from the
+    mapped cache."""
     seed: int = 0
     """Seed for choosing passages and gaps."""
     unguessable: bool = True
@@ -61,8 +63,12 @@ class CopySettings:
             raise InvalidInput("copy probe needs at least one prompt per gap")
         if not 1 <= self.cue < self.passage or not 1 <= self.score <= self.passage - self.cue:
             raise InvalidInput("copy probe needs 1 <= cue < passage and 1 <= score <= passage - cue")
-        if not 1 <= self.refresh <= self.cue:
-            raise InvalidInput(f"copy probe refresh must be in [1, cue={self.cue}]; got {self.refresh}")
+        most = self.cue + min(self.gaps)
+        if not 1 <= self.refresh <= most:
+            raise InvalidInput(
+                f"copy probe refresh must be in [1, cue + smallest gap = {most}] so that the passage stays in the"
+                f" mapped cache; got {self.refresh} (lower --refresh or raise the smallest --copy-gaps)"
+            )
 
     @classmethod
     def from_dict(cls, d: dict) -> CopySettings:
