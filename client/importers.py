@@ -90,6 +90,19 @@ def write_pages(
     v_pages[pages, :, slots] = block.value[:, start - block.start :].transpose(0, 1).to(v_pages.dtype)
 
 
+def read_pages(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int] | torch.Tensor, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [start, end) out of paged K and V caches viewed as [pages, kv_heads, page_size, head_dim] (the
+    inverse of ``write_pages``): copies K and V [kv_heads, end - start, head_dim]."""
+    page, table = k_pages.shape[2], torch.as_tensor(table)
+    if not 0 <= start < end or (end - 1) // page >= len(table):
+        raise InvalidInput(f"tokens [{start}, {end}) are not all in a block table of {len(table)} pages of {page}")
+    tokens = torch.arange(start, end)
+    pages, slots = table[tokens // page], tokens % page
+    return k_pages[pages, :, slots].transpose(0, 1).clone(), v_pages[pages, :, slots].transpose(0, 1).clone()
+
+
 @dataclass
 class PagedKVPool:
     """A vLLM-style paged KV pool: per layer a tensor [num_blocks, 2, block_size, kv_heads, head_dim]."""

@@ -2,9 +2,12 @@
 
 Each mapped request may add a drift sample (mapped vs recomputed KV of the refreshed tail, no extra
 model compute) and, for a sampled share, a shadow sample (next-token agreement and KL against the
-target's own full prefill, computed off the critical path). When a rolling window's mean crosses the
-map's gate, the monitor switches the map off in the policy store for new requests and raises
-``kvferry_rollout_auto_disabled``; requests in flight are unaffected.
+target's own full prefill, computed off the critical path). vLLM's connector feeds the same monitor:
+drift as K/V error only (vLLM does not hand a connector the queries), and its shadow share as the K/V
+error of a whole prompt the engine prefilled itself (``observe_drift(..., signal="shadow")``: the
+next-token scores of the path not taken cannot be computed inside the engine). When a rolling window's
+mean crosses the map's gate, the monitor switches the map off in the policy store for new requests and
+raises ``kvferry_rollout_auto_disabled``; requests in flight are unaffected.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ DRIFT_ERR = Histogram(
     ["map", "version"],
     buckets=_ERR,
 )
+SHADOW_ERR = Histogram(
+    "kvferry_client_shadow_rel_error",
+    "Shadow check (vLLM): K/V relative error of a whole prompt the engine prefilled itself",
+    ["map", "version"],
+    buckets=_ERR,
+)
 SHADOW_KL = Histogram(
     "kvferry_client_shadow_kl",
     "Shadow check: KL(full prefill || mapped path), next token",
@@ -58,6 +67,7 @@ TRIPS = Counter(
 @dataclass(frozen=True)
 class Thresholds:
     min_drift_attn_cos: float | None
+    max_drift_rel_err: float | None
     min_shadow_top10: float | None
     max_shadow_kl: float | None
 
@@ -65,7 +75,7 @@ class Thresholds:
     def resolve(cls, rollout: MapRollout, evidence) -> Thresholds:
         """Explicit policy values, else the map's evidence with margins, else no threshold for that signal."""
         ev = (
-            {k: float(getattr(evidence, k, 0.0) or 0.0) for k in ("drift_attn_cos", "top10", "kl")}
+            {k: float(getattr(evidence, k, 0.0) or 0.0) for k in ("drift_attn_cos", "drift_rel_err", "top10", "kl")}
             if evidence is not None
             else {}
         )
@@ -75,6 +85,7 @@ class Thresholds:
 
         return cls(
             pick(rollout.min_drift_attn_cos, ev["drift_attn_cos"] - 0.05 if ev.get("drift_attn_cos") else None),
+            pick(rollout.max_drift_rel_err, 1.25 * ev["drift_rel_err"] + 0.05 if ev.get("drift_rel_err") else None),
             pick(rollout.min_shadow_top10, ev["top10"] - 0.10 if ev.get("top10") else None),
             pick(rollout.max_shadow_kl, 3 * ev["kl"] + 0.02 if ev.get("top10") else None),
         )
@@ -132,17 +143,26 @@ class QualityMonitor:
         self.store.disable(name, reason)
         return reason
 
-    def observe_drift(self, name: str, version: str, drift: Drift, thresholds: Thresholds) -> str:
-        DRIFT_COS.labels(name, version).observe(drift.mean_attn_cos)
-        DRIFT_ERR.labels(name, version).observe(drift.mean_rel_err)
-        return self._check(
-            name,
-            version,
-            "drift_attn_cos",
-            drift.mean_attn_cos,
-            thresholds.min_drift_attn_cos,
-            True,
-            self.store.get(name),
+    def observe_drift(
+        self, name: str, version: str, drift: Drift, thresholds: Thresholds, signal: str = "drift"
+    ) -> str:
+        """One K/V comparison: ``signal`` "drift" (the refreshed tail) or "shadow" (a whole prompt the target
+        prefilled itself, vLLM's shadow sample); the attention cosine is checked when the drift has it."""
+        rollout = self.store.get(name)
+        cos = drift.mean_attn_cos
+        if signal == "drift":
+            DRIFT_ERR.labels(name, version).observe(drift.mean_rel_err)
+            if cos is not None:
+                DRIFT_COS.labels(name, version).observe(cos)
+        else:
+            SHADOW_ERR.labels(name, version).observe(drift.mean_rel_err)
+        tripped = ""
+        if cos is not None:
+            tripped = self._check(
+                name, version, f"{signal}_attn_cos", cos, thresholds.min_drift_attn_cos, True, rollout
+            )
+        return tripped or self._check(
+            name, version, f"{signal}_rel_err", drift.mean_rel_err, thresholds.max_drift_rel_err, False, rollout
         )
 
     def observe_shadow(

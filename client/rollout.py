@@ -90,6 +90,9 @@ class MapRollout:
     """Samples a window needs before it can switch the map off."""
     min_drift_attn_cos: float | None = None
     """Switch off when the window's mean drift attention cosine falls below this (default: evidence - 0.05)."""
+    max_drift_rel_err: float | None = None
+    """Switch off when the window's mean drift K/V relative error rises above this (default: 1.25 x evidence + 0.05;
+    vLLM's connector, which cannot see the queries, gates on this one)."""
     min_shadow_top10: float | None = None
     """Switch off when the window's mean shadow top-10 overlap falls below this (default: evidence - 0.10)."""
     max_shadow_kl: float | None = None

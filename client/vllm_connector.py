@@ -33,13 +33,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 
 from kvferry.common.errors import InvalidInput
 
 from .connector_config import ConnectorConfig
 from .vllm_scheduler import ConnectorScheduler
-from .vllm_steps import Steps
+from .vllm_steps import Sample, Steps
 from .vllm_worker import ConnectorWorker
 
 log = logging.getLogger("kvferry.vllm")
@@ -50,6 +55,16 @@ class KvferryMetadata(KVConnectorMetadata):
     """What the scheduler side hands the workers for one step (vllm_steps.Steps)."""
 
     steps: Steps
+
+
+@dataclass
+class QualitySamples(KVConnectorWorkerMetadata):
+    """What the workers hand the scheduler side after a step: their drift and shadow comparisons."""
+
+    samples: list[Sample]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return QualitySamples(self.samples + list(getattr(other, "samples", [])))
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -112,6 +127,13 @@ class KvferryConnector(KVConnectorBase_V1):
         recorded since the last step, and (a producer) the prompts whose prefill ends in this step, to publish."""
         return KvferryMetadata(self.scheduler.steps(scheduler_output))
 
+    def update_connector_output(self, connector_output) -> None:
+        """vLLM: the workers' output for a step (aggregated over workers). kvferry: their drift and shadow samples
+        go into the quality monitor, which switches the map off for new requests when a window crosses its gate."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, QualitySamples) and meta.samples and self.scheduler.monitor is not None:
+            self.scheduler.observe(meta.samples)
+
     def request_finished(self, request, block_ids):
         """vLLM: the request is done, before its blocks are freed; True would keep them for an asynchronous send.
         kvferry: forgets the request's scheduler state; publishing is synchronous (wait_for_save), so False."""
@@ -151,26 +173,37 @@ class KvferryConnector(KVConnectorBase_V1):
         self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        """vLLM: called inside each attention layer after it wrote its KV; start saving it. kvferry (a producer):
-        copies the K and V of each prompt this step publishes out of the layer's pages."""
+        """vLLM: called inside each attention layer after it wrote its KV; start saving it. kvferry: copies out of
+        the layer's pages the K and V of each prompt this step publishes (a producer) and of each comparison's tokens
+        (a consumer's drift and shadow checks)."""
         steps = self._steps()
-        if steps is None or not steps.saves:
+        if steps is None or not (steps.saves or steps.checks):
             return
         self.worker.collect(steps, layer_name, kv_layer)
 
     def wait_for_save(self):
         """vLLM: once per step after the forward, metadata still bound; finish or hand off the saves. kvferry: joins
-        this step's layer-by-layer loads, then publishes each collected prompt's source KV to the prefix store (a
-        failed publish is a later miss, never a failed request)."""
+        this step's layer-by-layer loads, publishes each collected prompt's source KV to the prefix store (a failed
+        publish is a later miss, never a failed request), and compares each check's K and V with its translation
+        (a shadow check's translation is asked for off the engine's thread)."""
         self.worker.end_step()
         self.worker.publish_collected()
+        self.worker.compare()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """vLLM: (requests whose asynchronous send finished, requests whose asynchronous load finished). kvferry:
-        sends are synchronous (None); the requests whose asynchronous load is over, in their pages or reported as
-        load errors."""
+        """vLLM: (requests whose asynchronous send finished, requests whose asynchronous load finished), given the
+        requests finished since the last step. kvferry: sends are synchronous (None); the requests whose asynchronous
+        load is over, in their pages or reported as load errors; what finished requests' checks set aside is
+        dropped."""
+        self.worker.forget(finished_req_ids)
         done = self.worker.finished_loads()
         return None, done or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """vLLM: after each step, this worker's metadata for the scheduler side (update_connector_output). kvferry:
+        the drift and shadow comparisons finished since the last step."""
+        samples = self.worker.take_samples()
+        return QualitySamples(samples) if samples else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM: the blocks whose load failed, which it recomputes (kvferry sets kv_load_failure_policy to

@@ -2,9 +2,19 @@
 
 It lives in vLLM's scheduler (the engine core), apart from the worker side (vllm_worker.py), and holds only
 scheduler state: each request's rollout plan (``PolicyStore.plan``, the decision the cascade takes too), the
-store's answer to how much of a prompt is published, the loads chosen but not yet handed to the workers, and the
-prompts of a producer that are still prefilling. It needs no vLLM import: vLLM's request and scheduler-output objects
-are read by attribute, so it runs (and is tested) without vLLM installed.
+store's answer to how much of a prompt is published, the loads chosen but not yet handed to the workers, the
+prompts of a producer that are still prefilling, the comparisons waiting for the engine to compute their tokens,
+and the quality monitor (client/monitor.py, the cascade's) that the workers' samples feed:
+
+- drift: a mapped request whose refreshed tail holds a whole published prefix block has that block translated with
+  its load but not loaded; the engine computes it anyway, and the worker compares the two (K/V error; vLLM does not
+  hand a connector the queries the cascade's attention cosine needs);
+- shadow: a request the plan shadow-samples is served by the engine's own prefill, and the translation of its
+  published prefix is compared with what that prefill wrote (a second prefill of one request beside it, the
+  cascade's shadow, is not something a connector can run).
+
+It needs no vLLM import: vLLM's request and scheduler-output objects are read by attribute, so it runs (and is
+tested) without vLLM installed.
 """
 
 from __future__ import annotations
@@ -16,9 +26,10 @@ from dataclasses import dataclass
 from kvferry.common.prefix import Namespace, block_hashes, model_key
 
 from .connector_config import ConnectorConfig
+from .monitor import QualityMonitor, Thresholds
 from .rollout import MapRollout, Plan, PolicyStore, Unresolved
 from .vllm_connections import Connections
-from .vllm_steps import Load, MapSource, Save, Steps
+from .vllm_steps import Check, Load, MapSource, Sample, Save, Steps
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -31,6 +42,8 @@ class Servable:
     source: MapSource
     refresh: int
     """The refresh its evidence was measured with (0: none recorded)."""
+    evidence: object = None
+    """Its listed evidence (common.listing.Evidence): the quality monitor's default thresholds."""
 
 
 def connector_policy(cfg: ConnectorConfig) -> PolicyStore:
@@ -52,12 +65,15 @@ class ConnectorScheduler:
         self.io = Connections(client, store)
         self._secret = cfg.secret()
         self.policy = connector_policy(cfg) if consumer else None
+        self.monitor = QualityMonitor(self.policy) if consumer else None
         self._servable: dict[str, tuple[float, Servable | None]] = {}  # version ("": latest) -> (when asked, answer)
         self._matched: dict[str, tuple[str, MapSource]] = {}  # request -> the version and source its tokens are from
         self._pending: dict[str, Load] = {}  # loads chosen this step, handed to the workers by steps()
         self._prefilling: dict[str, Save] = {}  # a producer's prompts whose prefill has not finished
         self._loaded_once: set[str] = set()  # requests given an asynchronous load already
         self._probed: dict[str, tuple[float, int]] = {}  # request -> (when, published blocks)
+        self._shadows: dict[str, Check] = {}  # shadow-sampled requests not yet scheduled
+        self._watched: dict[str, Check] = {}  # comparisons waiting for the engine to compute their last token
 
     # ---- the map and the rollout ---------------------------------------------------------------
     def servable(self, version: str) -> Servable | None:
@@ -76,6 +92,7 @@ class ConnectorScheduler:
                     chosen.version,
                     MapSource(chosen.source.fingerprint, chosen.tokenizer_fingerprint),
                     int(chosen.evidence.recommended_refresh),
+                    chosen.evidence,
                 )
         except Exception as e:  # a sidecar outage means "no match", never a failed request
             log.warning("kvferry: sidecar %s unavailable (%s); requests prefill normally", self.cfg.sidecar, e)
@@ -117,13 +134,20 @@ class ConnectorScheduler:
         usable = (len(prompt) - plan.refresh) // bs  # whole prefix blocks before the refreshed tail
         if usable < 1:
             return 0, False
+        checkable = len(prompt) // bs > usable  # a whole prefix block inside the tail: the drift sample
         ns = Namespace(self.cfg.tenant, model_key(found.source.geometry, found.source.tokenizer))
-        blocks = self._published_blocks(request.request_id, ns, prompt[: usable * bs])
-        if blocks is None:
+        blocks = self._published_blocks(request.request_id, ns, prompt[: (usable + checkable) * bs])
+        if blocks is None or blocks < 1:
             return 0, False
-        matched = max(0, blocks * bs - num_computed_tokens)
+        loaded = min(blocks, usable)
+        if plan.shadow:  # the engine prefills it; its published prefix's translation is compared with that
+            self._shadows[request.request_id] = Check(
+                request.request_id, plan.version, "shadow", prompt[: loaded * bs], 0, source=found.source
+            )
+            return 0, False
+        matched = max(0, loaded * bs - num_computed_tokens)
         if matched:
-            self._matched[request.request_id] = (plan.version, found.source)
+            self._matched[request.request_id] = (plan.version, found.source, bs if blocks > usable else 0)
         return matched, bool(matched and self.cfg.async_loads)
 
     def _published_blocks(self, req_id: str, ns: Namespace, prefix: list[int]) -> int | None:
@@ -148,17 +172,22 @@ class ConnectorScheduler:
         self._probed.pop(request.request_id, None)
         if num_external_tokens <= 0:  # (called again with 0 once an asynchronous load is done: nothing to do then)
             return
-        version, source = self._matched.pop(request.request_id, ("", None))
+        version, source, check = self._matched.pop(request.request_id, ("", None, 0))
         total = request.num_computed_tokens + num_external_tokens
+        if total % self.cfg.prefix_block_size or total + check > len(request.prompt_token_ids):
+            check = 0  # (vLLM loads what was matched: whole prefix blocks, so this does not happen)
         load = Load(
             request.request_id,
             version,
             source,  # None only if vLLM allocated tokens this side never matched: the worker reports a load error
-            list(request.prompt_token_ids[:total]),
+            list(request.prompt_token_ids[: total + check]),
             [],
             request.num_computed_tokens,
             self.cfg.async_loads,
+            check,
         )
+        if check:
+            self._watched[request.request_id] = Check(request.request_id, version, "drift", load.token_ids, total)
         if load.asynchronous:  # the request waits, unscheduled: its blocks are known now, not from the step
             load.block_ids = list(blocks.get_block_ids()[0])
             self._loaded_once.add(request.request_id)
@@ -173,38 +202,57 @@ class ConnectorScheduler:
                 load.block_ids = list(new.block_ids[0])
                 out.loads.append(load)
             elif self.producer and new.prompt_token_ids and len(new.prompt_token_ids) >= self.cfg.prefix_block_size:
-                self._prefilling[new.req_id] = Save(new.req_id, list(new.prompt_token_ids), list(new.block_ids[0]))
-                self._maybe_save(
-                    out, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-                )
-        if self.producer and self._prefilling:  # chunked prefill: a prompt completes in a later step
+                self._prefilling[new.req_id] = Save(new.req_id, list(new.prompt_token_ids), [])
+            shadow = self._shadows.pop(new.req_id, None)
+            if shadow is not None:
+                self._watched[new.req_id] = shadow
+            for waiting in self._waiting_on(new.req_id):
+                waiting.block_ids = list(new.block_ids[0])
+            self._step_done(
+                out, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+            )
+        if self._prefilling or self._watched:  # chunked prefill: a prompt completes in a later step
             cached = scheduler_output.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
-                save = self._prefilling.get(req_id)
-                if save is None:
-                    continue
                 if req_id in cached.resumed_req_ids:  # preempted and resumed: its blocks were replaced
-                    self._prefilling.pop(req_id)
+                    self._prefilling.pop(req_id, None)
+                    self._watched.pop(req_id, None)
                     continue
-                if cached.new_block_ids[i]:
-                    save.block_ids += list(cached.new_block_ids[i][0])
-                self._maybe_save(
+                for waiting in self._waiting_on(req_id):
+                    if cached.new_block_ids[i]:
+                        waiting.block_ids += list(cached.new_block_ids[i][0])
+                self._step_done(
                     out, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
                 )
         self._pending.clear()
         return out
 
-    def _maybe_save(self, out: Steps, req_id: str, computed_after_step: int) -> None:
-        """Publish once the whole prompt is in vLLM's cache (at the end of this step's forward): its whole prefix
-        blocks, and the vLLM blocks that hold them."""
-        save = self._prefilling[req_id]
-        if computed_after_step >= len(save.token_ids):
+    def _waiting_on(self, req_id: str) -> list[Save | Check]:
+        """The publish and the comparison of ``req_id`` that wait for the engine to compute their tokens."""
+        return [w for w in (self._prefilling.get(req_id), self._watched.get(req_id)) if w is not None]
+
+    def _step_done(self, out: Steps, req_id: str, computed_after_step: int) -> None:
+        """What this step's forward completes for ``req_id``: publish once the whole prompt is in vLLM's cache (its
+        whole prefix blocks, and the vLLM blocks that hold them); compare once the compared tokens are."""
+        save = self._prefilling.get(req_id)
+        if save is not None and computed_after_step >= len(save.token_ids):
             del self._prefilling[req_id]
             n = len(save.token_ids) // self.cfg.prefix_block_size * self.cfg.prefix_block_size
             out.saves.append(Save(req_id, save.token_ids[:n], save.block_ids[: n // self.block_size]))
+        check = self._watched.get(req_id)
+        if check is not None and computed_after_step >= len(check.token_ids):
+            del self._watched[req_id]
+            out.checks.append(check)
+
+    def observe(self, samples: list[Sample]) -> None:
+        """The workers' comparisons, into the quality monitor (which may switch the map off for new requests)."""
+        for sample in samples:
+            found = self.servable(sample.version)
+            thresholds = Thresholds.resolve(self.policy.get(self.cfg.map_name), found and found.evidence)
+            self.monitor.observe_drift(self.cfg.map_name, sample.version, sample.drift, thresholds, sample.signal)
 
     def finished(self, request) -> None:
-        for state in (self._prefilling, self._matched, self._probed):
+        for state in (self._prefilling, self._matched, self._probed, self._shadows, self._watched):
             state.pop(request.request_id, None)
         self._loaded_once.discard(request.request_id)
 

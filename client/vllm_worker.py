@@ -1,9 +1,11 @@
 """The vLLM connector's worker side: translations into vLLM's pages, and a producer's prompts out of them.
 
 It lives in each vLLM worker, apart from the scheduler side (vllm_scheduler.py), and holds only worker state: the
-sidecar client, the loads running (asynchronous, or this step's layer by layer), the blocks whose load failed, and
-the K and V a producer's forward wrote for the prompts it publishes. It needs no vLLM import: the forward context and
-the paged KV tensors are read by attribute and layout (importers.vllm_cpu_views).
+sidecar client, the loads running (asynchronous, or this step's layer by layer), the blocks whose load failed, the
+K and V a producer's forward wrote for the prompts it publishes, and the live-quality comparisons: a load's
+translated-but-not-loaded tail block (drift) or a shadow-sampled prompt's translation, against the K and V the
+engine's forward wrote for the same tokens (``kv_drift``), handed to the scheduler side as samples. It needs no vLLM
+import: the forward context and the paged KV tensors are read by attribute and layout (importers.vllm_cpu_views).
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 
 from kvferry.common.prefix import Namespace, block_hashes, model_key
+from kvferry.mappings.drift import kv_drift
 
 from .connector_config import ConnectorConfig
-from .importers import vllm_cpu_views
+from .importers import read_pages, vllm_cpu_views
 from .layer_load import LayerLoad, write_stream
 from .vllm_connections import Connections
-from .vllm_steps import Load, Steps
+from .vllm_steps import Check, Load, MapSource, Sample, Steps
 
 log = logging.getLogger("kvferry.vllm")
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -53,6 +58,11 @@ class ConnectorWorker:
         self._waited: set[int] = set()  # the layers this step's forward waited for
         self._waiting = 0.0  # seconds this step's forward spent waiting for them
         self._collected: dict[str, tuple[object, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # K, V by layer
+        self._checker: ThreadPoolExecutor | None = None  # shadow checks' translations, off the engine and the loads
+        self._quality_lock = threading.Lock()  # the loader and checker threads add to the two below
+        self._aside: dict[str, dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}  # drift: mapped tail
+        self._samples: list[Sample] = []  # comparisons done, for the scheduler side
+        self._engine_kv: dict[str, tuple[Check, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # this step's
 
     # ---- loads ---------------------------------------------------------------------------------
     @staticmethod
@@ -74,7 +84,7 @@ class ConnectorWorker:
 
     def start_loads(self, steps: Steps, layers: dict[int, torch.Tensor]) -> None:
         for load in steps.loads:
-            progress = LayerLoad(len(layers), len(load.token_ids) - load.start)
+            progress = LayerLoad(len(layers), len(load.token_ids) - load.check - load.start)
             if load.asynchronous:
                 self._loading[load.req_id] = self._loader_pool().submit(self._load_or_report, load, layers, progress)
             elif self._layer_by_layer:  # the forward starts now; wait_for_layer holds each layer until it is in
@@ -107,24 +117,37 @@ class ConnectorWorker:
             del self._loading[r]
         return done
 
-    def _load(self, load: Load, layers: dict[int, torch.Tensor], progress: LayerLoad) -> None:
-        if load.source is None:
-            raise RuntimeError("vLLM allocated external tokens the scheduler side did not match")
-        ns = Namespace(self.cfg.tenant, model_key(load.source.geometry, load.source.tokenizer))
-        key = block_hashes(self._secret, ns, load.token_ids, self.cfg.prefix_block_size)[-1].hex()
+    def _translation(self, version: str, source: MapSource, token_ids: list[int]):
+        """The sidecar's translation of ``token_ids`` (whole prefix blocks) by prefix key: a stream of contiguous
+        blocks, each checked to come from an answer that covers them all."""
+        ns = Namespace(self.cfg.tenant, model_key(source.geometry, source.tokenizer))
+        key = block_hashes(self._secret, ns, token_ids, self.cfg.prefix_block_size)[-1].hex()
         # Contiguous blocks, paged here: a paged answer is a message per page, which made a key-only hit 3x / 4x
         # slower than the same hit contiguous at 2048 / 8192 tokens in pages of 128 (vLLM's CPU default), 15x / 23x
         # in pages of 16 (its GPU default).
         stream = self.io.client.stream(
             None,
             self.cfg.map_name,
-            load.version,
-            token_ids=load.token_ids,
+            version,
+            token_ids=token_ids,
             prefix_key=key,
             tenant=self.cfg.tenant,
-            source_geometry=load.source.geometry,
-            tokenizer=load.source.tokenizer,
+            source_geometry=source.geometry,
+            tokenizer=source.tokenizer,
         )
+
+        def covering():
+            for b in stream:
+                if stream.info.num_tokens < len(token_ids):
+                    raise RuntimeError(f"the sidecar translated {stream.info.num_tokens} of {len(token_ids)} tokens")
+                yield b
+
+        return stream, covering()
+
+    def _load(self, load: Load, layers: dict[int, torch.Tensor], progress: LayerLoad) -> None:
+        if load.source is None:
+            raise RuntimeError("vLLM allocated external tokens the scheduler side did not match")
+        stream, blocks = self._translation(load.version, load.source, load.token_ids)
         views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def view(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,16 +155,20 @@ class ConnectorWorker:
                 views[layer] = vllm_cpu_views(layers[layer])
             return views[layer]
 
-        def covering():  # every block of an answer that covers the whole prefix
-            for b in stream:
-                if stream.info.num_tokens < len(load.token_ids):
-                    raise RuntimeError(
-                        f"the sidecar translated {stream.info.num_tokens} of {len(load.token_ids)} tokens"
-                    )
+        loaded = len(load.token_ids) - load.check
+
+        def loaded_part():  # the tail block a drift check compares is set aside, never written into the pages
+            for b in blocks:
+                if b.end > loaded:
+                    cut = max(b.start, loaded)
+                    self._set_aside(load.req_id, b.layer, cut, b.key[:, cut - b.start :], b.value[:, cut - b.start :])
+                    if b.start >= loaded:
+                        continue
+                    b = replace(b, end=loaded, key=b.key[:, : loaded - b.start], value=b.value[:, : loaded - b.start])
                 yield b
 
         with stream:  # [kv_heads, tokens, head_dim], cut anywhere: each token into its page and slot as it arrives
-            write_stream(covering(), view, torch.as_tensor(load.block_ids), load.start, progress)
+            write_stream(loaded_part(), view, torch.as_tensor(load.block_ids), load.start, progress)
 
     def wait_for_layer(self, layer_name: str) -> None:
         if not self._step_loads:
@@ -192,18 +219,94 @@ class ConnectorWorker:
             out, self._load_errors = self._load_errors, set()
         return out
 
-    # ---- publishing (a producer) ---------------------------------------------------------------
+    # ---- live quality: drift and shadow comparisons --------------------------------------------
+    def _set_aside(self, req_id: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        with self._quality_lock:
+            self._aside.setdefault(req_id, {}).setdefault(layer, []).append((start, k.clone(), v.clone()))
+
+    def compare(self) -> None:
+        """After the step's forward: each check collected this step against its translation (a drift check's set
+        aside by its load; a shadow check's asked for now, on the checker thread). A check whose translation is
+        missing (its load failed) gives no sample."""
+        for req_id, (check, engine) in list(self._engine_kv.items()):
+            del self._engine_kv[req_id]
+            if check.signal == "drift":
+                with self._quality_lock:
+                    aside = self._aside.pop(req_id, None)
+                if aside:
+                    self._sample(check, aside, engine)
+            else:
+                if self._checker is None:
+                    self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvferry-check")
+                self._checker.submit(self._shadow, check, engine)
+
+    def _shadow(self, check: Check, engine) -> None:
+        try:
+            stream, blocks = self._translation(check.version, check.source, check.token_ids)
+            mapped: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+            with stream:
+                for b in blocks:
+                    mapped.setdefault(b.layer, []).append((b.start, b.key.clone(), b.value.clone()))
+            self._sample(check, mapped, engine)
+        except Exception as e:  # a failed check is a missing sample, never a failed request
+            log.warning("kvferry: shadow check of %s failed: %s", check.req_id, e)
+
+    def _sample(self, check: Check, mapped, engine) -> None:
+        """One comparison: ``mapped`` per layer the translation's (start, K, V) pieces, ``engine`` per layer the
+        engine's K and V [kv_heads, tokens, head_dim] of the compared tokens."""
+        start, n = check.start, len(check.token_ids) - check.start
+        pairs = []
+        for layer in sorted(engine):
+            pieces = sorted(mapped.get(layer, []), key=lambda p: p[0])
+            if not pieces:
+                log.warning(
+                    "kvferry: the translation for %s lacks layer %d; no %s sample", check.req_id, layer, check.signal
+                )
+                return
+            first = pieces[0][0]
+            if any(a[0] + a[1].shape[1] != b[0] for a, b in pairwise(pieces)) or first > start:
+                log.warning("kvferry: the translation for %s has a gap; no %s sample", check.req_id, check.signal)
+                return
+            k = torch.cat([p[1] for p in pieces], 1)[:, start - first : start - first + n]
+            v = torch.cat([p[2] for p in pieces], 1)[:, start - first : start - first + n]
+            if k.shape[1] != n:
+                log.warning(
+                    "kvferry: the translation for %s misses compared tokens; no %s sample", check.req_id, check.signal
+                )
+                return
+            tk, tv = engine[layer]
+            pairs.append(((k[None], v[None]), (tk[None], tv[None])))
+        if pairs:
+            drift = kv_drift([m for m, _ in pairs], [t for _, t in pairs])
+            with self._quality_lock:
+                self._samples.append(Sample(check.version, check.signal, drift))
+
+    def take_samples(self) -> list[Sample]:
+        """The comparisons finished since the last call (for the scheduler side's quality monitor)."""
+        with self._quality_lock:
+            out, self._samples = self._samples, []
+        return out
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Finished requests: drop what their checks set aside."""
+        with self._quality_lock:
+            for r in req_ids:
+                self._aside.pop(r, None)
+
+    # ---- publishing (a producer), and the engine's side of the comparisons ------------------------
     def collect(self, steps: Steps, layer_name: str, kv_layer: torch.Tensor) -> None:
-        """Copy out of the layer's pages the K and V of each prompt this step publishes."""
+        """Copy out of the layer's pages the K and V of each prompt this step publishes, and of each check's
+        compared tokens."""
         layer = layer_index(layer_name)
         if layer is None:
             return
         k_view, v_view = vllm_cpu_views(kv_layer)
         for save in steps.saves:
-            n, blocks = len(save.token_ids), torch.tensor(save.block_ids)
-            k = k_view[blocks].permute(1, 0, 2, 3).reshape(k_view.shape[1], -1, k_view.shape[3])[:, :n]  # [H, n, D]
-            v = v_view[blocks].permute(1, 0, 2, 3).reshape(v_view.shape[1], -1, v_view.shape[3])[:, :n]
-            self._collected.setdefault(save.req_id, (save, {}))[1][layer] = (k.clone(), v.clone())
+            k, v = read_pages(k_view, v_view, save.block_ids, 0, len(save.token_ids))
+            self._collected.setdefault(save.req_id, (save, {}))[1][layer] = (k, v)
+        for check in steps.checks:
+            k, v = read_pages(k_view, v_view, check.block_ids, check.start, len(check.token_ids))
+            self._engine_kv.setdefault(check.req_id, (check, {}))[1][layer] = (k, v)
 
     def publish_collected(self) -> None:
         for req_id, (save, layers) in list(self._collected.items()):
@@ -240,6 +343,7 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         self.end_step()
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
+        for pool in (self._loader, self._checker):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.io.close()

@@ -4,7 +4,8 @@ When the target refreshes the last r prompt tokens on top of a mapped prefix, it
 and V for those tokens, and their queries. Comparing them with the mapped K and V of the same tokens
 costs no model compute: per layer, the relative error of K and V, and the cosine between the
 attention outputs the tail's queries get from the mapped and from the true tail (causal, within the
-tail). A map that drifts from what the target would compute shows here before users notice.
+tail). A map that drifts from what the target would compute shows here before users notice. An engine that does
+not expose its queries (vLLM's connector API) measures the K/V errors alone (``kv_drift``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from .rope import RopeSpec, rotate
 
 @dataclass(frozen=True)
 class Drift:
-    """Per target layer: relative error of K and V, and attention-output cosine, over the compared tail tokens."""
+    """Per target layer: relative error of K and V, and attention-output cosine (empty when the queries were not
+    seen), over the compared tokens."""
 
     k_rel_err: tuple[float, ...]
     v_rel_err: tuple[float, ...]
@@ -28,8 +30,8 @@ class Drift:
     tokens: int
 
     @property
-    def mean_attn_cos(self) -> float:
-        return sum(self.attn_cos) / len(self.attn_cos)
+    def mean_attn_cos(self) -> float | None:
+        return sum(self.attn_cos) / len(self.attn_cos) if self.attn_cos else None
 
     @property
     def mean_rel_err(self) -> float:
@@ -86,11 +88,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def tail_drift(mapped: list[LayerKV], true: list[LayerKV], queries: list[torch.Tensor]) -> Drift:
     """``mapped``/``true``: per layer (K, V) [1, kv_heads, T, head_dim] of the same tail tokens (post-RoPE keys);
     ``queries``: per layer [heads, T, head_dim] of those tokens (from QueryTap)."""
-    k_err, v_err, cos = [], [], []
+    cos = []
     for (mk, mv), (tk, tv), q in zip(mapped, true, queries):
         mk, mv, tk, tv = (x[0].float() for x in (mk, mv, tk, tv))
-        k_err.append(float((mk - tk).norm() / tk.norm().clamp(min=1e-12)))
-        v_err.append(float((mv - tv).norm() / tv.norm().clamp(min=1e-12)))
         a, b = _attend(q, mk, mv), _attend(q, tk, tv)
         cos.append(float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean()))
-    return Drift(tuple(k_err), tuple(v_err), tuple(cos), int(true[0][0].shape[2]) if true else 0)
+    errors = kv_drift(mapped, true)
+    return Drift(errors.k_rel_err, errors.v_rel_err, tuple(cos), errors.tokens)
+
+
+def _rel_err(mapped: torch.Tensor, true: torch.Tensor) -> float:
+    true = true.float()
+    return float((mapped.float() - true).norm() / true.norm().clamp(min=1e-12))
+
+
+@torch.no_grad()
+def kv_drift(mapped: list[LayerKV], true: list[LayerKV]) -> Drift:
+    """The K/V relative errors alone (no attention cosine): ``mapped``/``true`` per layer (K, V)
+    [1, kv_heads, T, head_dim] of the same tokens."""
+    k_err = tuple(_rel_err(mk, tk) for (mk, _), (tk, _) in zip(mapped, true))
+    v_err = tuple(_rel_err(mv, tv) for (_, mv), (_, tv) in zip(mapped, true))
+    return Drift(k_err, v_err, (), int(true[0][0].shape[2]) if true else 0)

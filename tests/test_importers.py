@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from kvferry.client.importers import vllm_cpu_views, write_pages
+from kvferry.client.importers import read_pages, vllm_cpu_views, write_pages
 from kvferry.common.messages import Block
 from kvferry.mappings.errors import InvalidInput
 
@@ -32,6 +32,10 @@ def test_blocks_cut_anywhere_land_in_their_pages_and_slots():
             assert torch.equal(got_k, k[:, t].bfloat16()) and torch.equal(got_v, v[:, t].bfloat16()), t
     unused = [p for p in range(12) if p not in table]
     assert not k_pages[unused].any() and not v_pages[unused].any()
+    got_k, got_v = read_pages(k_pages, v_pages, table, 13, 30)  # what the connector's comparisons read back
+    assert torch.equal(got_k, k[:, 13:30].bfloat16()) and torch.equal(got_v, v[:, 13:30].bfloat16())
+    with pytest.raises(InvalidInput, match="not all in a block table"):
+        read_pages(k_pages, v_pages, table[:3], 0, 13)
 
 
 def test_a_block_table_too_short_or_out_of_the_cache_is_refused():

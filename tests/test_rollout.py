@@ -241,7 +241,9 @@ def test_a_degraded_map_is_caught_live_and_switched_off(sidecar_factory, maps_di
         assert all(r.drift.mean_attn_cos > 0.9999 and r.drift.mean_rel_err < 1e-4 for r in ok)  # exact map: no drift
         assert all(r.shadow.result()[1] == 1.0 for r in ok)
 
-        only_shadow = {"min_drift_attn_cos": -1.0} if signal == "shadow" else {}  # let the shadow checks do it
+        only_shadow = (
+            {"min_drift_attn_cos": -1.0, "max_drift_rel_err": 1e9} if signal == "shadow" else {}
+        )  # let the shadow checks do it
         _policy_file(
             f, version="2.0.0", refresh=8, min_tokens=32, shadow_percent=100.0, window=4, min_samples=3, **only_shadow
         )
@@ -368,3 +370,30 @@ def test_set_policy_replaces_the_policy_in_process():
     assert store.get("S__T").version == "1.0.0"
     store.set_policy(RolloutPolicy(maps={"S__T": MapRollout(version="1.1.0", canary_percent=25)}))
     assert store.get("S__T").version == "1.1.0" and store.get("S__T").canary_percent == 25
+
+
+def test_kv_only_samples_gate_on_the_relative_error_for_drift_and_shadow():
+    """vLLM's connector sees no queries: its drift and shadow samples are K/V errors alone (``kv_drift``), gated on
+    ``max_drift_rel_err`` (from the evidence: 1.25 x its drift error + 0.05), the attention cosine left unchecked."""
+    from types import SimpleNamespace
+
+    from kvferry.client.monitor import QualityMonitor, Thresholds
+    from kvferry.mappings.drift import kv_drift
+
+    true = [(torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8))] * 3
+    close = kv_drift([(k * 1.1, v * 1.1) for k, v in true], true)
+    far = kv_drift([(k * 1.4, v * 0.6) for k, v in true], true)
+    assert close.mean_attn_cos is None and close.tokens == 4
+    assert close.mean_rel_err == pytest.approx(0.1) and far.mean_rel_err == pytest.approx(0.4)
+    evidence = SimpleNamespace(drift_attn_cos=0.95, drift_rel_err=0.2, top10=0.9, kl=0.1)
+    for signal in ("drift", "shadow"):
+        store = PolicyStore.static("m", MapRollout(window=2, min_samples=2))
+        th = Thresholds.resolve(store.get("m"), evidence)
+        assert th.max_drift_rel_err == pytest.approx(0.3)
+        monitor = QualityMonitor(store)
+        assert monitor.observe_drift("m", "1.0.0", close, th, signal) == ""
+        assert monitor.observe_drift("m", "1.0.0", close, th, signal) == ""  # a full window under the gate
+        assert monitor.observe_drift("m", "1.0.0", far, th, signal) == ""  # window mean 0.25
+        reason = monitor.observe_drift("m", "1.0.0", far, th, signal)
+        assert reason.startswith(f"{signal}_rel_err mean 0.4000") and store.off_reason("m").startswith("auto_disabled")
+    assert Thresholds.resolve(MapRollout(max_drift_rel_err=0.7), evidence).max_drift_rel_err == 0.7

@@ -5,6 +5,7 @@ engine publishes its prompts' KV; the target engine reports the published prefix
 loads the translation into its paged cache and computes only the tail.
 """
 
+import re
 import shutil
 
 import pytest
@@ -111,6 +112,7 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
 
         policy = tmp_path / "policy.toml"
         update_policy_file(policy, "S__S-self", enabled=True)
+        self_log = tmp_path / "self.log"
         with EngineProcess(
             MODELS / "S",
             "kv_consumer",
@@ -120,6 +122,7 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
                 "policy_reload_seconds": 0,  # each request sees the file as it is now
                 "direct_reads": True,
             },
+            log=self_log,
         ) as engine:
 
             def served():
@@ -141,7 +144,30 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
             update_policy_file(policy, "S__S-self", enabled=False)  # the rollout kill switch
             off = engine.batch(prompts)
             assert all(r["num_cached_tokens"] == 0 for r in off) and [r["tokens"] for r in off] == same
-            update_policy_file(policy, "S__S-self", enabled=True)
+            # Live quality: a mapped request whose refreshed tail holds a whole published prefix block has it
+            # translated but not loaded, and compared with what the engine computes (drift); a shadow-sampled request
+            # is prefilled by the engine, and its prefix's translation compared with that (shadow). A gate no sample
+            # passes switches the map off at the first sample (a policy change switches it on again); the log names
+            # the signal and its mean, for this exact map the engines' float noise: the tokens line up.
+            for signal, entry in (("drift", {"refresh": 144}), ("shadow", {"shadow_percent": 100.0})):
+                update_policy_file(
+                    policy,
+                    "S__S-self",
+                    enabled=True,
+                    min_tokens=200,
+                    max_drift_rel_err=-1.0,
+                    window=1,
+                    min_samples=1,
+                    **entry,
+                )
+                engine.batch(prompts[:1])
+                then = engine.batch(prompts[1:3])
+                assert all(r["num_cached_tokens"] == 0 for r in then) and [r["tokens"] for r in then] == same[1:3]
+                trips = re.findall(
+                    rf"switched off by live quality monitoring: {signal}_rel_err mean ([0-9.]+)", self_log.read_text()
+                )
+                assert trips and float(trips[-1]) < 1e-3, (signal, trips, self_log.read_text()[-3000:])
+            update_policy_file(policy, "S__S-self", enabled=True, refresh=16, shadow_percent=0.0, max_drift_rel_err=1e9)
             write_evidence(
                 self_map, {**good, "arms": {"mapped_refresh": {**good["arms"]["mapped_refresh"], "top10": 0.1}}}
             )

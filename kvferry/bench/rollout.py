@@ -63,7 +63,9 @@ def run(a: argparse.Namespace) -> int:
         versions[sigma] = ms.version
     texts = list(read_corpus([paths.data_file("heldout.jsonl")]))
     prompts = [w[None] for w in token_windows(target.tokenizer, texts, a.tokens)[: a.prompts]]
-    never = dict(min_drift_attn_cos=-1.0, min_shadow_top10=-1.0, max_shadow_kl=1e9)  # measure, never switch off
+    never = dict(
+        min_drift_attn_cos=-1.0, max_drift_rel_err=1e9, min_shadow_top10=-1.0, max_shadow_kl=1e9
+    )  # measure, never switch off
     rows, samples = [], []
     with (
         BackgroundSidecar(SidecarConfig(maps_dir=str(tmp), port=0, reload_seconds=0, force_maps=True)) as sc,
