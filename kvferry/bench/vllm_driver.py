@@ -82,6 +82,25 @@ class EngineProcess:
         self.proc.stdin.flush()
         return self._read()["results"]
 
+    def peak_rss_mb(self) -> float:
+        """The engine's peak resident memory so far: VmHWM summed over the driver and the processes it started
+        (vLLM's engine core runs in its own), in MB."""
+        import re
+        from pathlib import Path
+
+        total, todo = 0.0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # it exited meanwhile
+                continue
+            m = re.search(r"VmHWM:\s+(\d+)", status)
+            total += int(m.group(1)) / 1024 if m else 0.0
+        return total
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
