@@ -51,7 +51,7 @@ def _r2_summary(ms) -> list[str]:
     return out
 
 
-def _function_prompt(tokenizer, gap: int):
+def function_prompt(tokenizer, gap: int):
     """A scrambled held-out function (the passage), ``gap`` tokens of other held-out code, then the passage's first
     40 tokens again: (prompt ids, what the passage goes on with)."""
     from kvferry.mappings.lab.capture import read_corpus, token_stream
@@ -92,7 +92,7 @@ def run(a: argparse.Namespace) -> int:
     ms = load(art)
     problems = print_evidence(ms, _r2_summary(ms))
 
-    ids_list, want = _function_prompt(target.tokenizer, a.gap)
+    ids_list, want = function_prompt(target.tokenizer, a.gap)
     ids = torch.tensor([ids_list])
     n = ids.shape[1]
 

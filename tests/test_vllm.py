@@ -5,6 +5,7 @@ engine publishes its prompts' KV; the target engine reports the published prefix
 loads the translation into its paged cache and computes only the tail.
 """
 
+import os
 import re
 import shutil
 
@@ -210,3 +211,93 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
             other.stop()
     finally:
         sidecar.stop()
+
+
+QWEN_SOURCE, QWEN_TARGET = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
+
+
+@pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
+def test_the_qwen_pair_through_vllm(tmp_path, redis_url):
+    """Qwen2.5-Coder 0.5B's cache into vLLM's 1.5B: the 0.5B engine publishes a long prompt (a made-up function,
+    2,000 tokens of other code, its first lines again), the 1.5B engine loads its translation and writes the
+    function on. Its continuation is checked against the same map's under HF transformers on the same prompt (the
+    same tokens, or a divergence at a near tie of the HF logits), and against the 1.5B's own prefill in vLLM."""
+    import json
+
+    import torch
+
+    from kvferry import pretrained
+    from kvferry.demo_qwen import function_prompt
+    from kvferry.mappings.apply import apply
+    from kvferry.mappings.artifact import load
+    from kvferry.mappings.gates import Gates
+    from kvferry.mappings.lab.capture import capture_kv, load_model
+    from kvferry.mappings.lab.evaluate import greedy_continuation
+    from kvferry.mappings.versions import version_key
+
+    src_dir, tgt_dir = pretrained.fetch(QWEN_SOURCE), pretrained.fetch(QWEN_TARGET)
+    maps = MODELS.parent / "maps"
+    pair = maps / f"{QWEN_SOURCE}__{QWEN_TARGET}"
+    ms = load(pair / sorted((p.name for p in pair.iterdir()), key=version_key)[-1])
+    refused = Gates().failures(ms.evidence)
+    if refused:  # the operator switch that serves a refused map, named in the test's output
+        print(f"SERVING A MAP ITS GATE REFUSES (force_maps) to measure it: {ms.name} {ms.version}: {refused}")
+    from transformers import AutoTokenizer
+
+    prompt, passage = function_prompt(AutoTokenizer.from_pretrained(tgt_dir), 2000)
+    common = {"redis_url": redis_url, "prefix_secret": SECRET, "prefix_block_size": PREFIX_BLOCK}
+    with BackgroundSidecar(
+        SidecarConfig(
+            maps_dir=str(maps),
+            port=0,
+            reload_seconds=0,
+            redis_url=redis_url,
+            prefix_secret=SECRET,
+            prefix_block_size=PREFIX_BLOCK,
+            force_maps=bool(refused),
+        )
+    ) as sidecar:
+        consumer = {**common, "sidecar": sidecar.address, "map_name": ms.name, "map_version": ms.version}
+        with (
+            EngineProcess(tgt_dir, "kv_consumer", consumer, max_model_len=4096) as target,
+            EngineProcess(src_dir, "kv_producer", common, max_model_len=4096) as source,
+        ):
+            own = target.batch([prompt], len(passage))[0]  # nothing published: the 1.5B's own prefill
+            source.batch([prompt], 1)
+            mapped = target.batch([prompt], len(passage))[0]
+    refresh = max(16, int(ms.evidence["recommended_refresh"]))
+    loaded = (len(prompt) - refresh) // PREFIX_BLOCK * PREFIX_BLOCK
+    assert own["num_cached_tokens"] == 0 and mapped["num_cached_tokens"] == loaded, (own, mapped)
+
+    source_hf, target_hf = load_model(src_dir), load_model(tgt_dir)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        kv = apply(ms, capture_kv(source_hf.model, ids[:, :loaded]), 0)
+        hf = greedy_continuation(target_hf.model, ids, kv, len(passage), target_hf.tokenizer.eos_token_id)
+    got = mapped["tokens"]
+    same = next((i for i, (a, b) in enumerate(zip(hf, got)) if a != b), len(hf))
+    report = {
+        "map": f"{ms.name} {ms.version}",
+        "refused_map_served": refused or None,
+        "vllm_mapped": got,
+        "hf_mapped": hf,
+        "vllm_own": own["tokens"],
+        "passage": passage,
+        "tokens_alike": same,
+    }
+    if same < len(hf):  # where they part, the HF logits must be a near tie between the two tokens
+        with torch.no_grad():
+            step = torch.tensor([prompt + hf[:same]])
+            logits = target_hf.model(input_ids=step[:, loaded:], past_key_values=_cache(kv, target_hf)).logits[0, -1]
+        report["margin_at_divergence"] = float(logits[hf[same]] - logits[got[same]])
+    print(json.dumps(report))
+    assert same == len(hf) or report["margin_at_divergence"] < 0.5, report
+    # the map's evidence: copy kept >= 85% at gaps of 1,000 and 3,000 tokens, so the function goes on as the 1.5B's
+    # own prefill writes it
+    assert sum(a == b for a, b in zip(got, own["tokens"])) >= 0.85 * len(passage), report
+
+
+def _cache(kv, loaded_model):
+    from kvferry.mappings.cache import to_dynamic_cache
+
+    return to_dynamic_cache(kv, loaded_model.model.config)
