@@ -6,9 +6,10 @@
    the completion task) and the serving gate's verdict.
 3. A long-range question: a function of held-out code (its names made up, so no model can know it) appears, then
    ``--gap`` tokens of other code, then its first lines again; the model should go on writing the function it read
-   2,000 tokens earlier. The 1.5B's full prefill, truncation to its last 16 tokens, and kvferry (the 0.5B's cache
-   through a real sidecar, gates on, via the cascade) side by side, with time to the first token. A map the gate
-   refuses falls back to the 1.5B's own prefill, and the demo shows what the refused map would have said.
+   2,000 tokens earlier. The 1.5B's full prefill, truncation to its last r tokens (the map's refresh), and kvferry
+   (the 0.5B's cache through a real sidecar, gates on, via the cascade) side by side, with time to the first token.
+   A map the gate refuses falls back to the 1.5B's own prefill, and the demo shows what the refused map would have
+   said.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvferry.report import print_cascade_path, print_evidence
 
 SOURCE, TARGET = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 REFRESH = 16
+"""The cascade's refresh: the policy's, raised to the one the map's evidence was measured with (as serving does)."""
 CONTINUE = 24
 
 
@@ -68,7 +70,7 @@ def function_prompt(tokenizer, gap: int):
 def run(a: argparse.Namespace) -> int:
     from kvferry.client.cascade import Cascade
     from kvferry.client.client import ClientOptions, TranslateClient
-    from kvferry.client.rollout import MapRollout
+    from kvferry.client.rollout import MapRollout, effective_refresh
     from kvferry.mappings.artifact import load
     from kvferry.mappings.errors import InvalidInput
     from kvferry.mappings.lab.capture import capture_kv, load_model
@@ -92,6 +94,7 @@ def run(a: argparse.Namespace) -> int:
     ms = load(art)
     problems = print_evidence(ms, _r2_summary(ms))
 
+    refresh = effective_refresh(REFRESH, int((ms.evidence or {}).get("recommended_refresh", 0)))
     ids_list, want = function_prompt(target.tokenizer, a.gap)
     ids = torch.tensor([ids_list])
     n = ids.shape[1]
@@ -124,12 +127,12 @@ def run(a: argparse.Namespace) -> int:
             target.model(input_ids=ids, logits_to_keep=1)
             t_full = time.perf_counter() - t0  # the 1.5B's own prefill, to its first token
             gold = greedy_continuation(target.model, ids, None, CONTINUE, pad)
-            trunc = greedy_continuation(target.model, ids[:, n - REFRESH :], None, CONTINUE, pad)
+            trunc = greedy_continuation(target.model, ids[:, n - refresh :], None, CONTINUE, pad)
             t0 = time.perf_counter()
             src_kv = capture_kv(source.model, ids)
             t_source = time.perf_counter() - t0
         print(f"   1.5B, full prefill               : {match(gold)}  {dec(gold)}  (to first token {t_full:.1f} s)")
-        print(f"   1.5B, truncated to last {REFRESH} tokens: {match(trunc)}  {dec(trunc)}", flush=True)
+        print(f"   1.5B, truncated to last {refresh} tokens: {match(trunc)}  {dec(trunc)}", flush=True)
         cascade = Cascade(target.model, client, ms.name, MapRollout(refresh=REFRESH, min_tokens=64), source.identity)
         try:
             res = cascade.generate(ids, src_kv, CONTINUE)
@@ -138,7 +141,7 @@ def run(a: argparse.Namespace) -> int:
         ttft = f"  (to first token {res.ttft_seconds:.1f} s after the 0.5B's {t_source:.1f} s prefill)"
         print(f"   kvferry from the 0.5B's cache    : {match(res.tokens)}  {dec(res.tokens)}{ttft}")
         print_cascade_path(
-            res, ms, target.model, ids, src_kv, REFRESH, CONTINUE, pad, lambda t: f"{match(t)}  {dec(t)}"
+            res, ms, target.model, ids, src_kv, refresh, CONTINUE, pad, lambda t: f"{match(t)}  {dec(t)}"
         )
     verdict = (
         "the map passes every gate and serves"
