@@ -397,3 +397,95 @@ def test_kv_only_samples_gate_on_the_relative_error_for_drift_and_shadow():
         reason = monitor.observe_drift("m", "1.0.0", far, th, signal)
         assert reason.startswith(f"{signal}_rel_err mean 0.4000") and store.off_reason("m").startswith("auto_disabled")
     assert Thresholds.resolve(MapRollout(max_drift_rel_err=0.7), evidence).max_drift_rel_err == 0.7
+
+
+def test_the_connector_schedules_drift_and_shadow_checks_and_feeds_the_monitor(
+    sidecar_factory, maps_dir, redis_url, tmp_path
+):
+    """The vLLM connector's scheduler side (no vLLM needed): a mapped request whose refreshed tail holds a whole
+    published prefix block loads the blocks before it and has that block translated too; the block is compared in
+    the step that computes it. A shadow-sampled request loads nothing and has its published prefix compared once
+    the engine has prefilled it. The workers' samples go into the monitor, which switches the map off."""
+    from types import SimpleNamespace
+
+    from kvferry.client.connector_config import ConnectorConfig
+    from kvferry.client.vllm_scheduler import ConnectorScheduler
+    from kvferry.client.vllm_steps import Sample
+    from kvferry.common.prefix import Namespace, block_hashes, model_key
+    from kvferry.common.stores import RedisStore
+    from kvferry.mappings.drift import kv_drift
+
+    sc = sidecar_factory(maps_dir=str(maps_dir))
+    f = tmp_path / "policy.toml"
+    _policy_file(f, version="1.0.0", refresh=20, min_tokens=32, window=1, min_samples=1, max_drift_rel_err=0.5)
+    bs, prompt = 16, list(range(1000, 1080))  # 80 tokens: 3 blocks before the refreshed 20, a 4th inside them
+    cfg = ConnectorConfig(
+        sidecar=sc.address,
+        map_name="S__S-self",
+        redis_url=redis_url,
+        prefix_secret="x" * 32,
+        prefix_block_size=bs,
+        policy_file=str(f),
+        policy_reload_seconds=0,
+        status_seconds=0,
+    )
+    store = RedisStore(redis_url)
+    with TranslateClient(ClientOptions(target=sc.address, retry=Retry(retries=0))) as c:
+        sched = ConnectorScheduler(cfg, bs, True, False, lambda: c, lambda: store)
+        source = sched.servable("1.0.0").source
+        ns = Namespace(cfg.tenant, model_key(source.geometry, source.tokenizer))
+        hashes = block_hashes(cfg.secret(), ns, prompt[:64], bs)
+        store.put_many([(ns.key(h), b"published") for h in hashes], 60)  # the producer published 4 blocks
+
+        def request(rid):
+            return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, num_computed_tokens=0)
+
+        def step(new=()):
+            return SimpleNamespace(
+                scheduled_new_reqs=[
+                    SimpleNamespace(
+                        req_id=r, prompt_token_ids=prompt, block_ids=([7, 3, 9, 1, 4],), num_computed_tokens=n
+                    )
+                    for r, n in new
+                ],
+                num_scheduled_tokens={r: 80 - n for r, n in new},
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]),
+            )
+
+        req = request("mapped")
+        assert sched.matched_tokens(req, 0) == (48, True)  # the 4th block stays in the refreshed tail
+        sched.allocated(req, SimpleNamespace(get_block_ids=lambda: [[7, 3, 9]]), 48)
+        first = sched.steps(step())  # the asynchronous load goes out; the request waits for it
+        (load,) = first.loads
+        assert load.token_ids == prompt[:64] and load.check == 16 and not first.checks
+        second = sched.steps(step([("mapped", 48)]))  # loaded: vLLM computes tokens 48..79 in this step
+        (check,) = second.checks
+        assert (check.signal, check.start, check.token_ids, check.block_ids) == (
+            "drift",
+            48,
+            prompt[:64],
+            [7, 3, 9, 1, 4],
+        )
+
+        _policy_file(
+            f,
+            version="1.0.0",
+            refresh=20,
+            min_tokens=32,
+            window=1,
+            min_samples=1,
+            max_drift_rel_err=0.5,
+            shadow_percent=100.0,
+        )
+        shadowed = request("shadowed")
+        assert sched.matched_tokens(shadowed, 0) == (0, False)  # served by the engine's own prefill
+        (check,) = sched.steps(step([("shadowed", 0)])).checks
+        assert (check.signal, check.start, check.token_ids, check.source) == ("shadow", 0, prompt[:48], source)
+
+        true = [(torch.ones(1, 2, 16, 8), torch.ones(1, 2, 16, 8))] * 2
+        sched.observe([Sample("1.0.0", "shadow", kv_drift(true, true))])
+        assert sched.policy.off_reason("S__S-self") == ""
+        sched.observe([Sample("1.0.0", "shadow", kv_drift([(k * 2, v * 2) for k, v in true], true))])
+        assert sched.policy.off_reason("S__S-self").startswith("auto_disabled: shadow_rel_err mean 1.0000")
+        assert sched.matched_tokens(request("later"), 0) == (0, False)
+        sched.close()
