@@ -23,6 +23,7 @@ from kvferry.mappings.artifact import load
 from kvferry.mappings.gates import Gates
 from kvferry.mappings.lab.capture import capture_kv, load_model, read_corpus
 from kvferry.mappings.lab.copy_probe import CopySettings, continuation_accuracy, examples_for
+from kvferry.mappings.precision import autocast
 from kvferry.mappings.versions import version_key
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVFERRY_SKIP_REAL") == "1", reason="KVFERRY_SKIP_REAL=1")
@@ -95,7 +96,12 @@ def test_the_1_5b_continues_through_the_sidecar_as_its_evidence_says(pair, sidec
     ms = _latest()
     sc = sidecar_factory(maps_dir=str(ROOT / "maps"), force_maps=True)
     checked = 0
-    with TranslateClient(ClientOptions(target=sc.address, timeout=300, retry=Retry(retries=0))) as c:
+    precision = ms.evidence.get("precision", "float32")  # the models' forwards run as the evaluation's did
+    with (
+        TranslateClient(ClientOptions(target=sc.address, timeout=300, retry=Retry(retries=0))) as c,
+        autocast(source.model, precision),
+        autocast(target.model, precision),
+    ):
         for domain, evidence, data in (
             ("code", ms.evidence["copy"], "heldout.jsonl"),
             ("prose", ms.evidence["prose"]["copy"], "prose_heldout.jsonl"),
