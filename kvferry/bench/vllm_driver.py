@@ -33,8 +33,10 @@ class EngineProcess:
         max_model_len: int = 8192,
         max_num_batched_tokens: int | None = None,
         log=None,
+        dtype: str = "float32",
     ):
-        """``log``: a file path the engine's stderr goes to (default: this process's stderr)."""
+        """``log``: a file path the engine's stderr goes to (default: this process's stderr); ``dtype``: the
+        engine's weights and KV cache ("float32", "bfloat16")."""
         import subprocess
 
         cmd = [
@@ -49,6 +51,8 @@ class EngineProcess:
             json.dumps(extra or {}),
             "--max-model-len",
             str(max_model_len),
+            "--dtype",
+            dtype,
         ]
         if max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
@@ -122,6 +126,7 @@ def main() -> None:
     ap.add_argument("--role", choices=["none", "kv_producer", "kv_consumer", "kv_both"], default="none")
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="below the prompt length: chunked prefill")
     a = ap.parse_args()
@@ -142,7 +147,7 @@ def main() -> None:
         kw["block_size"] = a.block_size
     llm = LLM(
         model=a.model,
-        dtype="float32",
+        dtype=a.dtype,
         max_model_len=a.max_model_len,
         enforce_eager=True,
         enable_prefix_caching=False,

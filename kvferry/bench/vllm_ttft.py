@@ -67,8 +67,8 @@ def run(a: argparse.Namespace) -> int:
                 "refresh": a.refresh,
             }
             with (
-                EngineProcess(a.target, "kv_consumer", consumer) as target,
-                EngineProcess(a.source, "kv_producer", common) as source,
+                EngineProcess(a.target, "kv_consumer", consumer, dtype=a.dtype) as target,
+                EngineProcess(a.source, "kv_producer", common, dtype=a.dtype) as source,
             ):
                 target.batch([ids[1000:1300]], 1)  # warm-up
                 for n in a.sizes:
@@ -112,7 +112,7 @@ def run(a: argparse.Namespace) -> int:
         redis_server.stop()
     lines = [
         *([banner(served), ""] if served else []),
-        f"map {a.map} {ms.version}; vLLM CPU, float32, block size from the engine; prefix blocks of "
+        f"map {a.map} {ms.version}; vLLM CPU, {a.dtype}, block size from the engine; prefix blocks of "
         f"{a.prefix_block}; r >= {a.refresh}; medians of {a.reps} prompts",
         "",
         "| n | vLLM T own prefill TTFT ms | vLLM T + kvferry TTFT ms | speedup | bound: apply + tail alone ms | "
@@ -153,6 +153,7 @@ def run(a: argparse.Namespace) -> int:
                 {
                     "map": a.map,
                     "version": ms.version,
+                    "dtype": a.dtype,
                     "refused_map_served": served,
                     "rows": rows,
                     "memory": memory,
@@ -198,7 +199,7 @@ def _blocking_vs_async(a, ids: list[int], consumer: dict) -> dict:
     n = max(a.sizes)
     out = {}
     for mode, flags in MODES.items():
-        with EngineProcess(a.target, "kv_consumer", {**consumer, **flags}) as target:
+        with EngineProcess(a.target, "kv_consumer", {**consumer, **flags}, dtype=a.dtype) as target:
             target.batch([ids[1000:1300]], 1)  # warm-up
             long_alone, alone, beside, long = [], [], [], []
             for i in range(a.reps):
@@ -234,6 +235,7 @@ def add_parser(sub) -> None:
     b.add_argument("--refresh", type=int, default=16)
     b.add_argument("--prefix-block", type=int, default=256)
     b.add_argument("--json", default=None)
+    b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engines' precision")
     b.add_argument(
         "--skip-load-modes",
         action="store_true",
