@@ -417,7 +417,15 @@ def test_the_connector_schedules_drift_and_shadow_checks_and_feeds_the_monitor(
 
     sc = sidecar_factory(maps_dir=str(maps_dir))
     f = tmp_path / "policy.toml"
-    _policy_file(f, version="1.0.0", refresh=20, min_tokens=32, window=1, min_samples=1, max_drift_rel_err=0.5)
+    entry = {
+        "version": "1.0.0",
+        "refresh": 20,
+        "min_tokens": 32,
+        "window": 1,
+        "min_samples": 1,
+        "max_drift_rel_err": 0.5,
+    }
+    _policy_file(f, **entry)
     bs, prompt = 16, list(range(1000, 1080))  # 80 tokens: 3 blocks before the refreshed 20, a 4th inside them
     cfg = ConnectorConfig(
         sidecar=sc.address,
@@ -467,16 +475,7 @@ def test_the_connector_schedules_drift_and_shadow_checks_and_feeds_the_monitor(
             [7, 3, 9, 1, 4],
         )
 
-        _policy_file(
-            f,
-            version="1.0.0",
-            refresh=20,
-            min_tokens=32,
-            window=1,
-            min_samples=1,
-            max_drift_rel_err=0.5,
-            shadow_percent=100.0,
-        )
+        _policy_file(f, **entry, shadow_percent=100.0)
         shadowed = request("shadowed")
         assert sched.matched_tokens(shadowed, 0) == (0, False)  # served by the engine's own prefill
         (check,) = sched.steps(step([("shadowed", 0)])).checks

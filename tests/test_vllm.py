@@ -26,6 +26,21 @@ from kvferry.sidecar.config import SidecarConfig
 SECRET, PREFIX_BLOCK, PROMPTS, LENGTH = "v" * 32, 128, 8, 400
 
 
+def _sidecar_config(maps, redis_url: str, **overrides) -> SidecarConfig:
+    """A sidecar on a free port over ``maps``, sharing the engines' Redis, secret and prefix blocks."""
+    return SidecarConfig(
+        **{
+            "maps_dir": str(maps),
+            "port": 0,
+            "reload_seconds": 0,
+            "redis_url": redis_url,
+            "prefix_secret": SECRET,
+            "prefix_block_size": PREFIX_BLOCK,
+            **overrides,
+        }
+    )
+
+
 def _published_kv_is_the_models_own(model, redis_url, ids):
     """What the producer read out of vLLM's paged cache is the HF model's own K and V: layout, head order, RoPE."""
     import redis
@@ -63,16 +78,7 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
         w.tolist() for w in token_windows(t.tokenizer, list(read_corpus([DATA / "heldout.jsonl"])), LENGTH)[:PROMPTS]
     ]
     common = {"redis_url": redis_url, "prefix_secret": SECRET, "prefix_block_size": PREFIX_BLOCK}
-    sidecar = BackgroundSidecar(
-        SidecarConfig(
-            maps_dir=str(maps),
-            port=0,
-            reload_seconds=0,
-            redis_url=redis_url,
-            prefix_secret=SECRET,
-            prefix_block_size=PREFIX_BLOCK,
-        )
-    )  # gates on
+    sidecar = BackgroundSidecar(_sidecar_config(maps, redis_url))  # gates on
 
     def consumer(model, name):
         return {**common, "sidecar": sidecar.address, "map_name": name, "status_seconds": 0}
@@ -181,17 +187,7 @@ def test_vllm_imports_translated_kv_and_skips_the_prefill(tmp_path, family, redi
         # A translation that fails after the scheduler matched the tokens (this sidecar derives other keys, so
         # it finds nothing for them): the worker reports the blocks as load errors and vLLM recomputes them, loading
         # asynchronously and loading layer by layer (the failure then arrives while the forward waits on a layer).
-        other = BackgroundSidecar(
-            SidecarConfig(
-                maps_dir=str(maps),
-                port=0,
-                reload_seconds=0,
-                redis_url=redis_url,
-                prefix_secret="w" * 32,
-                prefix_block_size=PREFIX_BLOCK,
-                force_maps=True,
-            )
-        )
+        other = BackgroundSidecar(_sidecar_config(maps, redis_url, prefix_secret="w" * 32, force_maps=True))
         try:
             for asynchronous in (True, False):
                 with EngineProcess(
@@ -246,17 +242,7 @@ def test_the_qwen_pair_through_vllm(tmp_path, redis_url):
 
     prompt, passage = function_prompt(AutoTokenizer.from_pretrained(tgt_dir), 2000)
     common = {"redis_url": redis_url, "prefix_secret": SECRET, "prefix_block_size": PREFIX_BLOCK}
-    with BackgroundSidecar(
-        SidecarConfig(
-            maps_dir=str(maps),
-            port=0,
-            reload_seconds=0,
-            redis_url=redis_url,
-            prefix_secret=SECRET,
-            prefix_block_size=PREFIX_BLOCK,
-            force_maps=bool(refused),
-        )
-    ) as sidecar:
+    with BackgroundSidecar(_sidecar_config(maps, redis_url, force_maps=bool(refused))) as sidecar:
         consumer = {**common, "sidecar": sidecar.address, "map_name": ms.name, "map_version": ms.version}
         with (
             EngineProcess(tgt_dir, "kv_consumer", consumer, max_model_len=4096) as target,
