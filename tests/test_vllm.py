@@ -232,7 +232,7 @@ def test_the_qwen_pair_through_vllm(tmp_path, redis_url):
     from kvferry.mappings.versions import version_key
 
     src_dir, tgt_dir = pretrained.fetch(QWEN_SOURCE), pretrained.fetch(QWEN_TARGET)
-    maps = MODELS.parent / "maps"
+    maps = MODELS.parent / "data" / "candidates"  # the pair's best map, 0.8.0 (docs/real_pair.md)
     pair = maps / f"{QWEN_SOURCE}__{QWEN_TARGET}"
     ms = load(pair / sorted((p.name for p in pair.iterdir()), key=version_key)[-1])
     refused = Gates().failures(ms.evidence)
