@@ -226,6 +226,7 @@ def test_the_qwen_pair_through_vllm(tmp_path, redis_url):
     from kvferry.demo_qwen import function_prompt
     from kvferry.mappings.apply import apply
     from kvferry.mappings.artifact import load
+    from kvferry.mappings.cache import to_dynamic_cache
     from kvferry.mappings.gates import Gates
     from kvferry.mappings.lab.capture import capture_kv, load_model
     from kvferry.mappings.lab.evaluate import greedy_continuation
@@ -274,16 +275,11 @@ def test_the_qwen_pair_through_vllm(tmp_path, redis_url):
     if same < len(hf):  # where they part, the HF logits must be a near tie between the two tokens
         with torch.no_grad():
             step = torch.tensor([prompt + hf[:same]])
-            logits = target_hf.model(input_ids=step[:, loaded:], past_key_values=_cache(kv, target_hf)).logits[0, -1]
+            cache = to_dynamic_cache(kv, target_hf.model.config)
+            logits = target_hf.model(input_ids=step[:, loaded:], past_key_values=cache).logits[0, -1]
         report["margin_at_divergence"] = float(logits[hf[same]] - logits[got[same]])
     print(json.dumps(report))
     assert same == len(hf) or report["margin_at_divergence"] < 0.5, report
     # the map's evidence: copy kept >= 85% at gaps of 1,000 and 3,000 tokens, so the function goes on as the 1.5B's
     # own prefill writes it
     assert sum(a == b for a, b in zip(got, own["tokens"])) >= 0.85 * len(passage), report
-
-
-def _cache(kv, loaded_model):
-    from kvferry.mappings.cache import to_dynamic_cache
-
-    return to_dynamic_cache(kv, loaded_model.model.config)

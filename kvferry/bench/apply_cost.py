@@ -44,6 +44,19 @@ def synthetic_basis_set(ms, rank: int, seed: int = 0):
     return MapSet(ms.source, ms.target, maps, "0.0.0", {"basis_rank": rank}, {}, basis=basis)
 
 
+def random_source_cache(geometry, n: int, seed: int = 0, dtype=None):
+    """A random n-token source cache of ``geometry`` (per layer K and V [1, kv_heads, n, head_dim]): what an apply's
+    cost is measured on (it does not depend on the values)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, geometry.kv_heads, n, geometry.head_dim)
+    return [
+        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+        for _ in range(geometry.layers)
+    ]
+
+
 def first_layer_after(ms, kv) -> int:
     """Source chunks (one layer's K or V each, in layer order, as a source prefill produces them) pushed before the
     first target layer leaves the streaming applier: what a set's pipelining can overlap with the source's own work."""
@@ -88,14 +101,7 @@ def run(a: argparse.Namespace) -> int:
         "|---|---|---|---|---|---|",
     ]
     for n in a.sizes:
-        g = torch.Generator().manual_seed(n)
-        kv = [
-            (
-                torch.randn(1, sg.kv_heads, n, sg.head_dim, generator=g),
-                torch.randn(1, sg.kv_heads, n, sg.head_dim, generator=g),
-            )
-            for _ in range(sg.layers)
-        ]
+        kv = random_source_cache(sg, n, seed=n)
         calls = {name: (lambda ms=ms: apply(ms, kv)) for name, ms in variants.items()}
         for fn in calls.values():  # warm-up: fused weights built, allocator settled
             fn()

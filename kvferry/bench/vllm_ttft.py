@@ -176,20 +176,14 @@ MODES = {
 
 def _apply_ms(ms, n: int, reps: int) -> float:
     """The map's in-process apply on a random n-token source cache of its pair's geometry: median of ``reps``."""
-    import time
-
-    import torch
-
     from kvferry.mappings.apply import apply
 
-    g = ms.source.geometry
-    kv = [tuple(torch.randn(1, g.kv_heads, n, g.head_dim).to(ms.dtype) for _ in range(2)) for _ in range(g.layers)]
-    times = []
-    for _ in range(reps + 1):  # the first call warms up
-        t0 = time.perf_counter()
-        apply(ms, kv, 0)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * 1e3
+    from .apply_cost import random_source_cache
+    from .harness import round_robin_ms
+
+    kv = random_source_cache(ms.source.geometry, n, dtype=ms.dtype)
+    apply(ms, kv, 0)  # warm-up
+    return statistics.median(round_robin_ms({"apply": lambda: apply(ms, kv, 0)}, reps)["apply"])
 
 
 def _blocking_vs_async(a, ids: list[int], consumer: dict) -> dict:
